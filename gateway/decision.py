@@ -1,0 +1,213 @@
+"""PURE: the write decision of SPEC 2 steps 6 and 7.
+
+(request facts, stored state, now) -> Forward | Replay | Reject. The store reads
+the stored state inside one transaction, calls `decide`, and applies the
+verdict in the same transaction; this module is the readable statement of the
+policy and is tested with plain tables. Standard library and `leases.model` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from leases.model import LeaseRow, hold_refusal
+
+# A reservation outlives its forward's timeout by this much before another
+# replica may call it dead (SPEC 2 step 8).
+RESERVATION_GRACE_S = 5.0
+
+
+class Fencing(StrEnum):
+    LEASE = "lease"
+    MONOTONIC = "monotonic"
+
+
+class KeyState(StrEnum):
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFacts:
+    """What the gateway knows of one write once its headers are valid."""
+
+    destination: str
+    method: str
+    path: str  # raw path after /to/{destination}, percent-encoding kept
+    query: str
+    job_id: str
+    generation: int
+    owner: str | None
+    key: str | None  # None only where the destination does not require one
+    fingerprint: str
+    fencing: Fencing
+    upstream_idempotent: bool
+    timeout: float  # the destination's forward timeout, seconds
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """An idempotency record as stored for (destination, key)."""
+
+    destination: str
+    key: str
+    state: KeyState
+    fingerprint: str
+    attempt: str
+    attempts: int
+    job_id: str
+    generation: int
+    owner: str | None
+    created_at: float
+    updated_at: float
+    deadline: float
+    completed_at: float | None = None
+    status: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+    body_omitted: bool = False
+
+    def state_at(self, now: float) -> KeyState:
+        """An in-flight reservation past its deadline belongs to a dead attempt."""
+        if self.state is KeyState.IN_FLIGHT and self.deadline <= now:
+            return KeyState.UNKNOWN
+        return self.state
+
+
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """Everything `decide` needs, read in the deciding transaction."""
+
+    lease: LeaseRow | None
+    highest_generation: int | None  # the job's mark: highest generation forwarded
+    older_in_flight_until: float | None  # latest deadline of an older generation on the wire
+    record: KeyRecord | None
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Forward the write; `retry_of_unknown` when re-sending an unknown outcome."""
+
+    retry_of_unknown: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    record: KeyRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    reason: str
+    detail: str
+    current_generation: int | None = None
+    highest_generation: int | None = None
+    retry_after: int | None = None
+
+
+Decision = Forward | Replay | Reject
+
+
+def decide(facts: WriteFacts, state: StoredState, now: float) -> Decision:
+    """Steps 6 (fence, barrier) then 7 (idempotency); the first refusal decides."""
+    fence = check_fence(facts, state, now)
+    if fence is not None:
+        return fence
+    if state.older_in_flight_until is not None and state.older_in_flight_until > now:
+        return Reject(
+            "older_generation_in_flight",
+            "a write of an older generation of this job is still awaiting its upstream answer",
+            current_generation=_current(state),
+            highest_generation=state.highest_generation,
+            retry_after=retry_after(state.older_in_flight_until - now),
+        )
+    return check_key(facts, state.record, now)
+
+
+def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | None:
+    mark = state.highest_generation
+    if facts.fencing is Fencing.MONOTONIC:
+        if mark is not None and facts.generation < mark:
+            return Reject(
+                "stale_generation",
+                f"generation {facts.generation} is below the highest accepted ({mark})",
+                highest_generation=mark,
+            )
+        return None
+    lease = state.lease
+    refusal = hold_refusal(lease, facts.generation, facts.owner, now)
+    if refusal is None:
+        return None
+    return Reject(
+        str(refusal),
+        _FENCE_DETAIL[str(refusal)],
+        current_generation=None if lease is None else lease.generation,
+        highest_generation=mark,
+    )
+
+
+def check_key(facts: WriteFacts, record: KeyRecord | None, now: float) -> Decision:
+    if facts.key is None or record is None:
+        return Forward()
+    if record.fingerprint != facts.fingerprint:
+        return Reject(
+            "idempotency_key_reused",
+            "this idempotency key was used with a different request",
+        )
+    state = record.state_at(now)
+    if state is KeyState.COMPLETED:
+        return Replay(record)
+    if state is KeyState.IN_FLIGHT:
+        return Reject(
+            "request_in_progress",
+            "a request with this idempotency key is still in progress",
+            retry_after=retry_after(record.deadline - now),
+        )
+    if facts.upstream_idempotent:
+        return Forward(retry_of_unknown=True)
+    return Reject(
+        "outcome_unknown",
+        "an earlier attempt with this key may have reached the upstream; its outcome is unknown",
+    )
+
+
+def reservation_deadline(facts: WriteFacts, now: float) -> float:
+    return now + facts.timeout + RESERVATION_GRACE_S
+
+
+def barrier_deadline(facts: WriteFacts, now: float) -> float:
+    """An attempt bars newer generations until its answer or its timeout."""
+    return now + facts.timeout
+
+
+def retry_after(seconds: float) -> int:
+    return max(1, math.ceil(seconds))
+
+
+def fingerprint(method: str, path: str, query: str, content_type: str, body: bytes) -> str:
+    """Hash of what makes two requests "the same" (not the fencing headers)."""
+    digest = hashlib.sha256()
+    for part in (method.upper().encode(), path.encode(), query.encode(), content_type.encode()):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    digest.update(len(body).to_bytes(8, "big"))
+    digest.update(body)
+    return digest.hexdigest()
+
+
+def _current(state: StoredState) -> int | None:
+    return None if state.lease is None else state.lease.generation
+
+
+_FENCE_DETAIL = {
+    "lease_not_held": "the job has no active lease",
+    "stale_generation": "a newer generation of this job has been claimed",
+    "unknown_generation": "this generation was never issued for the job",
+    "job_completed": "the job is completed",
+    "lease_expired": "the lease of this generation has expired",
+    "owner_mismatch": "Fencing-Owner does not match the lease owner",
+}

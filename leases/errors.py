@@ -1,0 +1,68 @@
+"""The lease module's one exception root and the typed errors callers branch on."""
+
+from __future__ import annotations
+
+
+class LeaseError(Exception):
+    """Root of every error the lease module raises on purpose.
+
+    `reason` is the contract's reason code (see SPEC 2 step 6 and 3).
+    """
+
+    reason: str = "lease_error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class LeaseHeld(LeaseError):
+    """The job is claimed by someone else and its lease has not expired."""
+
+    reason = "lease_held"
+
+    def __init__(self, job_id: str, owner: str, expires_in: float) -> None:
+        super().__init__(f"job {job_id!r} is held by {owner!r} for {expires_in:.3f}s more")
+        self.job_id = job_id
+        self.owner = owner
+        self.expires_in = expires_in
+
+
+class JobCompleted(LeaseError):
+    """The job is done and can never be claimed again."""
+
+    reason = "job_completed"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} is completed")
+        self.job_id = job_id
+
+
+class LeaseLost(LeaseError):
+    """A renewal, completion or release found the lease no longer held.
+
+    `reason` is one of lease_not_held, stale_generation, unknown_generation,
+    job_completed, lease_expired, owner_mismatch; or store_unavailable when
+    `hold()` could not reach the store before the worker's own deadline.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        generation: int,
+        reason: str,
+        *,
+        current_generation: int | None = None,
+    ) -> None:
+        super().__init__(f"lease on {job_id!r} generation {generation} lost: {reason}", reason=reason)
+        self.job_id = job_id
+        self.generation = generation
+        self.current_generation = current_generation
+
+
+class StoreUnavailable(LeaseError):
+    """The store could not be reached or failed; the operation's outcome is unknown
+    only for the caller: the store either applied it whole or not at all."""
+
+    reason = "store_unavailable"

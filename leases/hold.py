@@ -1,0 +1,165 @@
+"""`hold()`: keep a lease renewed while a body of work runs, and stop the work the
+moment the lease may be gone.
+
+The watchdog renews at a fraction of the ttl. Two things end the hold early:
+a renewal the store refuses (the job was reclaimed, completed, ...), or the
+worker's own monotonic deadline, started *before* the claim request was sent,
+passing without a successful renewal. Either way the body is cancelled and
+`LeaseLost` leaves the `async with` - before the store could hand the job to
+anybody else, since the store's lease always ends after the local deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import structlog
+
+from .errors import LeaseLost, StoreUnavailable
+from .model import Lease, default_owner, validate_ttl
+from .store import LeaseStore
+
+log = structlog.get_logger("leases.hold")
+
+OnExit = Literal["complete", "release", "keep"]
+
+
+class Hold:
+    """The live state of a held lease: the latest `lease`, and `lost` once it is gone."""
+
+    def __init__(self, lease: Lease, deadline: float) -> None:
+        self.lease = lease
+        self.deadline = deadline
+        self.lost: LeaseLost | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+    @property
+    def generation(self) -> int:
+        return self.lease.generation
+
+    @property
+    def owner(self) -> str:
+        return self.lease.owner
+
+    def check(self) -> None:
+        """Raise `LeaseLost` if the lease is lost or the local deadline has passed."""
+        if self.lost is None and time.monotonic() >= self.deadline:
+            self.lost = LeaseLost(self.lease.job_id, self.lease.generation, "lease_expired")
+        if self.lost is not None:
+            raise self.lost
+
+
+@asynccontextmanager
+async def hold(
+    store: LeaseStore,
+    job_id: str,
+    owner: str | None = None,
+    ttl: float = 30.0,
+    *,
+    on_exit: OnExit = "complete",
+    renew_fraction: float = 1 / 3,
+    safety_margin: float = 0.05,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[Lease]:
+    """Claim `job_id`, yield the `Lease`, renew it in the background.
+
+    `on_exit` says what a normal exit of the body does: "complete" (default,
+    marks the job done), "release" (frees it for another claim) or "keep" (leave
+    it to expire). An exception from the body releases the lease, so another
+    worker can take over at once; `LeaseLost` from the body is re-raised.
+
+    `safety_margin` (fraction of the ttl) makes the local deadline fire a little
+    before the lease can possibly end in the store, which absorbs a worker clock
+    that runs slow.
+    """
+    ttl = validate_ttl(ttl)
+    if not 0 < renew_fraction < 1:
+        raise ValueError("renew_fraction must be between 0 and 1")
+    if not 0 <= safety_margin < renew_fraction:
+        raise ValueError("safety_margin must be between 0 and renew_fraction")
+    owner = owner or default_owner()
+    started = monotonic()
+    lease = await store.claim(job_id, owner=owner, ttl=ttl)
+    state = Hold(lease, started + ttl * (1 - safety_margin))
+    body = asyncio.current_task()
+    assert body is not None
+    cancelled_by_us = False
+
+    def lose(reason: str, current_generation: int | None = None) -> None:
+        nonlocal cancelled_by_us
+        if state.lost is None:
+            state.lost = LeaseLost(
+                job_id, lease.generation, reason, current_generation=current_generation
+            )
+        log.warning(
+            "lease_lost", job_id=job_id, generation=lease.generation, owner=owner, reason=reason
+        )
+        cancelled_by_us = True
+        body.cancel()
+
+    async def watchdog() -> None:
+        while True:
+            next_renewal = monotonic() + ttl * renew_fraction
+            await asyncio.sleep(max(0.0, min(next_renewal, state.deadline) - monotonic()))
+            if monotonic() >= state.deadline:
+                return lose("lease_expired")
+            sent = monotonic()
+            try:
+                async with asyncio.timeout(max(0.0, state.deadline - sent)):
+                    state.lease = await store.renew(state.lease, ttl=ttl)
+            except LeaseLost as exc:
+                return lose(exc.reason, exc.current_generation)
+            except (StoreUnavailable, TimeoutError):
+                if monotonic() >= state.deadline:
+                    return lose("store_unavailable")
+                continue  # transient: try again until the local deadline
+            state.deadline = sent + ttl * (1 - safety_margin)
+
+    renewer = asyncio.create_task(watchdog(), name=f"lease-renewal:{job_id}")
+    try:
+        yield lease
+    except asyncio.CancelledError:
+        if cancelled_by_us and body.uncancel() == 0:
+            assert state.lost is not None
+            raise state.lost from None
+        raise
+    except LeaseLost:
+        raise
+    except BaseException:
+        await _stop(renewer)
+        await _finish(store, state, "release")
+        raise
+    else:
+        await _stop(renewer)
+        if state.lost is not None:
+            raise state.lost
+        await _finish(store, state, on_exit)
+    finally:
+        await _stop(renewer)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _finish(store: LeaseStore, state: Hold, on_exit: OnExit) -> None:
+    if on_exit == "keep" or state.lost is not None:
+        return
+    if on_exit == "complete":
+        state.lease = await store.complete(state.lease)
+    elif on_exit == "release":
+        try:
+            state.lease = await store.release(state.lease)
+        except (LeaseLost, StoreUnavailable):
+            pass  # nothing to give back; the lease expires by itself
+    else:
+        raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")

@@ -1,0 +1,343 @@
+"""The SQLite lease store, and the group-commit executor the gateway shares.
+
+One write connection per process. Callers hand the executor small synchronous
+transaction functions; everything queued while a batch is being written goes
+into the next batch, which runs in aiosqlite's worker thread in one hop as ONE
+`BEGIN IMMEDIATE ... COMMIT` (so one fsync), each function inside its own
+savepoint so a refused operation changes nothing while its neighbours commit.
+`BEGIN IMMEDIATE` takes SQLite's write lock up front, which makes every read-
+decide-write function atomic also against other processes sharing the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from . import model
+from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from .model import Lease, LeaseRow, Reason, State
+
+T = TypeVar("T")
+Clock = Callable[[], float]
+TxFn = Callable[[sqlite3.Connection], Any]
+
+MAX_BATCH = 256
+BUSY_TIMEOUT_S = 10.0
+
+LEASES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sinkgate_schema (
+    component TEXT PRIMARY KEY,
+    version INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    job_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    generation INTEGER NOT NULL CHECK (generation >= 1),
+    state TEXT NOT NULL CHECK (state IN ('free', 'active', 'done')),
+    lease_until REAL NOT NULL,
+    ttl REAL NOT NULL
+);
+"""
+LEASES_SCHEMA_VERSION = 1
+
+
+def sqlite_path(url: str) -> str:
+    """`sqlite:///rel/path` -> `rel/path`; `sqlite:////abs/path` -> `/abs/path`."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or len(url) == len(prefix):
+        raise ValueError(f"not a sqlite URL: {url!r} (expected sqlite:///path)")
+    return url[len(prefix) :]
+
+
+def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> None:
+    """Record `component`'s schema version; refuse a database from a newer release."""
+    row = conn.execute(
+        "SELECT version FROM sinkgate_schema WHERE component = ?", (component,)
+    ).fetchone()
+    if row is None:
+        conn.execute(
+            "INSERT INTO sinkgate_schema (component, version) VALUES (?, ?)", (component, version)
+        )
+    elif row[0] > version:
+        raise RuntimeError(
+            f"database schema {component} v{row[0]} is newer than this sinkgate (v{version})"
+        )
+    elif row[0] < version:
+        conn.execute(
+            "UPDATE sinkgate_schema SET version = ? WHERE component = ?", (version, component)
+        )
+
+
+class SQLiteExecutor:
+    """Group commit over one aiosqlite write connection plus one read connection."""
+
+    def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+        self._writer = writer
+        self._reader = reader
+        self._pending: list[tuple[TxFn, asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._closed = False
+        self.batches = 0
+        self.operations = 0
+
+    @classmethod
+    async def open(cls, path: str | Path) -> SQLiteExecutor:
+        path = str(path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            writer = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            # WAL + synchronous=FULL: a commit is on disk before run() returns, so a
+            # reservation is durable before the gateway forwards.
+            await writer.execute("PRAGMA journal_mode=WAL")
+            await writer.execute("PRAGMA synchronous=FULL")
+            await writer.execute("PRAGMA foreign_keys=ON")
+            reader = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            await reader.execute("PRAGMA query_only=ON")
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"cannot open SQLite database {path}: {exc}") from exc
+        return cls(writer, reader)
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn` atomically inside the next group-committed write transaction.
+
+        Returns once the batch holding it is durably committed. An exception `fn`
+        raises rolls back only `fn`'s own changes and is re-raised here.
+        """
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="sqlite-group-commit")
+        return await asyncio.shield(future)
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run a read-only `fn` on the read connection (a consistent WAL snapshot)."""
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+        try:
+            result: T = await self._reader._execute(_read_snapshot, self._reader._conn, fn)
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"SQLite read failed: {exc}") from exc
+        return result
+
+    async def _flush_loop(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            fns = [fn for fn, _ in batch]
+            try:
+                # aiosqlite runs each queued call in its own thread; handing it the
+                # whole batch costs one thread hop instead of one per statement.
+                outcomes = await self._writer._execute(_write_batch, self._writer._conn, fns)
+            except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
+                err = StoreUnavailable(f"SQLite write failed: {exc}")
+                err.__cause__ = exc
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(err)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self.batches += 1
+            self.operations += len(batch)
+            for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
+                if future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        await self._reader.close()
+        await self._writer.close()
+
+
+def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, Any]]:
+    outcomes: list[tuple[bool, Any]] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for fn in fns:
+            conn.execute("SAVEPOINT op")
+            try:
+                value = fn(conn)
+            except sqlite3.Error:
+                raise  # the connection itself failed: the whole batch fails
+            except Exception as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                outcomes.append((False, exc))
+            else:
+                conn.execute("RELEASE op")
+                outcomes.append((True, value))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return outcomes
+
+
+def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    conn.execute("BEGIN")
+    try:
+        return fn(conn)
+    finally:
+        conn.execute("COMMIT")
+
+
+# --- lease transactions, shared with the gateway's store -----------------------------
+
+_LEASE_COLUMNS = "job_id, owner, generation, state, lease_until, ttl"
+
+
+def read_lease(conn: sqlite3.Connection, job_id: str) -> LeaseRow | None:
+    row = conn.execute(f"SELECT {_LEASE_COLUMNS} FROM leases WHERE job_id = ?", (job_id,)).fetchone()
+    if row is None:
+        return None
+    return LeaseRow(row[0], row[1], row[2], State(row[3]), row[4], row[5])
+
+
+def _write_lease(conn: sqlite3.Connection, row: LeaseRow) -> None:
+    conn.execute(
+        f"INSERT INTO leases ({_LEASE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (job_id) DO UPDATE SET owner = excluded.owner, "
+        "generation = excluded.generation, state = excluded.state, "
+        "lease_until = excluded.lease_until, ttl = excluded.ttl",
+        (row.job_id, row.owner, row.generation, str(row.state), row.lease_until, row.ttl),
+    )
+
+
+def claim_tx(conn: sqlite3.Connection, job_id: str, owner: str, ttl: float, now: float) -> Lease:
+    current = read_lease(conn, job_id)
+    refusal = model.claim_refusal(current, now)
+    if refusal is Reason.JOB_COMPLETED:
+        raise JobCompleted(job_id)
+    if refusal is not None:
+        assert current is not None
+        raise LeaseHeld(job_id, current.owner, model.expires_in(current, now))
+    row = model.claimed(current, job_id, owner, ttl, now)
+    _write_lease(conn, row)
+    return Lease.from_row(row, now)
+
+
+def held_tx(
+    conn: sqlite3.Connection,
+    op: str,
+    job_id: str,
+    owner: str,
+    generation: int,
+    ttl: float | None,
+    now: float,
+) -> Lease:
+    """renew / complete / release: same guard, different resulting row."""
+    current = read_lease(conn, job_id)
+    refusal = model.hold_refusal(current, generation, owner, now)
+    if refusal is not None:
+        raise LeaseLost(
+            job_id,
+            generation,
+            str(refusal),
+            current_generation=None if current is None else current.generation,
+        )
+    assert current is not None
+    if op == "renew":
+        row = model.renewed(current, current.ttl if ttl is None else ttl, now)
+    elif op == "complete":
+        row = model.completed(current, now)
+    elif op == "release":
+        row = model.released(current, now)
+    else:  # pragma: no cover - programming error
+        raise AssertionError(op)
+    _write_lease(conn, row)
+    return Lease.from_row(row, now)
+
+
+def init_leases_schema(conn: sqlite3.Connection) -> None:
+    conn.executescript("BEGIN IMMEDIATE;" + LEASES_SCHEMA + "COMMIT;")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        ensure_component(conn, "leases", LEASES_SCHEMA_VERSION)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+class SQLiteLeaseStore:
+    """The lease API on one SQLite file (see SPEC 3 and 9)."""
+
+    def __init__(self, executor: SQLiteExecutor, clock: Clock = time.time) -> None:
+        self._executor = executor
+        self._clock = clock
+
+    @classmethod
+    async def open(cls, path: str | Path, *, clock: Clock = time.time) -> SQLiteLeaseStore:
+        executor = await SQLiteExecutor.open(path)
+        try:
+            await executor._writer._execute(init_leases_schema, executor._writer._conn)
+        except sqlite3.Error as exc:
+            await executor.close()
+            raise StoreUnavailable(f"cannot create the lease schema: {exc}") from exc
+        return cls(executor, clock)
+
+    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
+        model.validate_ident(job_id, "job_id")
+        owner = model.validate_ident(owner or model.default_owner(), "owner")
+        ttl = model.validate_ttl(ttl)
+        clock = self._clock
+        return await self._executor.run(lambda c: claim_tx(c, job_id, owner, ttl, clock()))
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
+        it was claimed or last renewed with)."""
+        return await self._held("renew", lease, None if ttl is None else model.validate_ttl(ttl))
+
+    async def complete(self, lease: Lease) -> Lease:
+        return await self._held("complete", lease, None)
+
+    async def release(self, lease: Lease) -> Lease:
+        return await self._held("release", lease, None)
+
+    async def get(self, job_id: str) -> Lease | None:
+        model.validate_ident(job_id, "job_id")
+        now = self._clock()
+        row = await self._executor.read(lambda c: read_lease(c, job_id))
+        return None if row is None else Lease.from_row(row, now)
+
+    async def close(self) -> None:
+        await self._executor.close()
+
+    async def __aenter__(self) -> SQLiteLeaseStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+        job_id, owner, generation = _lease_fields(lease)
+        clock = self._clock
+        return await self._executor.run(
+            lambda c: held_tx(c, op, job_id, owner, generation, ttl, clock())
+        )
+
+
+def _lease_fields(lease: object) -> tuple[str, str, int]:
+    if not isinstance(lease, Lease):
+        raise ValueError(f"expected a Lease, not {type(lease).__name__}")
+    return (
+        model.validate_ident(lease.job_id, "job_id"),
+        model.validate_ident(lease.owner, "owner"),
+        model.validate_generation(lease.generation),
+    )
+
