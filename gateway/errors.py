@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The store boundary raises the lease module's StoreUnavailable for every driver
+# or I/O failure, in both packages; the gateway answers it with 503 and fails closed.
+from leases.errors import StoreUnavailable as StoreUnavailable
+
 STATUS_BY_REASON: dict[str, int] = {
     "unknown_destination": 404,
     "method_not_allowed": 405,
@@ -52,10 +56,6 @@ class GatewayError(Exception):
 
 class ConfigError(GatewayError):
     """The configuration is invalid; the message names the file and the key."""
-
-
-class StoreError(GatewayError):
-    """The store failed or is unreachable: the gateway fails closed (503)."""
 
 
 class Rejection(GatewayError):

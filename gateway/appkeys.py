@@ -1,0 +1,16 @@
+"""Typed application keys shared by the app factory and the route modules."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .metrics import Metrics
+    from .store import Store
+
+CONFIG: web.AppKey[Config] = web.AppKey("config")
+STORE: web.AppKey[Store] = web.AppKey("store")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")

@@ -1,0 +1,65 @@
+"""Prometheus metrics, one registry per app so tests and replicas don't share."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """Every metric the gateway exports. Names follow Prometheus conventions."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.writes = Counter(
+            "sinkgate_writes_total",
+            "Writes through the gateway by destination and decision "
+            "(forwarded, replayed, rejected).",
+            ["destination", "decision"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "sinkgate_rejections_total", "Writes rejected, by reason.", ["reason"], registry=r
+        )
+        self.upstream_outcomes = Counter(
+            "sinkgate_upstream_outcomes_total",
+            "Forward outcomes (completed, released, unknown) by destination.",
+            ["destination", "outcome"],
+            registry=r,
+        )
+        self.upstream_latency = Histogram(
+            "sinkgate_upstream_latency_seconds",
+            "Time from forwarding a write to its upstream answer.",
+            ["destination"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_latency = Histogram(
+            "sinkgate_store_latency_seconds",
+            "Time of store operations (decide, record, lease ops).",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "sinkgate_in_flight_writes", "Writes being forwarded now.", ["destination"], registry=r
+        )
+        self.lease_ops = Counter(
+            "sinkgate_lease_operations_total",
+            "Lease API calls by operation (claim, renew, complete, release) and result "
+            "(ok or a reason code).",
+            ["op", "result"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "sinkgate_store_errors_total", "Store operations that failed.", ["op"], registry=r
+        )
+        self.purged = Counter(
+            "sinkgate_purged_total", "Records deleted by retention.", ["kind"], registry=r
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,451 @@
+"""The gateway's store on SQLite (aiosqlite): fence, barrier, keys, rejection log.
+
+Every verb is a small synchronous transaction function handed to the shared
+group-commit executor (`leases.sqlite.SQLiteExecutor`): concurrent decisions
+share one `BEGIN IMMEDIATE ... COMMIT` and one fsync, each inside its own
+savepoint, and each caller gets its answer only once the batch is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+from leases import sqlite as lease_sql
+from leases.errors import StoreUnavailable
+from leases.sqlite import SQLiteExecutor, SQLiteLeaseStore, ensure_component, read_lease
+
+from .decision import (
+    Fencing,
+    Forward,
+    KeyRecord,
+    KeyState,
+    Reject,
+    Replay,
+    StoredState,
+    WriteFacts,
+    barrier_deadline,
+    decide,
+    reservation_deadline,
+)
+from .store import (
+    Clock,
+    JobState,
+    Outcome,
+    RejectionQuery,
+    RejectionRecord,
+    StoredRejection,
+    Verdict,
+    WriteContext,
+)
+
+GATEWAY_SCHEMA_VERSION = 1
+
+GATEWAY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fences (
+    job_id TEXT PRIMARY KEY,
+    highest_generation INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    destination TEXT NOT NULL,
+    key TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint TEXT NOT NULL,
+    attempt TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    job_id TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    owner TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    deadline REAL NOT NULL,
+    completed_at REAL,
+    status INTEGER,
+    headers TEXT,
+    body BLOB,
+    body_omitted INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (destination, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    destination TEXT NOT NULL,
+    key TEXT,
+    started_at REAL NOT NULL,
+    deadline REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attempts_job ON attempts (job_id, generation);
+CREATE TABLE IF NOT EXISTS rejections (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    destination TEXT,
+    method TEXT,
+    path TEXT,
+    job_id TEXT,
+    generation INTEGER,
+    owner TEXT,
+    idempotency_key TEXT,
+    reason TEXT NOT NULL,
+    detail TEXT,
+    current_generation INTEGER,
+    highest_generation INTEGER,
+    remote TEXT,
+    body_sha256 TEXT,
+    body_bytes INTEGER
+);
+CREATE INDEX IF NOT EXISTS rejections_at ON rejections (at);
+CREATE INDEX IF NOT EXISTS rejections_job ON rejections (job_id, id);
+CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
+CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
+"""
+
+_KEY_COLUMNS = (
+    "destination, key, state, fingerprint, attempt, attempts, job_id, generation, owner, "
+    "created_at, updated_at, deadline, completed_at, status, headers, body, body_omitted"
+)
+_REJECTION_FIELDS = tuple(RejectionRecord.__dataclass_fields__)
+_REJECTION_COLUMNS = ", ".join(_REJECTION_FIELDS)
+
+
+class SQLiteStore(SQLiteLeaseStore):
+    """Gateway store on one SQLite file; also the lease store the lease API uses."""
+
+    def __init__(self, executor: SQLiteExecutor, clock: Clock = time.time) -> None:
+        super().__init__(executor, clock)
+        self.clock = clock
+
+    @classmethod
+    async def open(cls, url: str, *, clock: Clock = time.time, **options: Any) -> SQLiteStore:  # type: ignore[override]
+        if options:
+            raise ValueError(f"unknown SQLite store options: {', '.join(sorted(options))}")
+        executor = await SQLiteExecutor.open(lease_sql.sqlite_path(url))
+        try:
+            await executor._writer._execute(_init_schema, executor._writer._conn)
+        except sqlite3.Error as exc:
+            await executor.close()
+            raise StoreUnavailable(f"cannot create the gateway schema: {exc}") from exc
+        return cls(executor, clock)
+
+    async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
+        clock = self.clock
+        return await self._executor.run(lambda c: _decide_tx(c, facts, context, clock()))
+
+    async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
+        clock = self.clock
+        return await self._executor.run(lambda c: _outcome_tx(c, facts, attempt, outcome, clock()))
+
+    async def record_rejection(self, record: RejectionRecord) -> int:
+        clock = self.clock
+        return await self._executor.run(lambda c: _insert_rejection(c, record, clock()))
+
+    async def list_rejections(self, query: RejectionQuery) -> list[StoredRejection]:
+        return await self._executor.read(lambda c: _list_rejections(c, query))
+
+    async def get_rejection(self, rejection_id: int) -> StoredRejection | None:
+        rows = await self._executor.read(
+            lambda c: c.execute(
+                f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections WHERE id = ?",
+                (rejection_id,),
+            ).fetchall()
+        )
+        return _rejection(rows[0]) if rows else None
+
+    async def job_state(self, job_id: str) -> JobState | None:
+        now = self.clock()
+        return await self._executor.read(lambda c: _job_state(c, job_id, now))
+
+    async def key_record(self, destination: str, key: str) -> KeyRecord | None:
+        return await self._executor.read(lambda c: _read_key(c, destination, key))
+
+    async def purge(
+        self, *, completed_before: float, rejections_before: float, batch: int
+    ) -> tuple[int, int]:
+        return await self._executor.run(
+            lambda c: _purge_tx(c, completed_before, rejections_before, batch)
+        )
+
+    async def ping(self) -> None:
+        await self._executor.read(lambda c: c.execute("SELECT 1").fetchone())
+
+
+def _init_schema(conn: sqlite3.Connection) -> None:
+    lease_sql.init_leases_schema(conn)
+    conn.executescript("BEGIN IMMEDIATE;" + GATEWAY_SCHEMA + "COMMIT;")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# --- the write decision, in one transaction -------------------------------------------
+
+
+def _decide_tx(
+    conn: sqlite3.Connection, facts: WriteFacts, context: WriteContext, now: float
+) -> Verdict:
+    state = _read_state(conn, facts, now)
+    decision = decide(facts, state, now)
+    if isinstance(decision, Forward):
+        attempt = uuid.uuid4().hex
+        _reserve(conn, facts, state.record, attempt, now)
+        conn.execute(
+            "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "
+            "deadline) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                attempt,
+                facts.job_id,
+                facts.generation,
+                facts.destination,
+                facts.key,
+                now,
+                barrier_deadline(facts, now),
+            ),
+        )
+        # Only a forwarded write raises the job's mark (SPEC 2 step 6).
+        conn.execute(
+            "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (job_id) DO UPDATE SET "
+            "highest_generation = max(highest_generation, excluded.highest_generation), "
+            "updated_at = excluded.updated_at",
+            (facts.job_id, facts.generation, now),
+        )
+        return Verdict(decision, attempt=attempt)
+    if isinstance(decision, Replay):
+        record = _record_for(facts, context, "duplicate", "replayed the stored response")
+    else:
+        assert isinstance(decision, Reject)
+        record = _record_for(
+            facts,
+            context,
+            decision.reason,
+            decision.detail,
+            current_generation=decision.current_generation,
+            highest_generation=decision.highest_generation,
+        )
+    return Verdict(decision, rejection_id=_insert_rejection(conn, record, now))
+
+
+def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> StoredState:
+    lease = read_lease(conn, facts.job_id) if facts.fencing is Fencing.LEASE else None
+    mark_row = conn.execute(
+        "SELECT highest_generation FROM fences WHERE job_id = ?", (facts.job_id,)
+    ).fetchone()
+    older = conn.execute(
+        "SELECT max(deadline) FROM attempts WHERE job_id = ? AND generation < ? AND deadline > ?",
+        (facts.job_id, facts.generation, now),
+    ).fetchone()
+    record = None if facts.key is None else _read_key(conn, facts.destination, facts.key)
+    return StoredState(
+        lease=lease,
+        highest_generation=None if mark_row is None else mark_row[0],
+        older_in_flight_until=older[0],
+        record=record,
+    )
+
+
+def _reserve(
+    conn: sqlite3.Connection,
+    facts: WriteFacts,
+    previous: KeyRecord | None,
+    attempt: str,
+    now: float,
+) -> None:
+    if facts.key is None:
+        return
+    conn.execute(
+        "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, "
+        "job_id, generation, owner, created_at, updated_at, deadline) "
+        "VALUES (?, ?, 'in_flight', ?, ?, 1, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight', "
+        "attempt = excluded.attempt, attempts = attempts + 1, job_id = excluded.job_id, "
+        "generation = excluded.generation, owner = excluded.owner, "
+        "updated_at = excluded.updated_at, deadline = excluded.deadline, completed_at = NULL, "
+        "status = NULL, headers = NULL, body = NULL, body_omitted = 0",
+        (
+            facts.destination,
+            facts.key,
+            facts.fingerprint,
+            attempt,
+            facts.job_id,
+            facts.generation,
+            facts.owner,
+            now,
+            now,
+            reservation_deadline(facts, now),
+        ),
+    )
+
+
+def _outcome_tx(
+    conn: sqlite3.Connection, facts: WriteFacts, attempt: str, outcome: Outcome, now: float
+) -> bool:
+    conn.execute("DELETE FROM attempts WHERE attempt = ?", (attempt,))
+    if facts.key is None:
+        return True
+    where = " WHERE destination = ? AND key = ? AND attempt = ?"
+    ident = (facts.destination, facts.key, attempt)
+    if outcome.kind == "completed":
+        cursor = conn.execute(
+            "UPDATE idempotency SET state = 'completed', status = ?, headers = ?, body = ?, "
+            "body_omitted = ?, completed_at = ?, updated_at = ?" + where,
+            (
+                outcome.status,
+                json.dumps(outcome.headers),
+                outcome.body,
+                int(outcome.body_omitted),
+                now,
+                now,
+                *ident,
+            ),
+        )
+    elif outcome.kind == "released":
+        cursor = conn.execute("DELETE FROM idempotency" + where, ident)
+    elif outcome.kind == "unknown":
+        cursor = conn.execute(
+            "UPDATE idempotency SET state = 'unknown', updated_at = ?" + where, (now, *ident)
+        )
+    else:  # pragma: no cover - programming error
+        raise AssertionError(outcome.kind)
+    return cursor.rowcount == 1
+
+
+def _record_for(
+    facts: WriteFacts,
+    context: WriteContext,
+    reason: str,
+    detail: str,
+    **generations: int | None,
+) -> RejectionRecord:
+    return RejectionRecord(
+        reason=reason,
+        detail=detail,
+        destination=facts.destination,
+        method=facts.method,
+        path=facts.path + (f"?{facts.query}" if facts.query else ""),
+        job_id=facts.job_id,
+        generation=facts.generation,
+        owner=facts.owner,
+        idempotency_key=facts.key,
+        remote=context.remote,
+        body_sha256=context.body_sha256,
+        body_bytes=context.body_bytes,
+        **generations,
+    )
+
+
+def _insert_rejection(conn: sqlite3.Connection, record: RejectionRecord, now: float) -> int:
+    values = [getattr(record, name) for name in _REJECTION_FIELDS]
+    cursor = conn.execute(
+        f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
+        f"VALUES (?, {', '.join('?' * len(values))})",
+        (now, *values),
+    )
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid
+
+
+# --- reads -------------------------------------------------------------------------------
+
+
+def _read_key(conn: sqlite3.Connection, destination: str, key: str) -> KeyRecord | None:
+    row = conn.execute(
+        f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = ? AND key = ?",
+        (destination, key),
+    ).fetchone()
+    if row is None:
+        return None
+    return KeyRecord(
+        destination=row[0],
+        key=row[1],
+        state=KeyState(row[2]),
+        fingerprint=row[3],
+        attempt=row[4],
+        attempts=row[5],
+        job_id=row[6],
+        generation=row[7],
+        owner=row[8],
+        created_at=row[9],
+        updated_at=row[10],
+        deadline=row[11],
+        completed_at=row[12],
+        status=row[13],
+        headers=tuple(tuple(h) for h in json.loads(row[14])) if row[14] else (),  # type: ignore[misc]
+        body=row[15] or b"",
+        body_omitted=bool(row[16]),
+    )
+
+
+def _rejection(row: tuple[Any, ...]) -> StoredRejection:
+    return StoredRejection(id=row[0], at=row[1], record=RejectionRecord(*row[2:]))
+
+
+def _list_rejections(conn: sqlite3.Connection, query: RejectionQuery) -> list[StoredRejection]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (
+        ("destination = ?", query.destination),
+        ("job_id = ?", query.job_id),
+        ("reason = ?", query.reason),
+        ("at >= ?", query.since),
+        ("at <= ?", query.until),
+        ("id < ?", query.before_id),
+    ):
+        if value is not None:
+            clauses.append(column)
+            params.append(value)
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    rows = conn.execute(
+        f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}ORDER BY id DESC LIMIT ?",
+        (*params, query.limit),
+    ).fetchall()
+    return [_rejection(row) for row in rows]
+
+
+def _job_state(conn: sqlite3.Connection, job_id: str, now: float) -> JobState | None:
+    lease = read_lease(conn, job_id)
+    mark = conn.execute(
+        "SELECT highest_generation FROM fences WHERE job_id = ?", (job_id,)
+    ).fetchone()
+    in_flight = conn.execute(
+        "SELECT attempt, generation, destination, key, started_at, deadline FROM attempts "
+        "WHERE job_id = ? AND deadline > ? ORDER BY started_at",
+        (job_id, now),
+    ).fetchall()
+    recent = _list_rejections(conn, RejectionQuery(job_id=job_id, limit=20))
+    if lease is None and mark is None and not in_flight and not recent:
+        return None
+    return JobState(
+        job_id=job_id,
+        lease=lease,
+        highest_generation=None if mark is None else mark[0],
+        in_flight=tuple(
+            dict(zip(("attempt", "generation", "destination", "key", "started_at", "deadline"), r, strict=True))
+            for r in in_flight
+        ),
+        recent_rejections=tuple(recent),
+    )
+
+
+def _purge_tx(
+    conn: sqlite3.Connection, completed_before: float, rejections_before: float, batch: int
+) -> tuple[int, int]:
+    keys = conn.execute(
+        "DELETE FROM idempotency WHERE rowid IN (SELECT rowid FROM idempotency "
+        "WHERE state = 'completed' AND completed_at < ? LIMIT ?)",
+        (completed_before, batch),
+    ).rowcount
+    rejections = conn.execute(
+        "DELETE FROM rejections WHERE id IN (SELECT id FROM rejections WHERE at < ? "
+        "ORDER BY id LIMIT ?)",
+        (rejections_before, batch),
+    ).rowcount
+    return keys, rejections
