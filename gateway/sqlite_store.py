@@ -428,7 +428,13 @@ def _job_state(conn: sqlite3.Connection, job_id: str, now: float) -> JobState | 
         lease=lease,
         highest_generation=None if mark is None else mark[0],
         in_flight=tuple(
-            dict(zip(("attempt", "generation", "destination", "key", "started_at", "deadline"), r, strict=True))
+            dict(
+                zip(
+                    ("attempt", "generation", "destination", "key", "started_at", "deadline"),
+                    r,
+                    strict=True,
+                )
+            )
             for r in in_flight
         ),
         recent_rejections=tuple(recent),

@@ -1,8 +1,8 @@
 """Expiring leases with fencing tokens: the public API.
 
-    store = await open_store("sqlite:///jobs.db")   # or postgresql://..., http://gateway
-    async with hold(store, "job-42", owner="worker-a", ttl=30.0) as lease:
-        ...  # renewed in the background; cancelled with LeaseLost when lost
+store = await open_store("sqlite:///jobs.db")   # or postgresql://..., http://gateway
+async with hold(store, "job-42", owner="worker-a", ttl=30.0) as lease:
+    ...  # renewed in the background; cancelled with LeaseLost when lost
 """
 
 from .errors import JobCompleted, LeaseError, LeaseHeld, LeaseLost, StoreUnavailable

@@ -55,7 +55,9 @@ class LeaseLost(LeaseError):
         *,
         current_generation: int | None = None,
     ) -> None:
-        super().__init__(f"lease on {job_id!r} generation {generation} lost: {reason}", reason=reason)
+        super().__init__(
+            f"lease on {job_id!r} generation {generation} lost: {reason}", reason=reason
+        )
         self.job_id = job_id
         self.generation = generation
         self.current_generation = current_generation

@@ -31,10 +31,14 @@ OnExit = Literal["complete", "release", "keep"]
 class Hold:
     """The live state of a held lease: the latest `lease`, and `lost` once it is gone."""
 
-    def __init__(self, lease: Lease, deadline: float) -> None:
+    def __init__(
+        self, lease: Lease, deadline: float, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
         self.lease = lease
         self.deadline = deadline
         self.lost: LeaseLost | None = None
+        # The clock `deadline` was computed on; comparing it with another is meaningless.
+        self._monotonic = monotonic
 
     @property
     def job_id(self) -> str:
@@ -50,7 +54,7 @@ class Hold:
 
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is lost or the local deadline has passed."""
-        if self.lost is None and time.monotonic() >= self.deadline:
+        if self.lost is None and self._monotonic() >= self.deadline:
             self.lost = LeaseLost(self.lease.job_id, self.lease.generation, "lease_expired")
         if self.lost is not None:
             raise self.lost
@@ -80,14 +84,17 @@ async def hold(
     that runs slow.
     """
     ttl = validate_ttl(ttl)
+    if on_exit not in ("complete", "release", "keep"):
+        # Checked before the claim: found only at exit, the job would stay claimed.
+        raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")
     if not 0 < renew_fraction < 1:
         raise ValueError("renew_fraction must be between 0 and 1")
     if not 0 <= safety_margin < renew_fraction:
         raise ValueError("safety_margin must be between 0 and renew_fraction")
-    owner = owner or default_owner()
+    owner = default_owner() if owner is None else owner
     started = monotonic()
     lease = await store.claim(job_id, owner=owner, ttl=ttl)
-    state = Hold(lease, started + ttl * (1 - safety_margin))
+    state = Hold(lease, started + ttl * (1 - safety_margin), monotonic)
     body = asyncio.current_task()
     assert body is not None
     cancelled_by_us = False

@@ -91,16 +91,23 @@ class SQLiteExecutor:
     async def open(cls, path: str | Path) -> SQLiteExecutor:
         path = str(path)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        opened: list[aiosqlite.Connection] = []
         try:
             writer = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            opened.append(writer)
             # WAL + synchronous=FULL: a commit is on disk before run() returns, so a
             # reservation is durable before the gateway forwards.
             await writer.execute("PRAGMA journal_mode=WAL")
             await writer.execute("PRAGMA synchronous=FULL")
             await writer.execute("PRAGMA foreign_keys=ON")
             reader = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            opened.append(reader)
             await reader.execute("PRAGMA query_only=ON")
         except sqlite3.Error as exc:
+            # A connection left open keeps its (non-daemon) worker thread alive, and
+            # with it the whole process at exit.
+            for conn in opened:
+                await conn.close()
             raise StoreUnavailable(f"cannot open SQLite database {path}: {exc}") from exc
         return cls(writer, reader)
 
@@ -136,7 +143,7 @@ class SQLiteExecutor:
                 # aiosqlite runs each queued call in its own thread; handing it the
                 # whole batch costs one thread hop instead of one per statement.
                 outcomes = await self._writer._execute(_write_batch, self._writer._conn, fns)
-            except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
+            except BaseException as exc:
                 err = StoreUnavailable(f"SQLite write failed: {exc}")
                 err.__cause__ = exc
                 for _, future in batch:
@@ -202,7 +209,9 @@ _LEASE_COLUMNS = "job_id, owner, generation, state, lease_until, ttl"
 
 
 def read_lease(conn: sqlite3.Connection, job_id: str) -> LeaseRow | None:
-    row = conn.execute(f"SELECT {_LEASE_COLUMNS} FROM leases WHERE job_id = ?", (job_id,)).fetchone()
+    row = conn.execute(
+        f"SELECT {_LEASE_COLUMNS} FROM leases WHERE job_id = ?", (job_id,)
+    ).fetchone()
     if row is None:
         return None
     return LeaseRow(row[0], row[1], row[2], State(row[3]), row[4], row[5])
@@ -293,7 +302,7 @@ class SQLiteLeaseStore:
 
     async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
         model.validate_ident(job_id, "job_id")
-        owner = model.validate_ident(owner or model.default_owner(), "owner")
+        owner = model.validate_ident(model.default_owner() if owner is None else owner, "owner")
         ttl = model.validate_ttl(ttl)
         clock = self._clock
         return await self._executor.run(lambda c: claim_tx(c, job_id, owner, ttl, clock()))
@@ -340,4 +349,3 @@ def _lease_fields(lease: object) -> tuple[str, str, int]:
         model.validate_ident(lease.owner, "owner"),
         model.validate_generation(lease.generation),
     )
-

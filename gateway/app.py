@@ -1,0 +1,183 @@
+"""The composition root: `create_app` builds the main listener's app, `serve` runs
+it with the admin listener, the watched janitor and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from .admin import add_health_routes, admin_bind_allowed, create_admin_app
+from .appkeys import CONFIG, METRICS, STORE
+from .config import Config
+from .errors import Rejection
+from .handlers import WriteGateway, parse_target
+from .lease_api import add_lease_routes
+from .metrics import Metrics
+from .problem import problem_response
+from .store import Clock, Store, open_store
+from .upstream import Upstreams
+
+log = structlog.get_logger("gateway.app")
+
+WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Route `/to/...` on the raw target, before the router normalises dot segments."""
+    target = parse_target(request.raw_path)
+    if target is not None:
+        return await request.app[WRITES].handle(request, target)
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Rejection as rejection:
+        return problem_response(rejection)
+    except Exception:
+        log.exception("unhandled_error", path=request.path, method=request.method)
+        return problem_response(Rejection("internal_error", "unexpected error", status=500))
+
+
+def create_app(
+    config: Config,
+    *,
+    store: Store | None = None,
+    clock: Clock = time.time,
+    metrics: Metrics | None = None,
+) -> web.Application:
+    """The main listener's app. A `store` passed in is used and left open;
+    otherwise the app opens `config.store_url` on startup and closes it on cleanup."""
+    app = web.Application(middlewares=[dispatch_writes], client_max_size=64 * 1024)
+    app[CONFIG] = config
+    app[METRICS] = metrics or Metrics()
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        owned = store is None
+        app[STORE] = store if store is not None else await open_store(config.store_url, clock=clock)
+        upstreams = Upstreams(config.destinations)
+        writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
+        app[WRITES] = writes
+        try:
+            yield
+        finally:
+            await _drain(writes, config.shutdown_grace)
+            await upstreams.close()
+            if owned:
+                await app[STORE].close()
+
+    app.cleanup_ctx.append(resources)
+    add_lease_routes(app)
+    add_health_routes(app, _OpenedStore(app))  # type: ignore[arg-type]
+    return app
+
+
+class _OpenedStore:
+    """Stands for the store the app opens on startup, for routes built before it."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    async def ping(self) -> None:
+        await self._app[STORE].ping()
+
+
+async def _drain(writes: WriteGateway, grace: float) -> None:
+    """Let forwards already under way reach their upstream answer and record it."""
+    pending = set(writes.forwards)
+    if not pending:
+        return
+    log.info("draining_forwards", count=len(pending), grace_s=grace)
+    _, late = await asyncio.wait(pending, timeout=grace)
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late)
+        log.warning("forwards_abandoned", count=len(late))
+
+
+async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Run the gateway until SIGTERM/SIGINT; then stop accepting, finish in-flight
+    forwards (up to `shutdown_grace`), record their outcomes and return."""
+    admin_host = config.admin_listen[0]
+    if not admin_bind_allowed(admin_host, config.admin_token):
+        raise SystemExit(
+            f"refusing to start: no admin token in ${config.admin_token_env} and the admin "
+            f"listener {admin_host} is not loopback-only"
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signum, stop.set)
+
+    app = create_app(config)
+    runner = web.AppRunner(app, shutdown_timeout=config.shutdown_grace, access_log=None)
+    await runner.setup()
+    admin_runner: web.AppRunner | None = None
+    janitor: asyncio.Task[None] | None = None
+    try:
+        await web.TCPSite(runner, *config.listen).start()
+        admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
+        admin_runner = web.AppRunner(admin_app, access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, *config.admin_listen).start()
+        from .janitor import run_janitor
+
+        janitor = asyncio.create_task(
+            run_janitor(
+                app[STORE],
+                app[METRICS],
+                idempotency_ttl=config.idempotency_ttl,
+                rejections_ttl=config.rejections_ttl,
+            ),
+            name="janitor",
+        )
+        info = {
+            "listen": _address(runner),
+            "admin_listen": _address(admin_runner),
+            "store": _redact(config.store_url),
+            "destinations": sorted(config.destinations),
+        }
+        log.info("serving", **info)
+        if started is not None:
+            started(info)
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopped, janitor}, return_when=asyncio.FIRST_COMPLETED)
+        if janitor in done:
+            stopped.cancel()
+            exc = janitor.exception()
+            log.error("janitor_crashed", error=repr(exc))
+            raise RuntimeError(f"retention janitor stopped: {exc!r}") from exc
+        log.info("shutting_down")
+    finally:
+        if janitor is not None and not janitor.done():
+            janitor.cancel()
+            await asyncio.gather(janitor, return_exceptions=True)
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await runner.cleanup()
+        log.info("stopped")
+
+
+def _address(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a store URL before it is logged."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}"

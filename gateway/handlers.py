@@ -1,0 +1,449 @@
+"""The write route: parse -> decide and reserve (one transaction) -> forward -> record.
+
+`/to/{destination}/{path}` is dispatched by a middleware on the raw request
+target, before aiohttp's router could normalise `..` segments away, so that
+path checks see exactly what the worker sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from leases.errors import StoreUnavailable
+from leases.model import MAX_GENERATION
+
+from .config import Config, DestinationConfig
+from .decision import Forward, Reject, Replay, WriteFacts, fingerprint
+from .errors import Rejection
+from .metrics import Metrics
+from .problem import problem_response
+from .store import Outcome, RejectionRecord, Store, WriteContext
+from .upstream import ForwardFailed, UpstreamAnswer, Upstreams, forward_headers, upstream_url
+
+log = structlog.get_logger("gateway.write")
+
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
+_TOKEN = re.compile(r"[1-9][0-9]{0,18}")
+_READ_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    destination: str
+    path: str  # raw, percent-encoding kept; "" for the upstream URL itself
+    query: str
+
+
+def parse_target(raw_path: str) -> Target | None:
+    """Split a raw `/to/{destination}{path}?{query}`; None if not a write route."""
+    target, _, query = raw_path.partition("?")
+    if target != "/to" and not target.startswith("/to/"):
+        return None
+    rest = target[4:]
+    name, slash, path = rest.partition("/")
+    path = slash + path
+    if path == "/":
+        path = ""
+    return Target(unquote(name), path, query)
+
+
+def path_escapes(path: str) -> bool:
+    """True if `path` would climb above the base path or name another host."""
+    if path.startswith("//"):
+        return True
+    depth = 0
+    for raw_segment in path.split("/"):
+        for segment in re.split(r"[/\\]", unquote(raw_segment)):
+            if segment == "..":
+                depth -= 1
+                if depth < 0:
+                    return True
+            elif segment not in ("", "."):
+                depth += 1
+    return False
+
+
+class WriteGateway:
+    """Holds what the write route needs; one per app."""
+
+    def __init__(
+        self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.upstreams = upstreams
+        self.metrics = metrics
+        self.in_flight: dict[str, int] = dict.fromkeys(config.destinations, 0)
+        self.in_flight_total = 0
+        self.forwards: set[asyncio.Task[Any]] = set()
+
+    async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
+        started = time.perf_counter()
+        facts: WriteFacts | None = None
+        fields: dict[str, Any] = {"destination": target.destination, "method": request.method}
+        try:
+            destination = self._destination(request, target)
+            body = await self._read_body(request, destination)
+            context = WriteContext(
+                remote=request.remote,
+                body_sha256=hashlib.sha256(body).hexdigest(),
+                body_bytes=len(body),
+            )
+            try:
+                facts = self._facts(request, target, destination, body)
+            except Rejection as rejection:
+                await self._record(request, rejection, destination.name, context)
+                raise
+            fields.update(job_id=facts.job_id, generation=facts.generation, key=facts.key)
+            response = await self._write(request, destination, facts, context, body, fields)
+        except Rejection as rejection:
+            response = problem_response(rejection)
+            fields.update(decision="rejected", reason=rejection.reason)
+            self.metrics.rejections.labels(rejection.reason).inc()
+        fields["status"] = response.status
+        fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        self.metrics.writes.labels(target.destination, fields.get("decision", "rejected")).inc()
+        log.info("write_decision", **fields)
+        return response
+
+    # --- steps 1-5: request shape, nothing stored unless recorded as a rejection ---------
+
+    def _destination(self, request: web.Request, target: Target) -> DestinationConfig:
+        destination = self.config.destinations.get(target.destination)
+        if destination is None:
+            raise Rejection("unknown_destination", f"no destination named {target.destination!r}")
+        if request.method not in destination.methods:
+            raise Rejection(
+                "method_not_allowed",
+                f"{request.method} is not allowed for {destination.name}",
+                destination=destination.name,
+            )
+        if path_escapes(target.path):
+            raise Rejection(
+                "invalid_path",
+                "the path climbs above the upstream's base path or names another host",
+                destination=destination.name,
+            )
+        return destination
+
+    async def _authorize(self, request: web.Request, destination: DestinationConfig) -> None:
+        tokens = destination.worker_tokens
+        if tokens is None:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, presented = header.partition(" ")
+        presented_bytes = presented.strip().encode("utf-8", "surrogateescape")
+        ok = False
+        for token in tokens:  # compare against every token: no early exit
+            ok |= hmac.compare_digest(presented_bytes, token.encode())
+        if scheme.lower() == "bearer" and presented_bytes and ok:
+            return
+        rejection = Rejection(
+            "unauthorized", "missing or wrong worker token", destination=destination.name
+        )
+        await self._record(request, rejection, destination.name, None)
+        raise rejection
+
+    async def _read_body(self, request: web.Request, destination: DestinationConfig) -> bytes:
+        await self._authorize(request, destination)
+        limit = destination.max_body
+        too_large = Rejection(
+            "body_too_large", f"the body exceeds {limit} bytes", destination=destination.name
+        )
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.read(_READ_CHUNK):
+            size += len(chunk)
+            if size > limit:  # enforced while reading, not after
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _facts(
+        self,
+        request: web.Request,
+        target: Target,
+        destination: DestinationConfig,
+        body: bytes,
+    ) -> WriteFacts:
+        job_id, generation, owner, key = _fencing_headers(request, destination)
+        facts = WriteFacts(
+            destination=destination.name,
+            method=request.method,
+            path=target.path,
+            query=target.query,
+            job_id=job_id,
+            generation=generation,
+            owner=owner,
+            key=key,
+            fingerprint=fingerprint(
+                request.method,
+                target.path,
+                target.query,
+                request.headers.get("Content-Type", ""),
+                body,
+            ),
+            fencing=destination.fencing,
+            upstream_idempotent=destination.upstream_idempotent,
+            timeout=destination.timeout,
+        )
+        return facts
+
+    # --- steps 6-8 ----------------------------------------------------------------------
+
+    async def _write(
+        self,
+        request: web.Request,
+        destination: DestinationConfig,
+        facts: WriteFacts,
+        context: WriteContext,
+        body: bytes,
+        fields: dict[str, Any],
+    ) -> web.StreamResponse:
+        self._admit(destination)
+        try:
+            store_started = time.perf_counter()
+            try:
+                verdict = await self.store.decide_write(facts, context)
+            except StoreUnavailable as exc:
+                self.metrics.store_errors.labels("decide").inc()
+                raise Rejection("store_unavailable", str(exc), **_write_members(facts)) from exc
+            finally:
+                elapsed = time.perf_counter() - store_started
+                self.metrics.store_latency.labels("decide").observe(elapsed)
+                fields["store_ms"] = round(elapsed * 1000, 3)
+            decision = verdict.decision
+            if isinstance(decision, Reject):
+                self.metrics.rejections.labels(decision.reason).inc()
+                fields.update(decision="rejected", reason=decision.reason)
+                return problem_response(_reject(decision, facts, verdict.rejection_id))
+            if isinstance(decision, Replay):
+                self.metrics.rejections.labels("duplicate").inc()
+                fields.update(decision="replayed", reason="duplicate")
+                return _replay(decision)
+            assert isinstance(decision, Forward) and verdict.attempt is not None
+            fields.update(decision="forwarded", reason=None, attempt=verdict.attempt)
+            # Shielded: a worker that goes away, or a handler cancelled at shutdown,
+            # cannot erase what the destination did.
+            task = asyncio.ensure_future(
+                self._forward(request, destination, facts, verdict.attempt, body, fields)
+            )
+            self.forwards.add(task)
+            task.add_done_callback(self.forwards.discard)
+            return await asyncio.shield(task)
+        finally:
+            self._release(destination)
+
+    def _admit(self, destination: DestinationConfig) -> None:
+        name = destination.name
+        if (
+            self.in_flight[name] >= destination.max_in_flight
+            or self.in_flight_total >= self.config.max_in_flight
+        ):
+            raise Rejection("overloaded", "too many writes in flight", retry_after=1)
+        self.in_flight[name] += 1
+        self.in_flight_total += 1
+        self.metrics.in_flight.labels(name).set(self.in_flight[name])
+
+    def _release(self, destination: DestinationConfig) -> None:
+        self.in_flight[destination.name] -= 1
+        self.in_flight_total -= 1
+        self.metrics.in_flight.labels(destination.name).set(self.in_flight[destination.name])
+
+    async def _forward(
+        self,
+        request: web.Request,
+        destination: DestinationConfig,
+        facts: WriteFacts,
+        attempt: str,
+        body: bytes,
+        fields: dict[str, Any],
+    ) -> web.StreamResponse:
+        url = upstream_url(destination, facts.path, facts.query)
+        headers = forward_headers(request.headers, destination)
+        sent = time.perf_counter()
+        try:
+            answer = await self.upstreams.send(destination, facts.method, url, headers, body)
+        except ForwardFailed as failure:
+            outcome = Outcome("unknown" if failure.failure.maybe_sent else "released")
+            rejection: Rejection | None = Rejection(
+                str(failure.failure), failure.detail, **_write_members(facts)
+            )
+            answer = None
+        else:
+            outcome = _completed_outcome(destination, answer)
+            rejection = None
+        upstream_s = time.perf_counter() - sent
+        self.metrics.upstream_latency.labels(destination.name).observe(upstream_s)
+        self.metrics.upstream_outcomes.labels(destination.name, outcome.kind).inc()
+        fields.update(upstream_ms=round(upstream_s * 1000, 3), outcome=outcome.kind)
+        await self._record_outcome(facts, attempt, outcome)
+        if rejection is not None:
+            fields["reason"] = rejection.reason
+            return problem_response(rejection)
+        assert answer is not None
+        fields["upstream_status"] = answer.status
+        return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+
+    async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> None:
+        try:
+            held = await self.store.record_outcome(facts, attempt, outcome)
+        except StoreUnavailable as exc:
+            # The reservation stays in flight until its deadline, then reads as
+            # `unknown`: safe, never a second forward.
+            self.metrics.store_errors.labels("record").inc()
+            log.error("outcome_not_recorded", job_id=facts.job_id, key=facts.key, error=str(exc))
+            return
+        if not held:
+            log.warning(
+                "reservation_taken_over",
+                job_id=facts.job_id,
+                key=facts.key,
+                attempt=attempt,
+                outcome=outcome.kind,
+            )
+
+    async def _record(
+        self,
+        request: web.Request,
+        rejection: Rejection,
+        destination: str | None,
+        context: WriteContext | None,
+    ) -> None:
+        """Log a rejection of steps 3 and 5 before its answer leaves."""
+        job_id = request.headers.get("Fencing-Job")
+        record = RejectionRecord(
+            reason=rejection.reason,
+            detail=rejection.detail,
+            destination=destination,
+            method=request.method,
+            path=_raw_write_path(request.raw_path),
+            job_id=job_id if job_id and _VISIBLE.fullmatch(job_id) and len(job_id) <= 256 else None,
+            remote=request.remote,
+            body_sha256=None if context is None else context.body_sha256,
+            body_bytes=None if context is None else context.body_bytes,
+        )
+        try:
+            rejection.members["rejection_id"] = await self.store.record_rejection(record)
+        except StoreUnavailable as exc:
+            raise Rejection("store_unavailable", str(exc), destination=destination) from exc
+
+
+def _fencing_headers(
+    request: web.Request, destination: DestinationConfig
+) -> tuple[str, int, str | None, str | None]:
+    headers = request.headers
+    job_id = headers.get("Fencing-Job", "")
+    token = headers.get("Fencing-Token", "")
+    owner = headers.get("Fencing-Owner", "") or None
+    key = headers.get("Idempotency-Key", "")
+    members = {"destination": destination.name}
+    if not job_id or not token:
+        missing = "Fencing-Job" if not job_id else "Fencing-Token"
+        raise Rejection("missing_fencing_token", f"{missing} is required", **members)
+    if not _ident(job_id):
+        raise Rejection(
+            "invalid_fencing_token", "Fencing-Job must be 1-256 visible ASCII characters", **members
+        )
+    members["job_id"] = job_id
+    if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
+        raise Rejection(
+            "invalid_fencing_token",
+            "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
+            **members,
+        )
+    if owner is not None and not _ident(owner):
+        raise Rejection(
+            "invalid_fencing_token",
+            "Fencing-Owner must be 1-256 visible ASCII characters",
+            **members,
+        )
+    generation = int(token)
+    if not key:
+        if destination.require_idempotency_key:
+            raise Rejection(
+                "missing_idempotency_key",
+                "Idempotency-Key is required",
+                generation=generation,
+                **members,
+            )
+        return job_id, generation, owner, None
+    if len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]  # the IETF draft's quoted form
+    if not (1 <= len(key) <= 255 and _VISIBLE.fullmatch(key)):
+        raise Rejection(
+            "invalid_idempotency_key",
+            "Idempotency-Key must be 1-255 visible ASCII characters",
+            generation=generation,
+            **members,
+        )
+    return job_id, generation, owner, key
+
+
+def _ident(value: str) -> bool:
+    return len(value) <= 256 and _VISIBLE.fullmatch(value) is not None
+
+
+def _write_members(facts: WriteFacts) -> dict[str, Any]:
+    return {
+        "destination": facts.destination,
+        "job_id": facts.job_id,
+        "generation": facts.generation,
+    }
+
+
+def _reject(decision: Reject, facts: WriteFacts, rejection_id: int | None) -> Rejection:
+    return Rejection(
+        decision.reason,
+        decision.detail,
+        retry_after=decision.retry_after,
+        current_generation=decision.current_generation,
+        highest_generation=decision.highest_generation,
+        rejection_id=rejection_id,
+        **_write_members(facts),
+    )
+
+
+def _replay(decision: Replay) -> web.Response:
+    record = decision.record
+    headers: CIMultiDict[str] = CIMultiDict(record.headers)
+    headers["Idempotent-Replayed"] = "true"
+    if record.body_omitted:
+        headers["Sinkgate-Replay-Body"] = "omitted"
+    assert record.status is not None
+    return web.Response(status=record.status, body=record.body, headers=headers)
+
+
+def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -> Outcome:
+    if answer.status in destination.retryable_statuses:
+        return Outcome("released")
+    wanted = {name.lower() for name in destination.replay_headers}
+    headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
+    omitted = len(answer.body) > destination.max_replay_body
+    return Outcome(
+        "completed",
+        status=answer.status,
+        headers=headers,
+        body=b"" if omitted else answer.body,
+        body_omitted=omitted,
+    )
+
+
+def _raw_write_path(raw_path: str) -> str:
+    target = parse_target(raw_path)
+    if target is None:
+        return raw_path
+    return target.path + (f"?{target.query}" if target.query else "")

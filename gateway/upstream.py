@@ -1,0 +1,138 @@
+"""Forwarding: one pooled ClientSession per destination, header hygiene, and the
+translation of client errors into the three outcomes of SPEC 2 step 8."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from .config import DestinationConfig
+
+# RFC 9110 7.6.1 plus the proxy-era names; never forwarded in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+    }
+)
+# Set by the client library for the forwarded request itself.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_NOT_RELAYED = HOP_BY_HOP | {"content-length"}
+FENCING_HEADERS = ("Fencing-Job", "Fencing-Token", "Fencing-Owner")
+
+
+class SendFailure(StrEnum):
+    """How a forward failed: never sent (key released) or maybe sent (unknown)."""
+
+    UNREACHABLE = "upstream_unreachable"
+    TIMEOUT = "upstream_timeout"
+    DISCONNECTED = "upstream_disconnected"
+
+    @property
+    def maybe_sent(self) -> bool:
+        return self is not SendFailure.UNREACHABLE
+
+
+class ForwardFailed(Exception):
+    def __init__(self, failure: SendFailure, detail: str) -> None:
+        super().__init__(detail)
+        self.failure = failure
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
+    """Header names listed in `Connection` are hop-by-hop for this message too."""
+    values = headers.getall("Connection", [])
+    return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
+
+
+def forward_headers(
+    incoming: CIMultiDictProxy[str], destination: DestinationConfig
+) -> CIMultiDict[str]:
+    """End-to-end headers of the worker's request, cleaned and completed."""
+    drop = _NOT_FORWARDED | _connection_tokens(incoming)
+    if not destination.forward_fencing_headers:
+        drop = drop | {h.lower() for h in FENCING_HEADERS}
+    out: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, value in incoming.items() if name.lower() not in drop
+    )
+    for name, value in destination.upstream_headers:
+        out[name] = value  # replaces any the worker sent under the same name
+    return out
+
+
+def relay_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    drop = _NOT_RELAYED | _connection_tokens(upstream)
+    return CIMultiDict((n, v) for n, v in upstream.items() if n.lower() not in drop)
+
+
+def upstream_url(destination: DestinationConfig, raw_path: str, query: str) -> URL:
+    """`{upstream}{path}?{query}` with the worker's percent-encoding kept as is."""
+    target = destination.upstream + raw_path + (f"?{query}" if query else "")
+    return URL(target, encoded=True)
+
+
+class Upstreams:
+    """One keep-alive connection pool per destination, owned by the app."""
+
+    def __init__(self, destinations: Mapping[str, DestinationConfig]) -> None:
+        self._sessions = {
+            name: aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=dest.max_in_flight, ttl_dns_cache=60),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Content-Type"),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(
+                    total=dest.timeout, sock_connect=dest.connect_timeout
+                ),
+            )
+            for name, dest in destinations.items()
+        }
+
+    async def send(
+        self,
+        destination: DestinationConfig,
+        method: str,
+        url: URL,
+        headers: CIMultiDict[str],
+        body: bytes,
+    ) -> UpstreamAnswer:
+        session = self._sessions[destination.name]
+        try:
+            async with session.request(
+                method, url, headers=headers, data=body, allow_redirects=False
+            ) as response:
+                payload = await response.read()
+                return UpstreamAnswer(response.status, relay_headers(response.headers), payload)
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout: {exc}") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise ForwardFailed(SendFailure.UNREACHABLE, f"cannot connect: {exc}") from exc
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise ForwardFailed(SendFailure.TIMEOUT, "no answer within the timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            # Connection lost after (part of) the request may have been written.
+            raise ForwardFailed(SendFailure.DISCONNECTED, f"connection lost: {exc!r}") from exc
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._sessions.values()))

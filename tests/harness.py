@@ -1,0 +1,209 @@
+"""End-to-end test harness: a real recording upstream and a real gateway on loopback.
+
+No patched internals: the gateway is `create_app` served by aiohttp on a free
+port, the upstream is an aiohttp server that records every request it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from gateway.app import create_app
+from gateway.config import Config, DestinationConfig
+from gateway.decision import Fencing
+from gateway.sqlite_store import SQLiteStore
+
+
+class FakeClock:
+    """The store's clock, moved by the test."""
+
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Received:
+    method: str
+    raw_path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class RecordingUpstream:
+    """An upstream that records what it applied. Behaviour by first path segment:
+
+    /slow/...      waits until `release` is set (or 30 s), then 200
+    /status/NNN    answers NNN
+    /drop/...      closes the connection without an answer
+    /redirect      302 to another host
+    /big/N         200 with N bytes
+    anything else  201 {"ok": true, "n": <count>} with Location and ETag
+    """
+
+    received: list[Received] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.received.append(
+            Received(request.method, request.raw_path, dict(request.headers), body)
+        )
+        self.arrived.set()
+        parts = request.path.split("/")
+        kind = parts[2] if len(parts) > 2 else ""
+        if kind == "slow":
+            try:
+                await asyncio.wait_for(self.release.wait(), 30)
+            except TimeoutError:
+                pass
+        elif kind == "status":
+            return web.Response(status=int(parts[3]), text=f"status {parts[3]}")
+        elif kind == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0)
+            return web.Response(status=200)
+        elif kind == "redirect":
+            return web.Response(status=302, headers={"Location": "http://elsewhere.invalid/"})
+        elif kind == "big":
+            return web.Response(status=200, body=b"x" * int(parts[3]), content_type="text/plain")
+        return web.json_response(
+            {"ok": True, "n": len(self.received)},
+            status=201,
+            headers={"Location": "/things/1", "ETag": '"v1"', "X-Upstream": "yes"},
+        )
+
+    def paths(self) -> list[str]:
+        return [r.raw_path for r in self.received]
+
+
+@asynccontextmanager
+async def recording_upstream() -> AsyncIterator[RecordingUpstream]:
+    upstream = RecordingUpstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    runner = web.AppRunner(app, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    upstream.url = f"http://{host}:{port}"
+    try:
+        yield upstream
+    finally:
+        upstream.release.set()
+        await runner.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def destination(name: str, upstream: str, **overrides: Any) -> DestinationConfig:
+    base = DestinationConfig(
+        name=name,
+        upstream=upstream.rstrip("/"),
+        fencing=Fencing.LEASE,
+        timeout=5.0,
+        connect_timeout=1.0,
+        source=Path(f"destinations/{name}.toml"),
+    )
+    return replace(base, **overrides)
+
+
+def make_config(tmp_path: Path, *destinations: DestinationConfig, **overrides: Any) -> Config:
+    config = Config(
+        source=tmp_path / "gateway.toml",
+        listen=("127.0.0.1", 0),
+        admin_listen=("127.0.0.1", 0),
+        store_url=f"sqlite:///{tmp_path / 'sinkgate.db'}",
+        destinations=MappingProxyType({d.name: d for d in destinations}),
+        shutdown_grace=5.0,
+    )
+    return replace(config, **overrides)
+
+
+@dataclass
+class Gateway:
+    url: str
+    store: SQLiteStore
+    clock: FakeClock
+    session: aiohttp.ClientSession
+    app: web.Application
+
+    async def claim(self, job_id: str, owner: str = "worker-a", ttl: float = 30.0) -> int:
+        async with self.session.post(
+            f"{self.url}/leases/{job_id}/claim", json={"owner": owner, "ttl": ttl}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            return int((await resp.json())["generation"])
+
+    async def write(
+        self,
+        path: str,
+        *,
+        job: str = "job-1",
+        generation: int | str | None = 1,
+        key: str | None = "key-1",
+        owner: str | None = None,
+        method: str = "POST",
+        body: bytes = b'{"amount": 100}',
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send a write with a raw (unnormalised) path; returns status, headers, body."""
+        h = {"Content-Type": "application/json"}
+        if job is not None:
+            h["Fencing-Job"] = job
+        if generation is not None:
+            h["Fencing-Token"] = str(generation)
+        if key is not None:
+            h["Idempotency-Key"] = key
+        if owner is not None:
+            h["Fencing-Owner"] = owner
+        h.update(headers or {})
+        url = URL(self.url + path, encoded=True)
+        async with self.session.request(
+            method, url, data=body, headers=h, allow_redirects=False
+        ) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+
+@asynccontextmanager
+async def running_gateway(config: Config, clock: FakeClock | None = None) -> AsyncIterator[Gateway]:
+    clock = clock or FakeClock()
+    store = await SQLiteStore.open(config.store_url, clock=clock)
+    app = create_app(config, store=store, clock=clock)
+    runner = web.AppRunner(app, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    session = aiohttp.ClientSession()
+    try:
+        yield Gateway(f"http://{host}:{port}", store, clock, session, app)
+    finally:
+        await session.close()
+        await runner.cleanup()
+        await store.close()

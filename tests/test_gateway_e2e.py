@@ -1,0 +1,554 @@
+"""The write route end to end (SPEC 2): a real gateway, a real recording upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from gateway import decision as decision_module
+from gateway.decision import Fencing
+from gateway.store import RejectionQuery
+
+from .harness import (
+    Gateway,
+    RecordingUpstream,
+    destination,
+    free_port,
+    make_config,
+    recording_upstream,
+    running_gateway,
+)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with recording_upstream() as up:
+        yield up
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
+    config = make_config(
+        tmp_path,
+        destination("pay", upstream.url + "/api"),
+        destination("mono", upstream.url + "/api", fencing=Fencing.MONOTONIC),
+        destination("open", upstream.url + "/api", require_idempotency_key=False),
+        destination("idem", upstream.url + "/api", upstream_idempotent=True),
+        destination("quick", upstream.url + "/api", timeout=0.3, connect_timeout=0.3),
+        destination(
+            "small",
+            upstream.url + "/api",
+            max_body=16,
+            max_replay_body=8,
+            methods=frozenset({"POST", "PUT"}),
+        ),
+        destination(
+            "secure",
+            upstream.url + "/api",
+            worker_tokens=("s3cret-token",),
+            upstream_headers=(("Authorization", "Bearer upstream-secret"), ("X-Tenant", "acme")),
+        ),
+        destination("quiet", upstream.url + "/api", forward_fencing_headers=False),
+        destination("down", f"http://127.0.0.1:{free_port()}/api"),
+    )
+    async with running_gateway(config) as gateway:
+        yield gateway
+
+
+def problem(body: bytes) -> dict[str, object]:
+    return json.loads(body)
+
+
+def assert_rejected(result: tuple[int, dict[str, str], bytes], status: int, reason: str) -> dict:
+    code, headers, body = result
+    assert code == status, body
+    assert headers["Content-Type"].startswith("application/problem+json")
+    assert headers["Sinkgate-Rejected"] == reason
+    doc = problem(body)
+    assert doc["reason"] == reason and doc["status"] == status
+    assert {"type", "title", "detail"} <= doc.keys()
+    return doc
+
+
+# --- steps 1-5: request shape ------------------------------------------------------------
+
+
+async def test_unknown_destination_is_404(gw: Gateway, upstream: RecordingUpstream) -> None:
+    assert_rejected(await gw.write("/to/nope/x"), 404, "unknown_destination")
+    assert upstream.received == []
+
+
+async def test_method_outside_the_destinations_methods_is_405(gw: Gateway) -> None:
+    await gw.claim("job-1")
+    assert_rejected(
+        await gw.write("/to/small/x", method="DELETE", body=b""), 405, "method_not_allowed"
+    )
+
+
+async def test_worker_token_missing_or_wrong_is_401_and_recorded(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/secure/x"), 401, "unauthorized")
+    doc = assert_rejected(
+        await gw.write("/to/secure/x", headers={"Authorization": "Bearer nope"}),
+        401,
+        "unauthorized",
+    )
+    assert upstream.received == []
+    logged = await gw.store.list_rejections(RejectionQuery(reason="unauthorized"))
+    assert len(logged) == 2 and logged[0].id == doc["rejection_id"]
+
+
+async def test_right_worker_token_forwards_without_the_workers_authorization(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    status, _, _ = await gw.write(
+        "/to/secure/x", headers={"Authorization": "Bearer s3cret-token", "X-Tenant": "evil"}
+    )
+    assert status == 201
+    (seen,) = upstream.received
+    assert seen.headers["Authorization"] == "Bearer upstream-secret"
+    assert seen.headers["X-Tenant"] == "acme"
+
+
+async def test_body_over_max_body_is_413_and_not_forwarded(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/small/x", body=b"x" * 17), 413, "body_too_large")
+    assert upstream.received == []
+
+
+async def test_body_limit_is_enforced_while_reading_a_chunked_body(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield b"x" * 8
+
+    headers = {"Fencing-Job": "job-1", "Fencing-Token": "1", "Idempotency-Key": "k"}
+    async with gw.session.post(f"{gw.url}/to/small/x", data=chunks(), headers=headers) as resp:
+        assert resp.status == 413
+        assert resp.headers["Sinkgate-Rejected"] == "body_too_large"
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    ("job", "token", "reason"),
+    [
+        (None, "1", "missing_fencing_token"),
+        ("job-1", None, "missing_fencing_token"),
+        ("", "1", "missing_fencing_token"),
+        ("job-1", "", "missing_fencing_token"),
+        ("job 1", "1", "invalid_fencing_token"),
+        ("j" * 257, "1", "invalid_fencing_token"),
+        ("job-1", "0", "invalid_fencing_token"),
+        ("job-1", "01", "invalid_fencing_token"),
+        ("job-1", "-1", "invalid_fencing_token"),
+        ("job-1", "+1", "invalid_fencing_token"),
+        ("job-1", "1.0", "invalid_fencing_token"),
+        ("job-1", str(2**63), "invalid_fencing_token"),
+    ],
+)
+async def test_fencing_headers_missing_or_malformed_are_400_and_recorded(
+    gw: Gateway, upstream: RecordingUpstream, job: str | None, token: str | None, reason: str
+) -> None:
+    doc = assert_rejected(await gw.write("/to/pay/x", job=job, generation=token), 400, reason)
+    assert upstream.received == []
+    (logged,) = await gw.store.list_rejections(RejectionQuery())
+    assert logged.id == doc["rejection_id"] and logged.record.reason == reason
+
+
+async def test_largest_generation_is_a_valid_token(gw: Gateway) -> None:
+    assert_rejected(await gw.write("/to/pay/x", generation=str(2**63 - 1)), 409, "lease_not_held")
+
+
+@pytest.mark.parametrize(
+    ("key", "reason"),
+    [
+        (None, "missing_idempotency_key"),
+        ("", "missing_idempotency_key"),
+        ("k" * 256, "invalid_idempotency_key"),
+        ("a b", "invalid_idempotency_key"),
+        ('""', "invalid_idempotency_key"),
+    ],
+)
+async def test_idempotency_key_missing_or_malformed_is_400(
+    gw: Gateway, upstream: RecordingUpstream, key: str | None, reason: str
+) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/pay/x", key=key), 400, reason)
+    assert upstream.received == []
+
+
+async def test_a_destination_without_required_keys_forwards_keyless_writes(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert (await gw.write("/to/open/x", key=None))[0] == 201
+    assert (await gw.write("/to/open/x", key=None))[0] == 201
+    assert len(upstream.received) == 2
+
+
+async def test_quoted_key_is_the_same_key_unquoted(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert (await gw.write("/to/pay/x", key='"abc"'))[0] == 201
+    status, headers, _ = await gw.write("/to/pay/x", key="abc")
+    assert status == 201 and headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.received) == 1
+
+
+# --- step 6: the fence --------------------------------------------------------------------
+
+
+async def test_lease_fence_reasons_in_contract_order(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    assert_rejected(await gw.write("/to/pay/x", job="never"), 409, "lease_not_held")
+    await gw.claim("job-1", owner="a", ttl=10)
+    gw.clock.advance(11)
+    assert await gw.claim("job-1", owner="b", ttl=10) == 2
+    doc = assert_rejected(await gw.write("/to/pay/x", generation=1), 409, "stale_generation")
+    assert doc["current_generation"] == 2 and doc["generation"] == 1 and doc["job_id"] == "job-1"
+    assert_rejected(await gw.write("/to/pay/x", generation=3), 409, "unknown_generation")
+    assert_rejected(await gw.write("/to/pay/x", generation=2, owner="a"), 409, "owner_mismatch")
+    gw.clock.advance(11)
+    assert_rejected(await gw.write("/to/pay/x", generation=2), 409, "lease_expired")
+    assert upstream.received == []
+
+
+async def test_completed_and_released_jobs_refuse_writes(gw: Gateway) -> None:
+    await gw.claim("job-1", owner="a")
+    async with gw.session.post(
+        f"{gw.url}/leases/job-1/release", json={"owner": "a", "generation": 1}
+    ) as r:
+        assert r.status == 200
+    assert_rejected(await gw.write("/to/pay/x"), 409, "lease_not_held")
+    await gw.claim("job-1", owner="a")
+    async with gw.session.post(
+        f"{gw.url}/leases/job-1/complete", json={"owner": "a", "generation": 2}
+    ) as r:
+        assert r.status == 200
+    assert_rejected(await gw.write("/to/pay/x", generation=2), 409, "job_completed")
+
+
+async def test_monotonic_mode_raises_the_mark_only_on_forward(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    assert (await gw.write("/to/mono/x", generation=5, key="a"))[0] == 201
+    doc = assert_rejected(
+        await gw.write("/to/mono/x", generation=4, key="b"), 409, "stale_generation"
+    )
+    assert doc["highest_generation"] == 5
+    assert (await gw.write("/to/mono/x", generation=5, key="c"))[0] == 201
+    # a rejected write (bad key reuse) with a higher token does not raise the mark
+    assert_rejected(
+        await gw.write("/to/mono/x", generation=9, key="a", body=b"other"),
+        422,
+        "idempotency_key_reused",
+    )
+    assert (await gw.write("/to/mono/x", generation=6, key="d"))[0] == 201
+    assert len(upstream.received) == 3
+
+
+async def test_the_fence_is_per_job_across_destinations(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    assert (await gw.write("/to/mono/x", generation=5, key="a"))[0] == 201
+    assert_rejected(await gw.write("/to/mono/y", generation=4, key="b"), 409, "stale_generation")
+    assert (await gw.write("/to/mono/x", job="job-2", generation=1, key="c"))[0] == 201
+
+
+async def test_generation_barrier_holds_newer_writes_until_the_older_answer(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1", owner="a", ttl=1)
+    old = asyncio.create_task(gw.write("/to/pay/slow/1", key="old"))
+    await asyncio.wait_for(upstream.arrived.wait(), 5)
+    gw.clock.advance(2)  # A's lease is gone, its write (timeout 5 s) still on the wire
+    assert await gw.claim("job-1", owner="b", ttl=10) == 2
+    result = await gw.write("/to/pay/x", generation=2, key="new")
+    assert_rejected(result, 409, "older_generation_in_flight")
+    assert int(result[1]["Retry-After"]) >= 1
+    assert upstream.paths() == ["/api/slow/1"]
+    upstream.release.set()
+    assert (await old)[0] == 201
+    assert (await gw.write("/to/pay/x", generation=2, key="new"))[0] == 201
+    assert upstream.paths() == ["/api/slow/1", "/api/x"]
+
+
+# --- step 7: idempotency -------------------------------------------------------------------
+
+
+async def test_duplicate_is_replayed_and_the_upstream_sees_it_once(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    first = await gw.write("/to/pay/charges?x=1")
+    second = await gw.write("/to/pay/charges?x=1")
+    assert first[0] == second[0] == 201
+    assert first[2] == second[2]
+    assert second[1]["Idempotent-Replayed"] == "true"
+    assert "Sinkgate-Rejected" not in second[1]
+    assert second[1]["Content-Type"] == first[1]["Content-Type"]
+    assert second[1]["Location"] == "/things/1" and "X-Upstream" not in second[1]
+    assert len(upstream.received) == 1
+    (logged,) = await gw.store.list_rejections(RejectionQuery(reason="duplicate"))
+    assert logged.record.idempotency_key == "key-1"
+
+
+async def test_a_second_worker_redoing_the_job_gets_the_first_result(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1", owner="a", ttl=10)
+    first = await gw.write("/to/pay/x", owner="a")
+    gw.clock.advance(11)
+    await gw.claim("job-1", owner="b", ttl=10)
+    again = await gw.write("/to/pay/x", generation=2, owner="b")
+    assert again[0] == 201 and again[2] == first[2] and again[1]["Idempotent-Replayed"] == "true"
+    assert len(upstream.received) == 1
+
+
+async def test_same_key_other_payload_is_422(gw: Gateway, upstream: RecordingUpstream) -> None:
+    await gw.claim("job-1")
+    await gw.write("/to/pay/x")
+    assert_rejected(await gw.write("/to/pay/x", body=b"{}"), 422, "idempotency_key_reused")
+    assert_rejected(await gw.write("/to/pay/y"), 422, "idempotency_key_reused")
+    assert len(upstream.received) == 1
+
+
+async def test_concurrent_same_key_one_in_progress_upstream_sees_one(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    first = asyncio.create_task(gw.write("/to/pay/slow/x"))
+    await asyncio.wait_for(upstream.arrived.wait(), 5)
+    result = await gw.write("/to/pay/slow/x")
+    assert_rejected(result, 409, "request_in_progress")
+    assert int(result[1]["Retry-After"]) >= 1
+    upstream.release.set()
+    assert (await first)[0] == 201
+    assert len(upstream.received) == 1
+
+
+async def test_dropped_connection_leaves_the_outcome_unknown(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/pay/drop/1"), 502, "upstream_disconnected")
+    assert_rejected(await gw.write("/to/pay/drop/1"), 409, "outcome_unknown")
+    assert len(upstream.received) == 1
+    record = await gw.store.key_record("pay", "key-1")
+    assert record is not None and record.state == "unknown"
+
+
+async def test_upstream_idempotent_destination_forwards_an_unknown_key_again(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/idem/drop/1"), 502, "upstream_disconnected")
+    assert_rejected(await gw.write("/to/idem/drop/1"), 502, "upstream_disconnected")
+    assert [r.headers["Idempotency-Key"] for r in upstream.received] == ["key-1", "key-1"]
+    record = await gw.store.key_record("idem", "key-1")
+    assert record is not None and record.attempts == 2
+
+
+async def test_read_timeout_is_504_and_unknown(gw: Gateway, upstream: RecordingUpstream) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/quick/slow/1"), 504, "upstream_timeout")
+    assert_rejected(await gw.write("/to/quick/slow/1"), 409, "outcome_unknown")
+    assert len(upstream.received) == 1
+
+
+async def test_unreachable_upstream_releases_the_key(gw: Gateway) -> None:
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/down/x"), 502, "upstream_unreachable")
+    assert await gw.store.key_record("down", "key-1") is None
+    assert_rejected(await gw.write("/to/down/x"), 502, "upstream_unreachable")
+
+
+async def test_retryable_status_is_relayed_and_not_stored(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    status, headers, body = await gw.write("/to/pay/status/503")
+    assert status == 503 and body == b"status 503" and "Sinkgate-Rejected" not in headers
+    assert (await gw.write("/to/pay/status/503"))[0] == 503
+    assert len(upstream.received) == 2
+
+
+async def test_non_retryable_error_status_is_stored_and_replayed(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert (await gw.write("/to/pay/status/400"))[0] == 400
+    status, headers, body = await gw.write("/to/pay/status/400")
+    assert status == 400 and body == b"status 400" and headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.received) == 1
+
+
+async def test_body_over_max_replay_body_is_relayed_but_replayed_empty(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    status, _, body = await gw.write("/to/small/big/100", body=b"{}")
+    assert status == 200 and body == b"x" * 100
+    status, headers, body = await gw.write("/to/small/big/100", body=b"{}")
+    assert status == 200 and body == b""
+    assert headers["Sinkgate-Replay-Body"] == "omitted" and headers["Idempotent-Replayed"] == "true"
+
+
+# --- forwarding hygiene ----------------------------------------------------------------------
+
+
+async def test_path_and_query_are_mapped_under_the_base_path_raw(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    await gw.write("/to/pay/a%2Fb/c%20d?q=1&r=%41", key="k1")
+    await gw.write("/to/pay", key="k2")
+    await gw.write("/to/pay/", key="k3")
+    await gw.write("/to/pay/a/../b", key="k4")
+    assert upstream.paths() == ["/api/a%2Fb/c%20d?q=1&r=%41", "/api", "/api", "/api/a/../b"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/to/pay/..",
+        "/to/pay/../x",
+        "/to/pay/a/../../x",
+        "/to/pay/%2e%2e/x",
+        "/to/pay/%2E%2E",
+        "/to/pay/a/..%2f..%2fx",
+        "//to/pay",
+        "/to/pay//evil.example/x",
+    ],
+)
+async def test_paths_escaping_the_base_are_refused(
+    gw: Gateway, upstream: RecordingUpstream, path: str
+) -> None:
+    await gw.claim("job-1")
+    status, headers, _ = await gw.write(path)
+    if path.startswith("//"):
+        assert status == 404  # not a write route at all
+    else:
+        assert_rejected((status, headers, _), 400, "invalid_path")
+    assert upstream.received == []
+
+
+async def test_hop_by_hop_headers_are_stripped_and_fencing_headers_passed_on(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1", owner="a")
+    await gw.write(
+        "/to/pay/x",
+        owner="a",
+        headers={
+            "Connection": "X-Secret-Hop",
+            "X-Secret-Hop": "1",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Authorization": "Basic eA==",
+            "X-End-To-End": "kept",
+            "Authorization": "Bearer w",
+        },
+    )
+    (seen,) = upstream.received
+    lower = {k.lower() for k in seen.headers}
+    assert {"x-secret-hop", "keep-alive", "proxy-authorization", "authorization"}.isdisjoint(lower)
+    assert seen.headers["X-End-To-End"] == "kept"
+    assert (
+        seen.headers["Fencing-Job"],
+        seen.headers["Fencing-Token"],
+        seen.headers["Fencing-Owner"],
+    ) == ("job-1", "1", "a")
+    assert seen.headers["Idempotency-Key"] == "key-1"
+
+
+async def test_fencing_headers_not_passed_on_when_switched_off(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    await gw.write("/to/quiet/x")
+    (seen,) = upstream.received
+    assert "Fencing-Token" not in seen.headers and seen.headers["Idempotency-Key"] == "key-1"
+
+
+async def test_redirects_are_relayed_not_followed(gw: Gateway, upstream: RecordingUpstream) -> None:
+    await gw.claim("job-1")
+    status, headers, _ = await gw.write("/to/pay/redirect")
+    assert status == 302 and headers["Location"] == "http://elsewhere.invalid/"
+    assert len(upstream.received) == 1
+
+
+async def test_store_unavailable_fails_closed(gw: Gateway, upstream: RecordingUpstream) -> None:
+    await gw.claim("job-1")
+    await gw.store.close()
+    assert_rejected(await gw.write("/to/pay/x"), 503, "store_unavailable")
+    assert upstream.received == []
+
+
+# --- the worked example, and the protection switched off ------------------------------------
+
+
+async def worked_example(gw: Gateway, upstream: RecordingUpstream) -> dict[str, object]:
+    """SPEC 1: A gen 7 pauses, B claims 8, A's late complete and write are refused,
+    B's duplicate reaches the destination once."""
+    for _ in range(6):
+        await gw.claim("job-42", owner="a", ttl=5)
+        gw.clock.advance(6)
+    assert await gw.claim("job-42", owner="a", ttl=5) == 7
+    gw.clock.advance(6)  # A pauses past its lease
+    assert await gw.claim("job-42", owner="b", ttl=5) == 8
+    async with gw.session.post(
+        f"{gw.url}/leases/job-42/complete", json={"owner": "a", "generation": 7}
+    ) as resp:
+        complete_a = (resp.status, (await resp.json())["reason"])
+    late_a = await gw.write("/to/pay/charge", job="job-42", generation=7, owner="a", key="a-charge")
+    b_first = await gw.write(
+        "/to/pay/charge", job="job-42", generation=8, owner="b", key="b-charge"
+    )
+    b_dup = await gw.write("/to/pay/charge", job="job-42", generation=8, owner="b", key="b-charge")
+    return {"complete_a": complete_a, "late_a": late_a, "b_first": b_first, "b_dup": b_dup}
+
+
+async def test_worked_example_over_http(gw: Gateway, upstream: RecordingUpstream) -> None:
+    with structlog.testing.capture_logs() as logs:
+        r = await worked_example(gw, upstream)
+    assert r["complete_a"] == (409, "stale_generation")
+    assert_rejected(r["late_a"], 409, "stale_generation")  # type: ignore[arg-type]
+    assert r["b_first"][0] == 201 and r["b_dup"][1]["Idempotent-Replayed"] == "true"  # type: ignore[index]
+    assert [
+        (x.headers["Fencing-Token"], x.headers["Idempotency-Key"]) for x in upstream.received
+    ] == [("8", "b-charge")]
+    decisions = [e for e in logs if e["event"] == "write_decision"]
+    assert [(e["generation"], e["decision"], e.get("reason")) for e in decisions] == [
+        (7, "rejected", "stale_generation"),
+        (8, "forwarded", None),
+        (8, "replayed", "duplicate"),
+    ]
+    assert all(
+        {"destination", "job_id", "key", "status", "total_ms"} <= e.keys() for e in decisions
+    )
+
+
+async def test_without_the_fence_the_stale_write_lands(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protection switched off: the same run lets A's generation-7 write reach
+    the destination. Shows the worked-example test can fail."""
+    monkeypatch.setattr(decision_module, "check_fence", lambda facts, state, now: None)
+    r = await worked_example(gw, upstream)
+    assert r["late_a"][0] == 201  # type: ignore[index]
+    assert [x.headers["Fencing-Token"] for x in upstream.received] == ["7", "8"]
