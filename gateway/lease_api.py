@@ -1,0 +1,274 @@
+"""The lease API over HTTP (SPEC 3): claim, renew, complete, release and get.
+
+Thin handlers: parse and validate the path and the JSON body, call one lease
+verb of the store, and turn its answer or its typed error into a lease object
+or problem+json. Nothing is written unless the request is valid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import unquote
+
+import structlog
+from aiohttp import web
+
+from leases import model
+from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from leases.model import Lease
+
+from .appkeys import METRICS, STORE
+from .errors import Rejection
+from .problem import invalid_request, problem_response
+from .store import Store
+
+log = structlog.get_logger("gateway.lease_api")
+
+MAX_BODY = 64 * 1024
+
+# The fields each verb reads; anything else in the body is refused, so a typo
+# ("tll") fails loudly instead of silently falling back to a default.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "claim": ("owner", "ttl"),
+    "renew": ("owner", "generation"),
+    "complete": ("owner", "generation"),
+    "release": ("owner", "generation"),
+}
+_OPTIONAL: dict[str, tuple[str, ...]] = {"renew": ("ttl",)}
+
+_EPOCH = datetime.fromtimestamp(0, UTC)
+
+
+def add_lease_routes(app: web.Application) -> None:
+    """Register the lease API on `app`, which must hold `STORE` and `METRICS`."""
+    app.router.add_get("/leases/{job_id}", _get)
+    app.router.add_post("/leases/{job_id}/{op}", _post)
+    # Any other method on a verb's path still gets problem+json, never aiohttp's text.
+    app.router.add_route("*", "/leases/{job_id}/{op}", _wrong_method)
+
+
+def rfc3339(moment: datetime) -> str:
+    """`2026-11-30T13:45:00.123456Z`: UTC, always six fractional digits."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_json(lease: Lease, now: float) -> dict[str, Any]:
+    """The lease object of SPEC 3."""
+    return {
+        "job_id": lease.job_id,
+        "owner": lease.owner,
+        "generation": lease.generation,
+        "state": lease.state,
+        "lease_until": rfc3339(lease.lease_until),
+        "expires_in": lease.expires_in,
+        "server_time": rfc3339(datetime.fromtimestamp(now, UTC)),
+    }
+
+
+# --- handlers --------------------------------------------------------------------------
+
+
+async def _get(request: web.Request) -> web.StreamResponse:
+    async def run(store: Store, job_id: str, _: dict[str, Any]) -> Lease:
+        lease = await store.get(job_id)
+        if lease is None:
+            raise Rejection(
+                "lease_not_held",
+                f"job {job_id!r} has never been claimed",
+                status=404,
+                job_id=job_id,
+            )
+        return lease
+
+    return await _answer(request, "get", run)
+
+
+async def _post(request: web.Request) -> web.StreamResponse:
+    op = request.match_info["op"]
+    if op not in _REQUIRED:
+        return _reject(request, op, Rejection("not_found", f"no lease operation {op!r}"))
+    return await _answer(request, op, _VERBS[op])
+
+
+async def _wrong_method(request: web.Request) -> web.StreamResponse:
+    op = request.match_info["op"]
+    if op not in _REQUIRED:
+        return _reject(request, op, Rejection("not_found", f"no lease operation {op!r}"))
+    response = problem_response(
+        Rejection("method_not_allowed", f"{request.method} is not allowed here; use POST")
+    )
+    response.headers["Allow"] = "POST"
+    return _finish(request, op, response, "method_not_allowed", {})
+
+
+async def _claim(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+    return await store.claim(job_id, owner=body["owner"], ttl=body["ttl"])
+
+
+async def _renew(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+    return await store.renew(_named(job_id, body), ttl=body.get("ttl"))
+
+
+async def _complete(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+    return await store.complete(_named(job_id, body))
+
+
+async def _release(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+    return await store.release(_named(job_id, body))
+
+
+Verb = Callable[[Store, str, dict[str, Any]], Awaitable[Lease]]
+_VERBS: dict[str, Verb] = {
+    "claim": _claim,
+    "renew": _renew,
+    "complete": _complete,
+    "release": _release,
+}
+
+
+def _named(job_id: str, body: dict[str, Any]) -> Lease:
+    # The store's held verbs only read job_id, owner and generation; the rest is
+    # decided by the stored row, never by what the caller claims it holds.
+    return Lease(job_id, body["owner"], body["generation"], "active", _EPOCH, 0.0)
+
+
+async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamResponse:
+    store = request.app[STORE]
+    facts: dict[str, Any] = {}
+    try:
+        job_id = _job_id(request)
+        facts["job_id"] = job_id
+        body = await _body(request, op) if op in _REQUIRED else {}
+        facts.update(owner=body.get("owner"), generation=body.get("generation"))
+        started = time.perf_counter()
+        try:
+            lease = await verb(store, job_id, body)
+        finally:
+            request.app[METRICS].store_latency.labels(op=f"lease_{op}").observe(
+                time.perf_counter() - started
+            )
+    except Rejection as refused:
+        return _reject(request, op, refused, facts)
+    except ValueError as exc:  # the store's own argument check; nothing was written
+        return _reject(request, op, invalid_request(str(exc), job_id=facts.get("job_id")), facts)
+    except LeaseHeld as exc:
+        retry_after = max(1, math.ceil(exc.expires_in))
+        rejection = Rejection(
+            "lease_held",
+            str(exc),
+            retry_after=retry_after,
+            job_id=exc.job_id,
+            owner=exc.owner,
+            expires_in=exc.expires_in,
+        )
+        return _reject(request, op, rejection, facts)
+    except JobCompleted as exc:
+        return _reject(request, op, Rejection("job_completed", str(exc), job_id=exc.job_id), facts)
+    except LeaseLost as exc:
+        rejection = Rejection(
+            exc.reason,
+            str(exc),
+            job_id=exc.job_id,
+            generation=exc.generation,
+            current_generation=exc.current_generation,
+        )
+        return _reject(request, op, rejection, facts)
+    except StoreUnavailable as exc:
+        request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
+        rejection = Rejection(
+            "store_unavailable", str(exc), retry_after=1, job_id=facts.get("job_id")
+        )
+        return _reject(request, op, rejection, facts)
+    now = store.clock()
+    facts.update(owner=lease.owner, generation=lease.generation)
+    return _finish(request, op, web.json_response(lease_json(lease, now)), "ok", facts)
+
+
+def _reject(
+    request: web.Request, op: str, rejection: Rejection, facts: dict[str, Any] | None = None
+) -> web.StreamResponse:
+    return _finish(request, op, problem_response(rejection), rejection.reason, facts or {})
+
+
+def _finish(
+    request: web.Request,
+    op: str,
+    response: web.StreamResponse,
+    result: str,
+    facts: dict[str, Any],
+) -> web.StreamResponse:
+    request.app[METRICS].lease_ops.labels(op=op, result=result).inc()
+    log.info(
+        "lease_decision",
+        op=op,
+        result=result,
+        status=response.status,
+        job_id=facts.get("job_id"),
+        owner=facts.get("owner"),
+        generation=facts.get("generation"),
+    )
+    return response
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+
+def _job_id(request: web.Request) -> str:
+    job_id = request.match_info["job_id"]
+    # aiohttp leaves an escape that is not UTF-8 (%FF) undecoded; refuse it instead of
+    # reading "%FF" as a job id of its own.
+    raw = request.rel_url.raw_parts[2] if len(request.rel_url.raw_parts) > 2 else job_id
+    try:
+        strict = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        strict = None
+    if strict != job_id:
+        raise invalid_request("job_id in the path is not valid percent-encoded UTF-8")
+    try:
+        return model.validate_ident(job_id, "job_id")
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+async def _body(request: web.Request, op: str) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise Rejection("body_too_large", f"the body must be at most {MAX_BODY} bytes")
+    raw = bytearray()
+    while chunk := await request.content.read(MAX_BODY + 1 - len(raw)):
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise Rejection("body_too_large", f"the body must be at most {MAX_BODY} bytes")
+    try:
+        body = json.loads(bytes(raw))
+    except (ValueError, RecursionError):
+        raise invalid_request("the body is not valid JSON (UTF-8)") from None
+    if not isinstance(body, dict):
+        raise invalid_request(f"the body must be a JSON object, not {type(body).__name__}")
+    allowed = _REQUIRED[op] + _OPTIONAL.get(op, ())
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise invalid_request(
+            f"unknown field {unknown[0]!r}; {op} takes {', '.join(allowed)}", field=unknown[0]
+        )
+    for name in _REQUIRED[op]:
+        if body.get(name) is None:
+            raise invalid_request(f"missing field {name!r}", field=name)
+    checks: dict[str, Callable[[Any], Any]] = {
+        "owner": lambda v: model.validate_ident(v, "owner"),
+        "generation": model.validate_generation,
+        "ttl": model.validate_ttl,
+    }
+    parsed: dict[str, Any] = {}
+    for name in allowed:
+        if body.get(name) is None:
+            continue  # only an optional field can be absent here (renew's ttl)
+        try:
+            parsed[name] = checks[name](body[name])
+        except ValueError as exc:
+            raise invalid_request(str(exc), field=name) from None
+    return parsed

@@ -1,0 +1,262 @@
+"""The lease store over the gateway's lease API (SPEC 3), with the same interface,
+values and errors as the SQLite and PostgreSQL stores.
+
+Every failure to get a clear answer - a connection error, a timeout, a 5xx, an
+answer this client does not understand - is `StoreUnavailable`, so `hold()`
+treats it as a failed renewal and keeps trying until the worker's own deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any, TypeGuard
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+from . import model
+from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from .model import Lease
+
+_LOST_REASONS = frozenset(
+    {
+        "lease_not_held",
+        "stale_generation",
+        "unknown_generation",
+        "job_completed",
+        "lease_expired",
+        "owner_mismatch",
+    }
+)
+
+
+class HTTPLeaseStore:
+    """A lease store reached through a sinkgate gateway's `/leases/...` routes."""
+
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        *,
+        owns_session: bool,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._base = base_url
+        self._session = session
+        self._owns_session = owns_session
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._headers = dict(headers or {})
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        timeout: float = 10.0,  # noqa: ASYNC109 - bounds each later call, not open()
+        session: aiohttp.ClientSession | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> HTTPLeaseStore:
+        """`url` is the gateway's main listener, e.g. `http://gateway:8480` (a path
+        prefix is kept). `timeout` bounds each call; `headers` go with every call
+        (e.g. `Authorization`). A `session` passed in is used and left open."""
+        base = _base_url(url)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError("timeout must be a positive number of seconds")
+        if headers is not None and not (
+            isinstance(headers, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise ValueError("headers must be a dict of str to str")
+        if session is not None and not isinstance(session, aiohttp.ClientSession):
+            raise ValueError(f"session must be an aiohttp.ClientSession, not {type(session)}")
+        owns = session is None
+        return cls(
+            base,
+            session or aiohttp.ClientSession(),
+            owns_session=owns,
+            timeout=float(timeout),
+            headers=headers,
+        )
+
+    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
+        model.validate_ident(job_id, "job_id")
+        owner = model.validate_ident(model.default_owner() if owner is None else owner, "owner")
+        ttl = model.validate_ttl(ttl)
+        status, doc = await self._call("POST", job_id, "claim", {"owner": owner, "ttl": ttl})
+        if status == 200:
+            return _lease(doc)
+        reason = _reason(doc)
+        if reason == "lease_held":
+            expires_in = doc.get("expires_in")
+            holder = doc.get("owner")
+            if isinstance(holder, str) and _is_number(expires_in):
+                raise LeaseHeld(job_id, holder, float(expires_in))
+        elif reason == "job_completed":
+            raise JobCompleted(job_id)
+        raise _unexpected(status, doc)
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
+        it was claimed or last renewed with)."""
+        ttl = None if ttl is None else model.validate_ttl(ttl)
+        return await self._held("renew", lease, ttl)
+
+    async def complete(self, lease: Lease) -> Lease:
+        return await self._held("complete", lease, None)
+
+    async def release(self, lease: Lease) -> Lease:
+        return await self._held("release", lease, None)
+
+    async def get(self, job_id: str) -> Lease | None:
+        model.validate_ident(job_id, "job_id")
+        status, doc = await self._call("GET", job_id, None, None)
+        if status == 200:
+            return _lease(doc)
+        if status == 404 and _reason(doc) == "lease_not_held":
+            return None
+        raise _unexpected(status, doc)
+
+    async def close(self) -> None:
+        if self._owns_session:
+            await self._session.close()
+
+    async def __aenter__(self) -> HTTPLeaseStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+        if not isinstance(lease, Lease):
+            raise ValueError(f"expected a Lease, not {type(lease).__name__}")
+        job_id = model.validate_ident(lease.job_id, "job_id")
+        owner = model.validate_ident(lease.owner, "owner")
+        generation = model.validate_generation(lease.generation)
+        body: dict[str, Any] = {"owner": owner, "generation": generation}
+        if ttl is not None:
+            body["ttl"] = ttl
+        status, doc = await self._call("POST", job_id, op, body)
+        if status == 200:
+            return _lease(doc)
+        reason = _reason(doc)
+        if status == 409 and reason in _LOST_REASONS:
+            current = doc.get("current_generation")
+            raise LeaseLost(
+                job_id,
+                generation,
+                reason,
+                current_generation=current if _is_int(current) else None,
+            )
+        raise _unexpected(status, doc)
+
+    async def _call(
+        self, method: str, job_id: str, op: str | None, body: dict[str, Any] | None
+    ) -> tuple[int, dict[str, Any]]:
+        segment = quote(job_id, safe="")
+        if segment in (".", ".."):
+            # Left bare, a client, proxy or server would read them as path navigation.
+            segment = segment.replace(".", "%2E")
+        path = f"/leases/{segment}" + ("" if op is None else f"/{op}")
+        url = URL(self._base + path, encoded=True)
+        data = None if body is None else json.dumps(body).encode()
+        headers = {**self._headers, "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self._session.request(
+                method, url, data=data, headers=headers, timeout=self._timeout
+            ) as resp:
+                status = resp.status
+                raw = await resp.read()
+        except TimeoutError as exc:
+            raise StoreUnavailable(f"lease API {method} {path} timed out") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise StoreUnavailable(f"lease API {method} {path} failed: {exc!r}") from exc
+        if status >= 500:
+            raise StoreUnavailable(f"lease API {method} {path} answered {status}")
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise StoreUnavailable(
+                f"lease API {method} {path} answered {status} without a JSON object"
+            )
+        return status, doc
+
+    def __repr__(self) -> str:
+        return f"HTTPLeaseStore({self._base!r})"
+
+
+def _base_url(url: object) -> str:
+    if not isinstance(url, str):
+        raise ValueError(f"store URL must be a string, not {type(url).__name__}")
+    try:
+        parsed = URL(url)
+    except ValueError as exc:
+        raise ValueError(f"invalid lease API URL {url!r}: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"lease API URL must be http(s)://host[:port][/prefix], not {url!r}")
+    if parsed.query_string or parsed.fragment:
+        raise ValueError(f"lease API URL must not carry a query or fragment: {url!r}")
+    return str(parsed).rstrip("/")
+
+
+def _reason(doc: dict[str, Any]) -> str | None:
+    reason = doc.get("reason")
+    return reason if isinstance(reason, str) else None
+
+
+def _unexpected(status: int, doc: dict[str, Any]) -> Exception:
+    reason = _reason(doc)
+    detail = doc.get("detail")
+    if status == 400 and reason == "invalid_request":
+        # The gateway validated what this client already should have: same as locally.
+        return ValueError(str(detail or "invalid request"))
+    if reason == "store_unavailable":
+        return StoreUnavailable(f"the gateway's store is unavailable: {detail}")
+    return StoreUnavailable(f"unexpected lease API answer {status} {reason or ''}: {detail}")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _lease(doc: dict[str, Any]) -> Lease:
+    """A lease object of SPEC 3 -> `Lease`; anything malformed is StoreUnavailable."""
+    try:
+        job_id = model.validate_ident(doc.get("job_id"), "job_id")
+        owner = model.validate_ident(doc.get("owner"), "owner")
+        generation = model.validate_generation(doc.get("generation"))
+        state = doc.get("state")
+        if state not in ("free", "active", "done"):
+            raise ValueError(f"unknown state {state!r}")
+        until = doc.get("lease_until")
+        if not isinstance(until, str):
+            raise ValueError("lease_until must be a string")
+        lease_until = datetime.fromisoformat(until)
+        if lease_until.tzinfo is None:
+            raise ValueError("lease_until has no time zone")
+        expires_in = doc.get("expires_in")
+        if not _is_number(expires_in) or not math.isfinite(expires_in) or expires_in < 0:
+            raise ValueError("expires_in must be a non-negative number")
+    except ValueError as exc:
+        raise StoreUnavailable(f"malformed lease from the lease API: {exc}") from exc
+    return Lease(
+        job_id=job_id,
+        owner=owner,
+        generation=generation,
+        state=state,
+        lease_until=lease_until.astimezone(UTC),
+        expires_in=float(expires_in),
+    )
