@@ -1,0 +1,392 @@
+"""The PostgreSQL lease store (asyncpg), with the same semantics and errors as SQLite.
+
+Each operation is one short READ COMMITTED transaction on a pooled connection:
+lock the job's row (`SELECT ... FOR UPDATE`, or `INSERT ... ON CONFLICT DO
+NOTHING` for a job never seen), read the store's clock, ask `leases.model`, write.
+The clock is read only after the row lock is held, so a claim or renewal that
+waited for a competitor is judged at the time it actually decides.
+
+The store's clock is the server's `clock_timestamp()` plus `clock_offset`
+seconds; the offset is sent as a bound parameter with every statement that
+reads the clock, so tests can move time by assigning the attribute. Times are
+stored as epoch seconds in `double precision` columns, the table shape SQLite
+uses, so the gateway's PostgreSQL store can share the table through the
+module-level helpers below inside its own transactions.
+
+PgBouncer (transaction pooling): the store keeps no session state. There are no
+`SET`s (durability is set with `set_config(..., is_local => true)`, which ends
+with the transaction), no session advisory locks (the schema lock is
+`pg_advisory_xact_lock`), no temporary tables, no LISTEN. asyncpg's own
+statement cache is kept by default (`statement_cache_size=100`): it works with
+PgBouncer 1.21+ configured with `max_prepared_statements`; behind an older
+PgBouncer open the store with `statement_cache_size=0`, which makes asyncpg
+re-parse every statement instead of relying on named prepared statements.
+
+Durability: every write transaction raises `synchronous_commit` to `on` when the
+server or role has it `off` (and leaves stronger settings such as
+`remote_apply` alone), so a lease change is flushed to the WAL before the call
+returns, whatever the server's configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import asyncpg  # type: ignore[import-untyped]
+
+from . import model
+from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from .model import Lease, LeaseRow, Reason, State
+
+T = TypeVar("T")
+Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
+
+LEASES_SCHEMA_VERSION = 1
+# "sinkgate" in ASCII: the one advisory lock every sinkgate component takes
+# around its DDL, so that processes starting at once against an empty database
+# do not race each other's CREATE TABLE IF NOT EXISTS (which is not atomic).
+SCHEMA_LOCK_KEY = 0x73696E6B67617465
+
+_LEASES_DDL = """
+CREATE TABLE IF NOT EXISTS sinkgate_schema (
+    component text PRIMARY KEY,
+    version integer NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    job_id text PRIMARY KEY,
+    owner text NOT NULL,
+    generation bigint NOT NULL CHECK (generation >= 1),
+    state text NOT NULL CHECK (state IN ('free', 'active', 'done')),
+    lease_until double precision NOT NULL,
+    ttl double precision NOT NULL
+);
+"""
+
+_LEASE_COLUMNS = "job_id, owner, generation, state, lease_until, ttl"
+_NOW_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8 + $1::float8"
+_DURABLE_SQL = (
+    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
+)
+_GET_SQL = (
+    "SELECT n.now, l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl "
+    "FROM (SELECT extract(epoch FROM clock_timestamp())::float8 + $2::float8 AS now) n "
+    "LEFT JOIN leases l ON l.job_id = $1"
+)
+
+
+# --- helpers shared with the gateway's PostgreSQL store ------------------------------
+
+
+@contextmanager
+def driver_errors(what: str) -> Iterator[None]:
+    """The one place asyncpg and socket errors become `StoreUnavailable`.
+
+    `ClientConfigurationError` (a malformed URL or option) is a `ValueError` and
+    stays one: it is the caller's mistake, not an outage.
+    """
+    try:
+        yield
+    except asyncpg.ClientConfigurationError:
+        raise
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+async def db_now(conn: Conn, clock_offset: float) -> float:
+    """The store's clock: the server's `clock_timestamp()` plus `clock_offset`, epoch s."""
+    now: float = await conn.fetchval(_NOW_SQL, float(clock_offset))
+    return now
+
+
+async def require_durable_commit(conn: Conn) -> None:
+    """Make the current transaction's commit wait for the WAL flush (see module doc)."""
+    await conn.execute(_DURABLE_SQL)
+
+
+async def read_lease_for_update(conn: Conn, job_id: str) -> LeaseRow | None:
+    """The job's lease row, locked until the end of the caller's transaction."""
+    record = await conn.fetchrow(
+        f"SELECT {_LEASE_COLUMNS} FROM leases WHERE job_id = $1 FOR UPDATE", job_id
+    )
+    return None if record is None else _row(record)
+
+
+async def insert_lease(conn: Conn, row: LeaseRow) -> bool:
+    """Insert the first row of a job; False (and nothing written) when a concurrent
+    transaction inserted it first. Waits for that transaction to finish, so a
+    following `read_lease_for_update` sees its row."""
+    inserted = await conn.fetchval(
+        f"INSERT INTO leases ({_LEASE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) "
+        "ON CONFLICT (job_id) DO NOTHING RETURNING true",
+        *_values(row),
+    )
+    return inserted is True
+
+
+async def update_lease(conn: Conn, row: LeaseRow) -> None:
+    """Overwrite a row the caller holds locked (`read_lease_for_update`)."""
+    await conn.execute(
+        "UPDATE leases SET owner = $2, generation = $3, state = $4, lease_until = $5, "
+        "ttl = $6 WHERE job_id = $1",
+        *_values(row),
+    )
+
+
+async def ensure_component(conn: Conn, component: str, version: int) -> None:
+    """Record `component`'s schema version; refuse a database from a newer release.
+
+    Call with `SCHEMA_LOCK_KEY` held (as `ensure_schema` does).
+    """
+    current = await conn.fetchval(
+        "SELECT version FROM sinkgate_schema WHERE component = $1", component
+    )
+    if current is None:
+        await conn.execute(
+            "INSERT INTO sinkgate_schema (component, version) VALUES ($1, $2)", component, version
+        )
+    elif current > version:
+        raise RuntimeError(
+            f"database schema {component} v{current} is newer than this sinkgate (v{version})"
+        )
+    elif current < version:
+        await conn.execute(
+            "UPDATE sinkgate_schema SET version = $2 WHERE component = $1", component, version
+        )
+
+
+async def ensure_schema(conn: Conn) -> None:
+    """Create the lease tables and record component 'leases' at version 1.
+
+    Safe when several processes start at once on an empty database: the DDL runs
+    under a transaction-scoped advisory lock. Runs in its own transaction, or in a
+    savepoint of the caller's (the lock then lasts until the caller commits).
+    """
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+        await conn.execute(_LEASES_DDL)
+        await ensure_component(conn, "leases", LEASES_SCHEMA_VERSION)
+
+
+async def claim_tx(conn: Conn, job_id: str, owner: str, ttl: float, clock_offset: float) -> Lease:
+    """Claim inside the caller's transaction; raises LeaseHeld or JobCompleted."""
+    # Two rounds at most: when a concurrent first claim of the job wins the
+    # insert, the second round decides against the winner's committed row.
+    for _ in range(2):
+        current = await read_lease_for_update(conn, job_id)
+        now = await db_now(conn, clock_offset)
+        refusal = model.claim_refusal(current, now)
+        if refusal is Reason.JOB_COMPLETED:
+            raise JobCompleted(job_id)
+        if refusal is not None:
+            assert current is not None
+            raise LeaseHeld(job_id, current.owner, model.expires_in(current, now))
+        row = model.claimed(current, job_id, owner, ttl, now)
+        if current is not None:
+            await update_lease(conn, row)
+            return Lease.from_row(row, now)
+        if await insert_lease(conn, row):
+            return Lease.from_row(row, now)
+    # Only reachable if the competing row vanished again; leases are never deleted.
+    raise StoreUnavailable(f"the lease row of {job_id!r} changed under a claim; retry")
+
+
+async def held_tx(
+    conn: Conn,
+    op: str,
+    job_id: str,
+    owner: str,
+    generation: int,
+    ttl: float | None,
+    clock_offset: float,
+) -> Lease:
+    """renew / complete / release inside the caller's transaction; raises LeaseLost."""
+    current = await read_lease_for_update(conn, job_id)
+    now = await db_now(conn, clock_offset)
+    refusal = model.hold_refusal(current, generation, owner, now)
+    if refusal is not None:
+        raise LeaseLost(
+            job_id,
+            generation,
+            str(refusal),
+            current_generation=None if current is None else current.generation,
+        )
+    assert current is not None
+    if op == "renew":
+        row = model.renewed(current, current.ttl if ttl is None else ttl, now)
+    elif op == "complete":
+        row = model.completed(current, now)
+    elif op == "release":
+        row = model.released(current, now)
+    else:  # pragma: no cover - programming error
+        raise AssertionError(op)
+    await update_lease(conn, row)
+    return Lease.from_row(row, now)
+
+
+def _row(record: Any) -> LeaseRow:
+    return LeaseRow(
+        record["job_id"],
+        record["owner"],
+        record["generation"],
+        State(record["state"]),
+        record["lease_until"],
+        record["ttl"],
+    )
+
+
+def _values(row: LeaseRow) -> tuple[str, str, int, str, float, float]:
+    return (row.job_id, row.owner, row.generation, str(row.state), row.lease_until, row.ttl)
+
+
+# --- the store -----------------------------------------------------------------------
+
+
+class PostgresLeaseStore:
+    """The lease API on PostgreSQL (see SPEC 3 and 9).
+
+    `clock_offset` (seconds, default 0) is added to the server's clock; tests
+    assign it to move time.
+    """
+
+    def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
+        self._pool = pool
+        self._closed = False
+        self.clock_offset = clock_offset
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        clock_offset: float = 0.0,
+        min_size: int = 1,
+        max_size: int = 10,
+        statement_cache_size: int = 100,
+        connect_timeout: float = 10.0,
+    ) -> PostgresLeaseStore:
+        """Open a pool on `url` (postgresql://...) and create or check the schema."""
+        _validate_open(url, clock_offset, min_size, max_size, statement_cache_size)
+        if not _is_number(connect_timeout) or not 0 < connect_timeout < math.inf:
+            raise ValueError("connect_timeout must be a positive number of seconds")
+        with driver_errors("cannot open the PostgreSQL lease store"):
+            pool = await asyncpg.create_pool(
+                url,
+                min_size=min_size,
+                max_size=max_size,
+                statement_cache_size=statement_cache_size,
+                timeout=connect_timeout,
+            )
+        store = cls(pool, clock_offset=float(clock_offset))
+        try:
+            with driver_errors("cannot create the PostgreSQL lease schema"):
+                async with pool.acquire() as conn:
+                    await ensure_schema(conn)
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
+        model.validate_ident(job_id, "job_id")
+        owner = model.validate_ident(model.default_owner() if owner is None else owner, "owner")
+        ttl = model.validate_ttl(ttl)
+        offset = self._offset()
+        return await self._write(lambda c: claim_tx(c, job_id, owner, ttl, offset))
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
+        it was claimed or last renewed with)."""
+        return await self._held("renew", lease, None if ttl is None else model.validate_ttl(ttl))
+
+    async def complete(self, lease: Lease) -> Lease:
+        return await self._held("complete", lease, None)
+
+    async def release(self, lease: Lease) -> Lease:
+        return await self._held("release", lease, None)
+
+    async def get(self, job_id: str) -> Lease | None:
+        model.validate_ident(job_id, "job_id")
+        offset = self._offset()
+        self._check_open()
+        with driver_errors("PostgreSQL lease read failed"):
+            async with self._pool.acquire() as conn:
+                record = await conn.fetchrow(_GET_SQL, job_id, offset)
+        if record["job_id"] is None:
+            return None
+        return Lease.from_row(_row(record), record["now"])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with driver_errors("closing the PostgreSQL lease store failed"):
+            await self._pool.close()
+
+    async def __aenter__(self) -> PostgresLeaseStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+        job_id, owner, generation = _lease_fields(lease)
+        offset = self._offset()
+        return await self._write(lambda c: held_tx(c, op, job_id, owner, generation, ttl, offset))
+
+    async def _write(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run `fn` in one durable READ COMMITTED transaction on a pooled connection."""
+        self._check_open()
+        with driver_errors("PostgreSQL lease write failed"):
+            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+                await require_durable_commit(conn)
+                return await fn(conn)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+
+    def _offset(self) -> float:
+        offset = self.clock_offset
+        if not _is_number(offset) or not math.isfinite(offset):
+            raise ValueError("clock_offset must be a finite number of seconds")
+        return float(offset)
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _validate_open(
+    url: object, clock_offset: object, min_size: object, max_size: object, cache: object
+) -> None:
+    if not isinstance(url, str) or url.split(":", 1)[0].lower() not in ("postgresql", "postgres"):
+        raise ValueError(f"not a PostgreSQL URL: {url!r} (expected postgresql://...)")
+    if isinstance(clock_offset, bool) or not isinstance(clock_offset, int | float):
+        raise ValueError("clock_offset must be a finite number of seconds")
+    if not math.isfinite(clock_offset):
+        raise ValueError("clock_offset must be a finite number of seconds")
+    sizes = (
+        ("min_size", min_size, 0),
+        ("max_size", max_size, 1),
+        ("statement_cache_size", cache, 0),
+    )
+    for name, value, low in sizes:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}")
+    assert isinstance(min_size, int) and isinstance(max_size, int)
+    if min_size > max_size:
+        raise ValueError("min_size must not exceed max_size")
+
+
+def _lease_fields(lease: object) -> tuple[str, str, int]:
+    if not isinstance(lease, Lease):
+        raise ValueError(f"expected a Lease, not {type(lease).__name__}")
+    return (
+        model.validate_ident(lease.job_id, "job_id"),
+        model.validate_ident(lease.owner, "owner"),
+        model.validate_generation(lease.generation),
+    )

@@ -1,0 +1,102 @@
+"""PostgreSQL for tests: where the server is, whether to skip, a fresh database each.
+
+    reason = await pg_skip_reason()
+    if reason:
+        skip_or_fail(reason)
+    async with fresh_database() as url:
+        store = await open_store(url)
+
+Without a reachable server the PostgreSQL tests skip, except under `CI=true`,
+where they fail: CI must not go green by running nothing. `SINKGATE_TEST_PG`
+names the server (an admin URL allowed to CREATE and DROP DATABASE).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+PG_ADMIN_URL = os.environ.get("SINKGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+CONNECT_TIMEOUT_S = 5.0
+
+_UNCHECKED = object()
+_skip_reason: object = _UNCHECKED
+
+
+async def pg_skip_reason() -> str | None:
+    """None when the server at PG_ADMIN_URL answers, else why not (checked once per process)."""
+    global _skip_reason
+    if _skip_reason is _UNCHECKED:
+        _skip_reason = await _probe()
+    assert _skip_reason is None or isinstance(_skip_reason, str)
+    return _skip_reason
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test, or fail it when the environment says CI=true."""
+    if os.environ.get("CI", "").strip().lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: PostgreSQL tests must run)", pytrace=False)
+    pytest.skip(reason)
+
+
+@asynccontextmanager
+async def fresh_database() -> AsyncIterator[str]:
+    """Create an empty database `sinkgate_t_<hex>`, yield its URL, drop it afterwards.
+
+    Skips (or fails under CI) when the server is unreachable. The drop uses
+    WITH (FORCE), so connections a failed test left open do not keep it alive.
+    """
+    reason = await pg_skip_reason()
+    if reason is not None:
+        skip_or_fail(reason)
+    name = f"sinkgate_t_{secrets.token_hex(8)}"
+    await _admin(f'CREATE DATABASE "{name}"')
+    try:
+        yield database_url(name)
+    finally:
+        await _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def database_url(name: str) -> str:
+    """PG_ADMIN_URL with its database replaced by `name`."""
+    parts = urlsplit(PG_ADMIN_URL)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+async def _admin(sql: str) -> None:
+    conn = await asyncpg.connect(PG_ADMIN_URL, timeout=CONNECT_TIMEOUT_S)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def _probe() -> str | None:
+    try:
+        conn = await asyncpg.connect(PG_ADMIN_URL, timeout=CONNECT_TIMEOUT_S)
+        try:
+            await conn.fetchval("SELECT 1")
+        finally:
+            await conn.close()
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return (
+            f"PostgreSQL not reachable at {_redacted(PG_ADMIN_URL)} "
+            f"({type(exc).__name__}: {exc}); set SINKGATE_TEST_PG to a server's admin URL"
+        )
+    return None
+
+
+def _redacted(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
