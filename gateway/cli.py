@@ -1,0 +1,219 @@
+"""The `sinkgate` command line (SPEC 6): the one place logging is configured and
+the app is run. Subcommands other than `serve` and `check-config` live in their
+own modules, imported only when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from .config import Config, format_duration, format_size, load_config, redact_url
+from .errors import ConfigError, GatewayError
+from .logs import LEVELS, configure_logging
+
+PROG = "sinkgate"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chaos"]:
+        # chaos defines its own flags (and --help): everything after the word is theirs.
+        return _delegate("gateway.chaos", "chaos", argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "check-config":
+        return _check_config(args)
+    if args.command == "demo":
+        return _delegate("gateway.demo", "demo", args)
+    if args.command == "rejections":
+        return _delegate("gateway.admin_cli", "rejections", args)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="A fencing-aware, idempotent sink gateway."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    _add_config(serve)
+    serve.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=os.environ.get("SINKGATE_LOG_LEVEL", "info").lower(),
+        help="minimum level logged (default: $SINKGATE_LOG_LEVEL or info)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: JSON lines unless stderr is a terminal",
+    )
+
+    check = commands.add_parser("check-config", help="validate the config and print a summary")
+    _add_config(check)
+
+    commands.add_parser("demo", help="run the worked example of a stale and a duplicate write")
+
+    rejections = commands.add_parser("rejections", help="list rejected writes")
+    rejections.add_argument(
+        "--admin",
+        metavar="URL",
+        default=os.environ.get("SINKGATE_ADMIN_URL", "http://127.0.0.1:8481"),
+        help="admin listener (default: $SINKGATE_ADMIN_URL or http://127.0.0.1:8481); "
+        "the token is read from $SINKGATE_ADMIN_TOKEN",
+    )
+    rejections.add_argument("--reason", metavar="R", help="only this rejection reason")
+    rejections.add_argument("--job", metavar="J", help="only this job id")
+    rejections.add_argument("--destination", metavar="D", help="only this destination")
+    rejections.add_argument("--since", metavar="WHEN", help="a duration ago (1h) or RFC 3339")
+    rejections.add_argument("--until", metavar="WHEN", help="a duration ago (1h) or RFC 3339")
+    rejections.add_argument(
+        "--limit", metavar="N", type=_limit, default=100, help="at most N rows (1..1000)"
+    )
+    rejections.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    # Listed for --help only: main() hands `chaos ...` over before parsing.
+    commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")
+    return parser
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="gateway config (default: $SINKGATE_CONFIG or config/gateway.toml)",
+    )
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be 1..1000, got {value}")
+    return value
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        _error(str(exc))
+        return 1
+    json = {"auto": None, "json": True, "console": False}[args.log_format]
+    configure_logging(args.log_level, json=json)
+    structlog.get_logger("sinkgate.cli").info(
+        "config_loaded", config=str(config.source), destinations=sorted(config.destinations)
+    )
+
+    from .app import serve
+
+    try:
+        _run(serve(config))
+    except KeyboardInterrupt:
+        # The app stops gracefully on SIGINT itself; this is an interrupt
+        # before its handlers were in place, which SPEC 6 also answers with 0.
+        return 0
+    except (GatewayError, OSError) as exc:
+        # Start-up failures (address in use, store unreachable, a refusal by
+        # the app): one line, not a traceback.
+        _error(str(exc))
+        return 1
+    return 0
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        _error(str(exc))
+        return 1
+    print(summary(config))
+    return 0
+
+
+def summary(config: Config) -> str:
+    """A readable account of `config`; names secrets' variables, never their values."""
+
+    def addr(host_port: tuple[str, int]) -> str:
+        host, port = host_port
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    token = "set" if config.admin_token else "not set"
+    lines = [
+        f"config        {config.source}: OK",
+        f"listen        {addr(config.listen)}",
+        f"admin listen  {addr(config.admin_listen)}",
+        f"store         {redact_url(config.store_url)} (pool size {config.store_pool_size})",
+        f"admin token   {token} (${config.admin_token_env})",
+        f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "
+        f"rejections {format_duration(config.rejections_ttl)}",
+        f"limits        {config.max_in_flight} requests in flight, "
+        f"shutdown grace {format_duration(config.shutdown_grace)}",
+    ]
+    if not config.destinations:
+        lines.append("destinations  none: every write will be refused as unknown_destination")
+        return "\n".join(lines)
+    lines.append(f"destinations  {len(config.destinations)}")
+    width = max(len(name) for name in config.destinations)
+    for name, dest in sorted(config.destinations.items()):
+        headers = ",".join(dest.upstream_header_names) or "none"
+        lines.append(
+            f"  {name:<{width}}  {dest.upstream}  fencing={dest.fencing.value}"
+            f"  methods={','.join(sorted(dest.methods))}"
+            f"  timeout={format_duration(dest.timeout)}"
+            f"  connect_timeout={format_duration(dest.connect_timeout)}"
+            f"  max_body={format_size(dest.max_body)}"
+            f"  idempotency_key={'required' if dest.require_idempotency_key else 'optional'}"
+            f"  auth={'yes' if dest.worker_tokens else 'no'}"
+            f"  upstream_headers={headers}"
+        )
+    return "\n".join(lines)
+
+
+def _delegate(module_name: str, command: str, args: Any) -> int:
+    """Run `module_name.main(args)`, a subcommand that lives in its own module."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # the module exists but one of its imports is missing
+        _error(f"the {command} command is not available in this installation ({module_name})")
+        return 2
+    result = module.main(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The command line (SPEC 6): check-config through the real entry point, the
+subcommands that live in other modules, serve's start-up, and logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from gateway import cli
+from gateway.config import Config
+from gateway.logs import configure_logging
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "config" / "gateway.toml"
+SECRET = "s3cr3t-value-that-must-not-leak"
+
+
+def sinkgate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m gateway ARGS` with no SINKGATE_* variables but those in `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers, root.level = handlers, level
+
+
+# --- check-config, through the real entry point ---------------------------------
+
+
+def test_check_config_on_the_shipped_config_passes_and_lists_destinations() -> None:
+    result = sinkgate("check-config", "--config", "config/gateway.toml")
+    assert result.returncode == 0, result.stderr
+    assert "127.0.0.1:8480" in result.stdout
+    assert "admin token   not set" in result.stdout
+    assert "payments  http://127.0.0.1:9000/api  fencing=lease" in result.stdout
+
+
+def test_check_config_reads_the_path_from_sinkgate_config() -> None:
+    result = sinkgate("check-config", env={"SINKGATE_CONFIG": str(SHIPPED)})
+    assert result.returncode == 0, result.stderr
+    assert "payments" in result.stdout
+
+
+def test_check_config_with_an_unknown_key_exits_1_naming_file_and_key(tmp_path: Path) -> None:
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text('[server]\nlisten = "127.0.0.1:8480"\nlistn = 1\n')
+    result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        'sinkgate: gateway.toml: server.listn: unknown key (did you mean "listen"?)\n'
+    )
+
+
+def test_check_config_with_an_unknown_destination_key_names_the_destination_file(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text("")
+    (tmp_path / "destinations" / "mail.toml").write_text('upstream = "http://h"\nretries = 3\n')
+    result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1
+    assert "destinations/mail.toml: retries: unknown key" in result.stderr
+
+
+def test_check_config_prints_secret_names_never_their_values(tmp_path: Path) -> None:
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text(
+        '[store]\nurl = "postgresql://gw:pg-' + SECRET + '@db/gw"\n'
+    )
+    (tmp_path / "destinations" / "payments.toml").write_text(
+        'upstream = "https://payments.internal/api"\n'
+        'worker_tokens_env = "PAYMENTS_WORKER_TOKENS"\n'
+        "[upstream_headers]\n"
+        'Authorization = { env = "PAYMENTS_API_TOKEN", format = "Bearer {}" }\n'
+        'X-Static = "static-' + SECRET + '"\n'
+    )
+    env = {
+        "PAYMENTS_WORKER_TOKENS": f"w1-{SECRET},w2-{SECRET}",
+        "PAYMENTS_API_TOKEN": f"api-{SECRET}",
+        "SINKGATE_ADMIN_TOKEN": f"admin-{SECRET}",
+    }
+    result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    assert "admin token   set ($SINKGATE_ADMIN_TOKEN)" in result.stdout
+    assert "postgresql://gw:***@db/gw" in result.stdout
+    assert "auth=yes" in result.stdout
+    assert "upstream_headers=Authorization,X-Static" in result.stdout
+
+
+def test_check_config_says_when_there_are_no_destinations(tmp_path: Path) -> None:
+    (tmp_path / "gateway.toml").write_text("")
+    result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 0, result.stderr
+    assert "destinations  none" in result.stdout
+
+
+def test_no_subcommand_prints_help_and_exits_2() -> None:
+    result = sinkgate()
+    assert result.returncode == 2
+    assert "check-config" in result.stderr
+
+
+# --- subcommands living in other modules ----------------------------------------
+
+
+def fake_module(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
+    """Install `name` with a `main` that records its argument and returns 7."""
+    calls: list[Any] = []
+    module = types.ModuleType(name)
+    module.main = lambda arg: calls.append(arg) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def test_chaos_gets_every_argument_after_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "gateway.chaos")
+    argv = ["chaos", "--workers", "5", "--bypass-gateway", "--help", "extra"]
+    assert cli.main(argv) == 7
+    assert calls == [["--workers", "5", "--bypass-gateway", "--help", "extra"]]
+
+
+def test_rejections_passes_its_parsed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "gateway.admin_cli")
+    monkeypatch.delenv("SINKGATE_ADMIN_URL", raising=False)
+    argv = ["rejections", "--reason", "stale_generation", "--since", "1h", "--limit", "5"]
+    assert cli.main(argv) == 7
+    (args,) = calls
+    assert (args.admin, args.reason, args.since, args.limit) == (
+        "http://127.0.0.1:8481",
+        "stale_generation",
+        "1h",
+        5,
+    )
+    assert (args.job, args.destination, args.until, args.json) == (None, None, None, False)
+
+
+def test_rejections_refuses_a_limit_over_1000(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["rejections", "--limit", "5000"])
+    assert info.value.code == 2
+    assert "must be 1..1000" in capsys.readouterr().err
+
+
+def test_demo_runs_the_demo_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "gateway.demo")
+    assert cli.main(["demo"]) == 7
+    assert calls[0].command == "demo"
+
+
+def test_a_missing_subcommand_module_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli._delegate("gateway.no_such_module", "frobnicate", None) == 2
+    assert capsys.readouterr().err == (
+        "sinkgate: the frobnicate command is not available in this installation "
+        "(gateway.no_such_module)\n"
+    )
+
+
+# --- serve -----------------------------------------------------------------------
+
+
+def test_serve_with_a_bad_config_exits_1_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "gateway.toml").write_text("[server]\nlisten = 1\n")
+    assert cli.main(["serve", "--config", str(tmp_path / "gateway.toml")]) == 1
+    assert capsys.readouterr().err.startswith("sinkgate: gateway.toml: server.listen: expected")
+
+
+def test_serve_runs_the_app_with_the_loaded_config(
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+) -> None:
+    served: list[Config] = []
+
+    async def serve(config: Config) -> None:
+        served.append(config)
+
+    app = types.ModuleType("gateway.app")
+    app.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gateway.app", app)
+    assert cli.main(["serve", "--config", str(SHIPPED), "--log-format", "json"]) == 0
+    assert [c.source for c in served] == [SHIPPED]
+
+
+# --- logging -------------------------------------------------------------------------
+
+
+def test_json_logs_carry_level_utc_time_and_bound_context(
+    capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    configure_logging("info", json=True)
+    log = structlog.get_logger()
+    with structlog.contextvars.bound_contextvars(destination="payments"):
+        log.debug("not_shown")
+        log.info("forwarded", status=201)
+        logging.getLogger("aiohttp.access").info("GET %s", "/x")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [line["event"] for line in lines] == ["forwarded", "GET /x"]
+    first = lines[0]
+    assert (first["level"], first["destination"], first["status"]) == ("info", "payments", 201)
+    assert first["timestamp"].endswith("Z")
+    assert lines[1]["logger"] == "aiohttp.access"
+
+
+def test_unknown_log_level_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging("loud")
