@@ -1,0 +1,102 @@
+"""Shared fixtures: a movable clock, and one lease store per backend.
+
+`lease_backend` runs a test on every backend (SQLite always; PostgreSQL when a
+server is reachable, and as a failure instead of a skip under CI=true). Each
+backend's clock can be moved with `.advance(seconds)`, so no test sleeps for a
+lease to expire.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from leases.sqlite import SQLiteLeaseStore
+
+EPOCH_START = 1_700_000_000.0
+
+
+class FakeClock:
+    """A clock that stands still until told to move: call it for the current time."""
+
+    def __init__(self, start: float = EPOCH_START) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class LeaseBackend:
+    """A lease store plus the handle that moves the clock its decisions use."""
+
+    name: str
+    store: Any
+    _advance: Callable[[float], None]
+
+    def advance(self, seconds: float) -> None:
+        """Move the store's clock forward by `seconds`."""
+        self._advance(seconds)
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+def _skip_without(reason: str) -> NoReturn:
+    """Skip (or, under CI=true, fail) when a part the postgres backend needs is missing."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@asynccontextmanager
+async def _postgres_backend() -> AsyncIterator[LeaseBackend]:
+    # Imported lazily: the PostgreSQL helpers and backend are optional for SQLite runs.
+    try:
+        from tests.pg import fresh_database, pg_skip_reason, skip_or_fail
+    except ImportError as exc:
+        _skip_without(f"PostgreSQL test helpers unavailable (tests/pg.py): {exc}")
+    try:
+        from leases.postgres import PostgresLeaseStore
+    except ImportError as exc:
+        skip_or_fail(f"PostgreSQL lease backend unavailable (leases/postgres.py): {exc}")
+    reason = await pg_skip_reason()
+    if reason is not None:
+        skip_or_fail(reason)
+    async with fresh_database() as url:
+        store = await PostgresLeaseStore.open(url, clock_offset=0.0)
+
+        def advance(seconds: float) -> None:
+            store.clock_offset += seconds
+
+        try:
+            yield LeaseBackend("postgres", store, advance)
+        finally:
+            await store.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def lease_backend(
+    request: pytest.FixtureRequest, tmp_path: Path, fake_clock: FakeClock
+) -> AsyncIterator[LeaseBackend]:
+    """A fresh, empty lease store on each backend, with a movable store clock."""
+    if request.param == "sqlite":
+        store = await SQLiteLeaseStore.open(tmp_path / "leases.db", clock=fake_clock)
+        try:
+            yield LeaseBackend("sqlite", store, fake_clock.advance)
+        finally:
+            await store.close()
+        return
+    async with _postgres_backend() as backend:
+        yield backend
