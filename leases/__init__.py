@@ -6,11 +6,12 @@ async with hold(store, "job-42", owner="worker-a", ttl=30.0) as lease:
 """
 
 from .errors import JobCompleted, LeaseError, LeaseHeld, LeaseLost, StoreUnavailable
-from .hold import Hold, hold
+from .hold import Hold, HeldLease, hold
 from .model import Lease, Reason, default_owner
 from .store import LeaseStore, open_store
 
 __all__ = [
+    "HeldLease",
     "Hold",
     "JobCompleted",
     "Lease",

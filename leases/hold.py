@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import structlog
@@ -60,6 +61,18 @@ class Hold:
             raise self.lost
 
 
+@dataclass(frozen=True, slots=True)
+class HeldLease(Lease):
+    """The `Lease` that `hold()` yields; `hold` is its live state, so a writer
+    given this lease can refuse to send once the lease is lost."""
+
+    hold: Hold = field(compare=False, repr=False, kw_only=True)
+
+
+def _held(lease: Lease, state: Hold) -> HeldLease:
+    return HeldLease(**{f.name: getattr(lease, f.name) for f in fields(Lease)}, hold=state)
+
+
 @asynccontextmanager
 async def hold(
     store: LeaseStore,
@@ -71,8 +84,8 @@ async def hold(
     renew_fraction: float = 1 / 3,
     safety_margin: float = 0.05,
     monotonic: Callable[[], float] = time.monotonic,
-) -> AsyncIterator[Lease]:
-    """Claim `job_id`, yield the `Lease`, renew it in the background.
+) -> AsyncIterator[HeldLease]:
+    """Claim `job_id`, yield the `Lease` (a `HeldLease`), renew it in the background.
 
     `on_exit` says what a normal exit of the body does: "complete" (default,
     marks the job done), "release" (frees it for another claim) or "keep" (leave
@@ -131,7 +144,7 @@ async def hold(
 
     renewer = asyncio.create_task(watchdog(), name=f"lease-renewal:{job_id}")
     try:
-        yield lease
+        yield _held(lease, state)
     except asyncio.CancelledError:
         if cancelled_by_us and body.uncancel() == 0:
             assert state.lost is not None

@@ -1,0 +1,239 @@
+"""`sinkgate demo`: the worked example of SPEC 1, end to end, in one process.
+
+A temporary SQLite store, the real gateway on a free loopback port, a real
+recording destination, and two workers using the real client (the HTTP lease
+store and `FencedWriter`) with real short TTLs:
+
+  A claims generation 7 and pauses past its lease; B claims generation 8;
+  A's late completion is refused; A's delayed write is refused by the gateway
+  and never reaches the destination; B's write lands; B's duplicate is replayed
+  and the destination sees it once.
+
+Each step states what the contract expects; the exit code is 0 only if every
+step behaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from aiohttp import web
+
+from leases import JobCompleted, LeaseLost, open_store
+from leases.writer import FencedWriter, GatewayRejected
+
+from .app import create_app
+from .config import Config, DestinationConfig
+from .logs import configure_logging
+
+JOB = "job-42"
+PAUSE_S = 0.6
+TTL_A = 0.3
+
+
+@dataclass
+class Effect:
+    job_id: str
+    generation: str
+    key: str
+    path: str
+    body: bytes
+
+
+@dataclass
+class Recorder:
+    """The destination: applies every request it receives and remembers it."""
+
+    effects: list[Effect] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        effect = Effect(
+            request.headers.get("Fencing-Job", "?"),
+            request.headers.get("Fencing-Token", "?"),
+            request.headers.get("Idempotency-Key", "?"),
+            request.raw_path,
+            body,
+        )
+        self.effects.append(effect)
+        return web.json_response(
+            {"charge_id": f"ch_{len(self.effects)}", "applied_by_generation": effect.generation},
+            status=201,
+        )
+
+
+@asynccontextmanager
+async def _serve(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+class Timeline:
+    def __init__(self, out: Callable[[str], None]) -> None:
+        self.out = out
+        self.started = time.monotonic()
+        self.results: list[bool] = []
+
+    def say(self, who: str, what: str, outcome: str = "", ok: bool | None = None) -> None:
+        mark = "" if ok is None else ("  ok" if ok else "  UNEXPECTED")
+        if ok is not None:
+            self.results.append(ok)
+        elapsed = time.monotonic() - self.started
+        self.out(f"{elapsed:7.3f}s  {who:<11} {what:<52} {outcome}{mark}")
+
+
+async def run_demo(out: Callable[[str], None] = print) -> bool:
+    """Run the worked example; True when every step behaved as the contract says."""
+    recorder = Recorder()
+    upstream_app = web.Application()
+    upstream_app.router.add_route("*", "/{tail:.*}", recorder.handle)
+    with tempfile.TemporaryDirectory(prefix="sinkgate-demo-") as tmp:
+        async with _serve(upstream_app) as upstream_url:
+            config = _config(Path(tmp), upstream_url)
+            async with _serve(create_app(config)) as gateway_url:
+                out(f"gateway      {gateway_url}   (store: temporary SQLite, lease fencing)")
+                out(f"destination  {upstream_url}/payments   (records every effect it applies)")
+                out("")
+                timeline = Timeline(out)
+                await _worked_example(gateway_url, recorder, timeline)
+                out("")
+                out(f"destination received {len(recorder.effects)} effect(s):")
+                for e in recorder.effects:
+                    out(f"  job={e.job_id} generation={e.generation} key={e.key} {e.path}")
+                behaved = sum(timeline.results)
+                out("")
+                out(f"{behaved}/{len(timeline.results)} steps behaved as the contract says")
+                return all(timeline.results) and bool(timeline.results)
+
+
+async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> None:
+    store = await open_store(gateway_url)
+    async with store:
+        for _ in range(6):  # earlier attempts of the job, so that A gets generation 7
+            earlier = await store.claim(JOB, owner="setup", ttl=5)
+            await store.release(earlier)
+        t.say("setup", f"{JOB} claimed and released 6 times", f"generation {earlier.generation}")
+
+        a = await store.claim(JOB, owner="worker-a", ttl=TTL_A)
+        t.say(
+            "worker A",
+            f"claim {JOB} (ttl {TTL_A}s)",
+            f"generation {a.generation}",
+            a.generation == 7,
+        )
+        writer_a = FencedWriter(gateway_url, a, max_retries=0)
+
+        t.say("worker A", f"pauses {PAUSE_S}s (GC, VM freeze): no renewals")
+        await asyncio.sleep(PAUSE_S)
+
+        b = await store.claim(JOB, owner="worker-b", ttl=10)
+        t.say(
+            "worker B",
+            f"claim {JOB} after A's lease expired",
+            f"generation {b.generation}",
+            b.generation == 8,
+        )
+        writer_b = FencedWriter(gateway_url, b)
+
+        try:
+            await store.complete(a)
+            t.say("worker A", "complete with generation 7", "accepted", False)
+        except LeaseLost as exc:
+            t.say(
+                "worker A",
+                "complete with generation 7",
+                f"refused: {exc.reason}",
+                exc.reason == "stale_generation",
+            )
+
+        charge = {"amount": 1999, "currency": "EUR", "customer": "c_1"}
+        try:
+            result = await writer_a.post("payments", "/charges", json=charge, step="charge")
+            t.say(
+                "worker A",
+                "POST /to/payments/charges (generation 7)",
+                f"{result.status} forwarded",
+                False,
+            )
+        except GatewayRejected as exc:
+            t.say(
+                "worker A",
+                "POST /to/payments/charges (generation 7)",
+                f"{exc.status} {exc.reason} (rejection #{exc.rejection_id})",
+                exc.reason == "stale_generation" and not recorder.effects,
+            )
+
+        first = await writer_b.post("payments", "/charges", json=charge, step="charge")
+        t.say(
+            "worker B",
+            "POST /to/payments/charges (generation 8)",
+            f"{first.status} applied",
+            first.status == 201 and not first.replayed,
+        )
+        again = await writer_b.post("payments", "/charges", json=charge, step="charge")
+        t.say(
+            "worker B",
+            "same write again (a retry after a lost answer)",
+            f"{again.status} replayed" if again.replayed else f"{again.status} forwarded",
+            again.replayed and again.body == first.body,
+        )
+        done = await store.complete(b)
+        t.say("worker B", "complete with generation 8", f"state {done.state}", done.state == "done")
+        try:
+            await store.claim(JOB, owner="worker-c", ttl=5)
+            t.say("worker C", f"claim {JOB}", "claimed", False)
+        except JobCompleted as exc:
+            t.say("worker C", f"claim {JOB}", f"refused: {exc.reason}", True)
+
+        applied = [(e.generation, e.key) for e in recorder.effects]
+        t.say(
+            "destination",
+            "effects applied for the job",
+            ", ".join(f"gen {g}" for g, _ in applied) or "none",
+            applied == [("8", applied[0][1])] if applied else False,
+        )
+        await writer_a.close()
+        await writer_b.close()
+
+
+def _config(tmp: Path, upstream_url: str) -> Config:
+    payments = DestinationConfig(
+        name="payments",
+        upstream=f"{upstream_url}/payments",
+        timeout=5.0,
+        connect_timeout=1.0,
+        source=tmp / "destinations" / "payments.toml",
+    )
+    return Config(
+        source=tmp / "gateway.toml",
+        listen=("127.0.0.1", 0),
+        admin_listen=("127.0.0.1", 0),
+        store_url=f"sqlite:///{tmp / 'sinkgate.db'}",
+        destinations=MappingProxyType({"payments": payments}),
+        shutdown_grace=2.0,
+    )
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    """Entry point of `sinkgate demo`."""
+    del args
+    configure_logging("warning")  # the timeline is the output; decisions are in it
+    ok = asyncio.run(run_demo())
+    print("demo passed" if ok else "demo FAILED: a step did not behave", file=sys.stdout)
+    return 0 if ok else 1
