@@ -20,6 +20,7 @@ from .errors import Rejection
 from .handlers import WriteGateway, parse_target
 from .lease_api import add_lease_routes
 from .metrics import Metrics
+from .openapi import add_openapi_route
 from .problem import problem_response
 from .store import Clock, Store, open_store
 from .upstream import Upstreams
@@ -77,6 +78,7 @@ def create_app(
 
     app.cleanup_ctx.append(resources)
     add_lease_routes(app)
+    add_openapi_route(app)
     add_health_routes(app, _OpenedStore(app))  # type: ignore[arg-type]
     return app
 

@@ -1,0 +1,519 @@
+"""The OpenAPI 3.1 document of the lease API, the admin API and the write route,
+served at `GET /openapi.json` on the main listener.
+
+Built from the same tables the handlers use (reason codes and their statuses,
+the id alphabet, the ttl range), so the document cannot drift from them
+silently; `tests/test_openapi.py` runs schemathesis against a live gateway to
+check that the server answers what the document says.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+from aiohttp import web
+
+from leases.model import MAX_GENERATION, TTL_MAX, TTL_MIN
+
+from .errors import STATUS_BY_REASON
+
+IDENT_PATTERN = "^[\\x21-\\x7e]{1,256}$"
+PROBLEM_JSON = "application/problem+json"
+
+_LEASE_FAILURES = (
+    "lease_not_held",
+    "stale_generation",
+    "unknown_generation",
+    "job_completed",
+    "lease_expired",
+    "owner_mismatch",
+)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    kind = schema["type"]
+    return {**schema, "type": [kind, "null"]}
+
+
+def _problem(description: str, *reasons: str) -> dict[str, Any]:
+    """A problem+json answer; `reasons` lists the reason codes it can carry."""
+    schema: dict[str, Any] = _ref("Problem")
+    if reasons:
+        schema = {"allOf": [schema, {"properties": {"reason": {"enum": list(reasons)}}}]}
+    return {
+        "description": description,
+        "headers": {"Sinkgate-Rejected": {"$ref": "#/components/headers/SinkgateRejected"}},
+        "content": {PROBLEM_JSON: {"schema": schema}},
+    }
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_STRING = {"type": "string"}
+_INT = {"type": "integer"}
+_GENERATION = {"type": "integer", "minimum": 1, "maximum": MAX_GENERATION}
+_TIME = {"type": "string", "format": "date-time"}
+_OWNER = {"type": "string", "pattern": IDENT_PATTERN}
+_TTL = {"type": "number", "minimum": TTL_MIN, "maximum": TTL_MAX}
+
+_SCHEMAS: dict[str, Any] = {
+    "Problem": {
+        "type": "object",
+        "description": "RFC 9457 problem details; every error the gateway makes itself.",
+        "required": ["type", "title", "status", "detail", "reason"],
+        "properties": {
+            "type": {"type": "string", "format": "uri"},
+            "title": _STRING,
+            "status": {"type": "integer", "minimum": 400, "maximum": 599},
+            "detail": _STRING,
+            "reason": {"type": "string", "enum": sorted(set(STATUS_BY_REASON) - {"duplicate"})},
+            "destination": _STRING,
+            "job_id": _STRING,
+            "owner": _STRING,
+            "generation": _INT,
+            "current_generation": _INT,
+            "highest_generation": _INT,
+            "rejection_id": _INT,
+            "expires_in": {"type": "number", "minimum": 0},
+            "field": _STRING,
+        },
+    },
+    "Lease": {
+        "type": "object",
+        "required": [
+            "job_id",
+            "owner",
+            "generation",
+            "state",
+            "lease_until",
+            "expires_in",
+            "server_time",
+        ],
+        "additionalProperties": False,
+        "properties": {
+            "job_id": {"type": "string", "pattern": IDENT_PATTERN},
+            "owner": _OWNER,
+            "generation": _GENERATION,
+            "state": {"type": "string", "enum": ["free", "active", "done"]},
+            "lease_until": _TIME,
+            "expires_in": {"type": "number", "minimum": 0},
+            "server_time": _TIME,
+        },
+    },
+    "ClaimRequest": {
+        "type": "object",
+        "required": ["owner", "ttl"],
+        "additionalProperties": False,
+        "properties": {"owner": _OWNER, "ttl": _TTL},
+    },
+    "RenewRequest": {
+        "type": "object",
+        "required": ["owner", "generation"],
+        "additionalProperties": False,
+        "properties": {
+            "owner": _OWNER,
+            "generation": _GENERATION,
+            # null, like absent, keeps the ttl the lease was claimed with
+            "ttl": {**_TTL, "type": ["number", "null"]},
+        },
+    },
+    "HeldRequest": {
+        "type": "object",
+        "required": ["owner", "generation"],
+        "additionalProperties": False,
+        "properties": {"owner": _OWNER, "generation": _GENERATION},
+    },
+    "Rejection": {
+        "type": "object",
+        "required": ["id", "at", "reason"],
+        "properties": {
+            "id": _INT,
+            "at": _TIME,
+            "destination": _nullable(_STRING),
+            "method": _nullable(_STRING),
+            "path": _nullable(_STRING),
+            "job_id": _nullable(_STRING),
+            "generation": _nullable(_INT),
+            "owner": _nullable(_STRING),
+            "idempotency_key": _nullable(_STRING),
+            "reason": _STRING,
+            "detail": _nullable(_STRING),
+            "current_generation": _nullable(_INT),
+            "highest_generation": _nullable(_INT),
+            "remote": _nullable(_STRING),
+            "body_sha256": _nullable(_STRING),
+            "body_bytes": _nullable(_INT),
+        },
+    },
+    "RejectionPage": {
+        "type": "object",
+        "required": ["items", "next_cursor"],
+        "properties": {
+            "items": {"type": "array", "items": _ref("Rejection")},
+            "next_cursor": _nullable(_STRING),
+        },
+    },
+    "JobState": {
+        "type": "object",
+        "required": ["job_id", "server_time", "lease", "highest_generation", "in_flight"],
+        "properties": {
+            "job_id": _STRING,
+            "server_time": _TIME,
+            "lease": {
+                "type": ["object", "null"],
+                "properties": {
+                    "job_id": _STRING,
+                    "owner": _STRING,
+                    "generation": _INT,
+                    "state": {"type": "string", "enum": ["free", "active", "done"]},
+                    "lease_until": _TIME,
+                    "expires_in": {"type": "number", "minimum": 0},
+                },
+            },
+            "highest_generation": _nullable(_INT),
+            "in_flight": {"type": "array", "items": {"type": "object"}},
+            "recent_rejections": {"type": "array", "items": _ref("Rejection")},
+        },
+    },
+    "KeyRecord": {
+        "type": "object",
+        "required": ["destination", "key", "state", "fingerprint", "attempts"],
+        "properties": {
+            "destination": _STRING,
+            "key": _STRING,
+            "state": {"type": "string", "enum": ["in_flight", "completed", "unknown"]},
+            "fingerprint": _STRING,
+            "status": _nullable(_INT),
+            "attempts": _INT,
+            "job_id": _STRING,
+            "generation": _INT,
+            "owner": _nullable(_STRING),
+            "created_at": _TIME,
+            "updated_at": _TIME,
+            "completed_at": _nullable(_TIME),
+            "deadline": _TIME,
+            "response_headers": {"type": "array"},
+            "body_bytes": _INT,
+            "body_sha256": _nullable(_STRING),
+            "body_omitted": {"type": "boolean"},
+        },
+    },
+    "Status": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {"status": {"type": "string", "enum": ["ok"]}},
+    },
+}
+
+_JOB_ID_PARAM = {
+    "name": "job_id",
+    "in": "path",
+    "required": True,
+    "description": "Percent-decoded; 1-256 visible ASCII characters (0x21-0x7E).",
+    "schema": {"type": "string", "pattern": IDENT_PATTERN},
+}
+_ADMIN_SERVERS = [
+    {
+        "url": "http://{admin_listen}",
+        "description": "the admin listener (`[server] admin_listen`), not the main one",
+        "variables": {"admin_listen": {"default": "127.0.0.1:8481"}},
+    }
+]
+_ADMIN_SECURITY = [{"adminToken": []}]
+_INVALID = _problem("malformed request", "invalid_request")
+_STORE_DOWN = _problem("the store does not answer", "store_unavailable")
+_UNAUTHORIZED = _problem("missing or wrong admin token", "unauthorized")
+_NOT_FOUND = _problem("nothing with this id", "not_found")
+
+
+def _lease_verb(summary: str, body: str, failures: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "tags": ["leases"],
+            "parameters": [_JOB_ID_PARAM],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(body)}},
+            },
+            "responses": {
+                "200": _json("the lease after the operation", _ref("Lease")),
+                "400": _INVALID,
+                "409": _problem("refused; the lease is unchanged", *failures),
+                "413": _problem("body over 64 KiB", "body_too_large"),
+                "503": _STORE_DOWN,
+            },
+        }
+    }
+
+
+def _admin_get(
+    summary: str, schema: dict[str, Any], params: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "servers": _ADMIN_SERVERS,
+        "get": {
+            "summary": summary,
+            "tags": ["admin"],
+            "security": _ADMIN_SECURITY,
+            "parameters": params,
+            "responses": {
+                "200": _json(summary, schema),
+                "400": _INVALID,
+                "401": _UNAUTHORIZED,
+                "404": _NOT_FOUND,
+                "503": _STORE_DOWN,
+            },
+        },
+    }
+
+
+def _or_empty(schema: dict[str, Any]) -> dict[str, Any]:
+    """An empty filter means "not set", as an HTML form sends it."""
+    return {"anyOf": [schema, {"type": "string", "maxLength": 0}]}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _write_operation(method: str) -> dict[str, Any]:
+    header = _fencing_header_params()
+    gateway_refusals = {
+        "400": _problem(
+            "fencing headers, key or path malformed",
+            "missing_fencing_token",
+            "invalid_fencing_token",
+            "missing_idempotency_key",
+            "invalid_idempotency_key",
+            "invalid_path",
+        ),
+        "401": _problem("worker token missing or wrong", "unauthorized"),
+        "404": _problem("unknown destination", "unknown_destination"),
+        "405": _problem("method not allowed for this destination", "method_not_allowed"),
+        "408": _problem("the body did not arrive in time", "request_timeout"),
+        "409": _problem(
+            "refused by the fence, the barrier or the key's state",
+            *_LEASE_FAILURES,
+            "older_generation_in_flight",
+            "request_in_progress",
+            "outcome_unknown",
+        ),
+        "413": _problem("body over the destination's max_body", "body_too_large"),
+        "422": _problem("key reused with another request", "idempotency_key_reused"),
+        "502": _problem(
+            "the upstream could not be reached or dropped the connection",
+            "upstream_unreachable",
+            "upstream_disconnected",
+        ),
+        "503": _problem("overloaded or the store is down", "overloaded", "store_unavailable"),
+        "504": _problem("no upstream answer within the timeout", "upstream_timeout"),
+    }
+    return {
+        "summary": f"{method.upper()} a write through the gateway",
+        "description": (
+            "Forwarded to `{upstream}/{path}?{query}` of the destination after the fence "
+            "and idempotency checks (SPEC 2). `path` may contain `/` and may be empty. "
+            "Answers carrying `Sinkgate-Rejected` are the gateway's own (problem+json); "
+            "every other answer, of any status, is the upstream's, relayed as it is "
+            "(`Idempotent-Replayed: true` on a replay)."
+        ),
+        "tags": ["writes"],
+        "security": [{}, {"workerToken": []}],
+        "parameters": [
+            {"name": "destination", "in": "path", "required": True, "schema": _STRING},
+            {"name": "path", "in": "path", "required": True, "schema": _STRING},
+            *header,
+        ],
+        "requestBody": {"required": False, "content": {"*/*": {"schema": {}}}},
+        "responses": {
+            **gateway_refusals,
+            "default": {
+                "description": "the upstream's answer, relayed (or replayed)",
+                "headers": {
+                    "Idempotent-Replayed": {
+                        "description": "`true` on a replay of a stored answer",
+                        "schema": {"type": "string", "enum": ["true"]},
+                    }
+                },
+            },
+        },
+    }
+
+
+def _fencing_header_params() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "Fencing-Job",
+            "in": "header",
+            "required": True,
+            "schema": {"type": "string", "pattern": IDENT_PATTERN},
+        },
+        {
+            "name": "Fencing-Token",
+            "in": "header",
+            "required": True,
+            "description": "The lease generation: `[1-9][0-9]*`, at most 2^63-1.",
+            "schema": {"type": "string", "pattern": "^[1-9][0-9]{0,18}$"},
+        },
+        {
+            "name": "Fencing-Owner",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "pattern": IDENT_PATTERN},
+        },
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "description": "Required unless the destination sets require_idempotency_key = false.",
+            "schema": {"type": "string", "pattern": '^("?)[\\x21-\\x7e]{1,255}\\1$'},
+        },
+    ]
+
+
+def _health(summary: str, admin: bool) -> dict[str, Any]:
+    path: dict[str, Any] = {
+        "get": {
+            "summary": summary,
+            "tags": ["health"],
+            "responses": {"200": _json("ok", _ref("Status")), "503": _STORE_DOWN},
+        }
+    }
+    if admin:
+        path["servers"] = _ADMIN_SERVERS
+    return path
+
+
+def build_document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document as a fresh dict."""
+    renew_failures = _LEASE_FAILURES
+    paths: dict[str, Any] = {
+        "/leases/{job_id}": {
+            "get": {
+                "summary": "the job's lease",
+                "tags": ["leases"],
+                "parameters": [_JOB_ID_PARAM],
+                "responses": {
+                    "200": _json("the lease", _ref("Lease")),
+                    "400": _INVALID,
+                    "404": _problem("never claimed", "lease_not_held"),
+                    "503": _STORE_DOWN,
+                },
+            }
+        },
+        "/leases/{job_id}/claim": _lease_verb(
+            "claim the job (generation + 1)", "ClaimRequest", ("lease_held", "job_completed")
+        ),
+        "/leases/{job_id}/renew": _lease_verb("renew a held lease", "RenewRequest", renew_failures),
+        "/leases/{job_id}/complete": _lease_verb(
+            "mark the job done", "HeldRequest", renew_failures
+        ),
+        "/leases/{job_id}/release": _lease_verb(
+            "give the lease up (state free)", "HeldRequest", renew_failures
+        ),
+        "/to/{destination}/{path}": {
+            m: _write_operation(m) for m in ("post", "put", "patch", "delete")
+        },
+        "/healthz": _health("liveness (main listener; also on the admin one)", admin=False),
+        "/readyz": _health("readiness: the store answers", admin=False),
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "tags": ["meta"],
+                "responses": {"200": _json("OpenAPI 3.1", {"type": "object"})},
+            }
+        },
+        "/admin/rejections": _admin_get(
+            "rejected writes, newest first",
+            _ref("RejectionPage"),
+            [
+                _query("destination", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
+                _query("job_id", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
+                _query("reason", _or_empty({"type": "string", "enum": sorted(STATUS_BY_REASON)})),
+                _query("since", _or_empty({"type": "string", "format": "date-time"})),
+                _query("until", _or_empty({"type": "string", "format": "date-time"})),
+                _query("limit", _or_empty({"type": "integer", "minimum": 1, "maximum": 1000})),
+                _query("cursor", {"type": "string"}),
+            ],
+        ),
+        "/admin/rejections/{id}": _admin_get(
+            "one rejected write",
+            _ref("Rejection"),
+            [{"name": "id", "in": "path", "required": True, "schema": _STRING}],
+        ),
+        "/admin/jobs/{job_id}": _admin_get(
+            "the lease and fence state of a job", _ref("JobState"), [_JOB_ID_PARAM]
+        ),
+        "/admin/keys/{destination}/{key}": _admin_get(
+            "an idempotency record",
+            _ref("KeyRecord"),
+            [
+                {"name": "destination", "in": "path", "required": True, "schema": _STRING},
+                {"name": "key", "in": "path", "required": True, "schema": _STRING},
+            ],
+        ),
+        "/metrics": {
+            "servers": _ADMIN_SERVERS,
+            "get": {
+                "summary": "Prometheus text format (admin listener, no token)",
+                "tags": ["admin"],
+                "responses": {
+                    "200": {
+                        "description": "metrics",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            },
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "sinkgate",
+            "version": "1",
+            "description": (
+                "A fencing-aware, idempotent sink gateway. The lease API, the write route and "
+                "this document are on the main listener; /admin and /metrics on the admin "
+                "listener."
+            ),
+        },
+        "servers": [{"url": "http://127.0.0.1:8480", "description": "the main listener"}],
+        "paths": paths,
+        "components": {
+            "schemas": _SCHEMAS,
+            "headers": {
+                "SinkgateRejected": {
+                    "description": "the reason code: this answer is the gateway's own",
+                    "required": True,
+                    "schema": {"type": "string"},
+                }
+            },
+            "securitySchemes": {
+                "adminToken": {"type": "http", "scheme": "bearer"},
+                "workerToken": {"type": "http", "scheme": "bearer"},
+            },
+        },
+    }
+
+
+@cache
+def _serialized() -> bytes:
+    return json.dumps(build_document(), separators=(",", ":")).encode()
+
+
+def add_openapi_route(app: web.Application) -> None:
+    """Serve the document at `GET /openapi.json`."""
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=_serialized(), content_type="application/json")
+
+    app.router.add_get("/openapi.json", openapi)
