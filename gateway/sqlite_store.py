@@ -454,4 +454,12 @@ def _purge_tx(
         "ORDER BY id LIMIT ?)",
         (rejections_before, batch),
     ).rowcount
+    # An attempt whose gateway died never deletes its own row; past its deadline it
+    # no longer bars anything (reads only look at deadline > now), so once it is
+    # as old as a purgeable key it is garbage.
+    conn.execute(
+        "DELETE FROM attempts WHERE rowid IN (SELECT rowid FROM attempts WHERE deadline < ? "
+        "LIMIT ?)",
+        (completed_before, batch),
+    )
     return keys, rejections

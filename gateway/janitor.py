@@ -1,0 +1,94 @@
+"""Retention: delete completed idempotency records and old rejections, a little at a time.
+
+Each store call deletes at most `batch` rows of each kind in one short
+transaction, so a purge never holds the write lock long enough to stall the
+writes queued behind it; between batches the loop yields to the event loop.
+In-flight and unknown-outcome records are never deleted: the store's `purge`
+only ever selects completed keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from .errors import StoreUnavailable
+from .metrics import Metrics
+from .store import Store
+
+log = structlog.get_logger("sinkgate.janitor")
+
+
+async def purge_once(
+    store: Store,
+    metrics: Metrics,
+    *,
+    idempotency_ttl: float,
+    rejections_ttl: float,
+    batch: int = 500,
+) -> tuple[int, int]:
+    """One retention pass; returns (keys, rejections) deleted.
+
+    The cut-offs are fixed at the start of the pass by the store's clock, so a
+    pass ends even while new records keep arriving.
+    """
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    now = store.clock()
+    completed_before, rejections_before = now - idempotency_ttl, now - rejections_ttl
+    started = time.monotonic()
+    keys = rejections = batches = 0
+    while True:
+        k, r = await store.purge(
+            completed_before=completed_before, rejections_before=rejections_before, batch=batch
+        )
+        batches += 1
+        keys, rejections = keys + k, rejections + r
+        metrics.purged.labels(kind="idempotency").inc(k)
+        metrics.purged.labels(kind="rejections").inc(r)
+        if k < batch and r < batch:
+            break
+        await asyncio.sleep(0)  # let queued writes in before the next batch
+    if keys or rejections:
+        log.info(
+            "retention_purged",
+            keys=keys,
+            rejections=rejections,
+            batches=batches,
+            duration_ms=round((time.monotonic() - started) * 1000, 1),
+        )
+    return keys, rejections
+
+
+async def run_janitor(
+    store: Store,
+    metrics: Metrics,
+    *,
+    idempotency_ttl: float,
+    rejections_ttl: float,
+    interval: float = 30.0,
+    batch: int = 500,
+) -> None:
+    """Purge every `interval` seconds until cancelled.
+
+    A store that does not answer is logged and retried at the next interval (the
+    gateway already fails closed while it is down); any other error ends the
+    task, and the app that watches it stops.
+    """
+    if idempotency_ttl <= 0 or rejections_ttl <= 0 or interval <= 0:
+        raise ValueError("idempotency_ttl, rejections_ttl and interval must be positive")
+    while True:
+        try:
+            await purge_once(
+                store,
+                metrics,
+                idempotency_ttl=idempotency_ttl,
+                rejections_ttl=rejections_ttl,
+                batch=batch,
+            )
+        except StoreUnavailable as exc:
+            metrics.store_errors.labels(op="purge").inc()
+            log.warning("retention_store_unavailable", error=str(exc))
+        await asyncio.sleep(interval)

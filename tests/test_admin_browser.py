@@ -1,0 +1,240 @@
+"""The admin page in a real headless browser (Debian's chromium + chromedriver, via Selenium).
+
+Skipped when the browser, its driver or Selenium is missing; under CI=true that
+is a failure instead. Nothing is downloaded: the driver's path is given.
+
+Also a screenshot tool for the README:
+
+    python -m tests.test_admin_browser docs/admin.png
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.admin import create_admin_app
+from gateway.metrics import Metrics
+from gateway.sqlite_store import SQLiteStore
+from gateway.store import RejectionRecord
+from tests.conftest import FakeClock
+
+TOKEN = "browser-test-token"
+START = 1_714_564_800.0  # 2024-05-01T12:00:00Z
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1440,900",
+)
+
+SAMPLE = [
+    # reason, job, generation, current, destination, path, key
+    ("stale_generation", "invoice-2024-0042", 7, 8, "payments", "/charges", "inv-42-charge"),
+    ("duplicate", "invoice-2024-0042", 8, 8, "payments", "/charges", "inv-42-charge"),
+    ("lease_expired", "mail-digest-17", 3, 3, "emails", "/send", "digest-17"),
+    ("idempotency_key_reused", "sync-crm-9", 2, 2, "crm", "/contacts/881", "crm-881"),
+    ("older_generation_in_flight", "invoice-2024-0043", 5, 5, "payments", "/charges", "inv-43"),
+    ("stale_generation", "mail-digest-17", 2, 3, "emails", "/send", "digest-17-b"),
+    ("owner_mismatch", "sync-crm-10", 1, 1, "crm", "/contacts/902", "crm-902"),
+    ("request_in_progress", "invoice-2024-0044", 1, 1, "payments", "/refunds", "inv-44-refund"),
+    ("unknown_generation", "export-5", 4, 3, "warehouse", "/rows?batch=5", "export-5-rows"),
+    ("stale_generation", "invoice-2024-0044", 1, 2, "payments", "/refunds", "inv-44-refund"),
+]
+
+
+async def seed(store: SQLiteStore, clock: FakeClock) -> None:
+    for reason, job, generation, current, destination, path, key in SAMPLE:
+        await store.record_rejection(
+            RejectionRecord(
+                reason=reason,
+                detail=f"{reason.replace('_', ' ')}",
+                destination=destination,
+                method="POST",
+                path=path,
+                job_id=job,
+                generation=generation,
+                owner="worker-a",
+                idempotency_key=key,
+                current_generation=current,
+                highest_generation=current,
+                remote="10.1.4.23",
+                body_sha256="9f" * 32,
+                body_bytes=214,
+            )
+        )
+        clock.advance(47.0)
+
+
+class AdminServer:
+    """The admin app with sample rejections, served on loopback from its own thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> AdminServer:
+        self._thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
+
+    async def _start(self) -> str:
+        clock = FakeClock(START)
+        url = "sqlite:///" + str(self._directory / "admin.db")
+        self._store = await SQLiteStore.open(url, clock=clock)
+        await seed(self._store, clock)
+        self._runner = web.AppRunner(create_admin_app(self._store, Metrics(), token=TOKEN))
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        host, port = self._runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    async def _stop(self) -> None:
+        await self._runner.cleanup()
+        await self._store.close()
+
+
+def _missing(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (required under CI=true)")
+    pytest.skip(reason)
+
+
+@contextmanager
+def chromium(profile: Path) -> Iterator[Any]:
+    """A headless chromium driven through the system chromedriver."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.options import Options
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _missing("selenium is not installed (pip install selenium)")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if browser is None or driver_path is None:
+        _missing("chromium / chromedriver not found (apt-get install chromium chromium-driver)")
+    options = Options()
+    options.binary_location = browser
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    try:
+        driver.set_page_load_timeout(30)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def sign_in(driver: Any, url: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url + "/admin/")
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    driver.find_element(By.ID, "sign-in").click()
+    WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "rejections")))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[AdminServer]:
+    with AdminServer(tmp_path) as s:
+        yield s
+
+
+@pytest.fixture
+def driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must never fetch anything
+    with chromium(tmp_path / "profile") as d:
+        yield d
+
+
+def test_page_lists_rejections_and_a_filter_click_narrows_it(server, driver):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    sign_in(driver, server.url)
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.rejection")
+    assert len(rows) == len(SAMPLE)
+    assert rows[0].get_attribute("data-reason") == "stale_generation"  # newest first
+    assert "invoice-2024-0044" in rows[0].text and "1 / 2" in rows[0].text
+    assert "owner_mismatch" in driver.find_element(By.ID, "rejections").text
+
+    table = driver.find_element(By.ID, "rejections")
+    Select(driver.find_element(By.ID, "reason")).select_by_value("stale_generation")
+    driver.find_element(By.ID, "apply").click()
+    WebDriverWait(driver, 20).until(ec.staleness_of(table))
+    WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "rejections")))
+
+    assert "reason=stale_generation" in driver.current_url
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.rejection")
+    expected = [s for s in SAMPLE if s[0] == "stale_generation"]
+    assert len(rows) == len(expected) == 3
+    assert {r.get_attribute("data-reason") for r in rows} == {"stale_generation"}
+    selected = Select(driver.find_element(By.ID, "reason")).first_selected_option
+    assert selected.get_attribute("value") == "stale_generation"  # the form keeps the filter
+
+    rows[0].find_element(By.CSS_SELECTOR, "a[href$='format=html']").click()
+    WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.TAG_NAME, "h2")))
+    assert "Rejection #10" in driver.find_element(By.TAG_NAME, "h2").text
+    assert "inv-44-refund" in driver.page_source
+
+
+def test_job_link_filters_by_job(server, driver):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    sign_in(driver, server.url)
+    table = driver.find_element(By.ID, "rejections")
+    driver.find_element(By.LINK_TEXT, "mail-digest-17").click()
+    WebDriverWait(driver, 20).until(ec.staleness_of(table))
+    rows = WebDriverWait(driver, 20).until(
+        ec.presence_of_all_elements_located((By.CSS_SELECTOR, "tr.rejection"))
+    )
+    assert len(rows) == 2
+    assert all("mail-digest-17" in row.text for row in rows)
+    job_input = driver.find_element(By.NAME, "job_id")
+    assert job_input.get_attribute("value") == "mail-digest-17"
+
+
+def screenshot(target: Path) -> None:
+    """Save a screenshot of the page with sample rejections to `target`."""
+    with tempfile.TemporaryDirectory() as tmp, AdminServer(Path(tmp)) as server:
+        with chromium(Path(tmp) / "profile") as driver:
+            driver.set_window_size(1440, 800)
+            sign_in(driver, server.url)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            driver.save_screenshot(str(target))
+    print(f"saved {target}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SE_OFFLINE", "true")
+    screenshot(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/admin.png"))

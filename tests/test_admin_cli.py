@@ -1,0 +1,190 @@
+"""`sinkgate rejections` against a live admin listener on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import socket
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+from aiohttp import web
+
+from gateway.admin import create_admin_app
+from gateway.admin_cli import add_arguments, main, to_rfc3339
+from gateway.metrics import Metrics
+from gateway.sqlite_store import SQLiteStore
+from gateway.store import RejectionRecord
+
+TOKEN = "cli-test-token"
+
+
+def record(reason: str, job: str, generation: int, current: int, key: str) -> RejectionRecord:
+    return RejectionRecord(
+        reason=reason,
+        detail="test",
+        destination="payments",
+        method="POST",
+        path="/charge?x=1",
+        job_id=job,
+        generation=generation,
+        owner="worker-a",
+        idempotency_key=key,
+        current_generation=current,
+        highest_generation=current,
+    )
+
+
+@pytest.fixture
+async def admin_url(tmp_path, fake_clock) -> AsyncIterator[str]:
+    store = await SQLiteStore.open("sqlite:///" + str(tmp_path / "g.db"), clock=fake_clock)
+    await store.record_rejection(record("stale_generation", "job-42", 7, 8, "pay-42"))
+    fake_clock.advance(60)
+    await store.record_rejection(record("idempotency_key_reused", "job-43", 3, 3, "pay-43"))
+    fake_clock.advance(60)
+    await store.record_rejection(record("lease_expired", "job-44\x1b[31m", 2, 2, "pay-44"))
+    runner = web.AppRunner(create_admin_app(store, Metrics(), token=TOKEN))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}"
+    await runner.cleanup()
+    await store.close()
+
+
+def args(admin: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--admin", admin, *argv])
+
+
+async def run(namespace: argparse.Namespace, now: datetime | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    # The CLI blocks on its request; the server lives on this test's loop.
+    code = await asyncio.to_thread(main, namespace, stdout=out, stderr=err, now=now)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def token(monkeypatch) -> None:
+    monkeypatch.setenv("SINKGATE_ADMIN_TOKEN", TOKEN)
+
+
+async def test_table_lists_rejections_newest_first_aligned(admin_url, token):
+    code, out, err = await run(args(admin_url))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "WHEN",
+        "(UTC)",
+        "REASON",
+        "JOB",
+        "GEN/CUR",
+        "DESTINATION",
+        "REQUEST",
+        "KEY",
+    ]
+    assert [line.split()[2] for line in lines[1:]] == [
+        "lease_expired",
+        "idempotency_key_reused",
+        "stale_generation",
+    ]
+    stale = lines[3]
+    assert stale.startswith("2023-11-14 22:13:20")
+    assert "job-42" in stale and "7/8" in stale and "POST /charge?x=1" in stale
+    assert "pay-42" in stale
+    # Columns line up: every row has its reason where the header has REASON.
+    for header in ("REASON", "JOB", "GEN/CUR", "KEY"):
+        column = lines[0].index(header)
+        assert all(line[column - 1] == " " and line[column] != " " for line in lines[1:])
+    assert "\x1b" not in out  # control characters from the log never reach the terminal
+
+
+async def test_filters_are_passed_on(admin_url, token):
+    code, out, _ = await run(args(admin_url, "--reason", "stale_generation", "--job", "job-42"))
+    assert code == 0
+    assert len(out.splitlines()) == 2 and "job-42" in out
+
+
+async def test_relative_since(admin_url, token):
+    # The store's clock started at 22:13:20; "90s" before 22:15:20 keeps the last two.
+    now = datetime(2023, 11, 14, 22, 15, 20, tzinfo=UTC)
+    code, out, _ = await run(args(admin_url, "--since", "90s"), now=now)
+    assert code == 0
+    assert "stale_generation" not in out and "idempotency_key_reused" in out
+
+
+async def test_json_lines(admin_url, token):
+    code, out, _ = await run(args(admin_url, "--json", "--limit", "2"))
+    assert code == 0
+    items = [json.loads(line) for line in out.splitlines()]
+    assert [i["reason"] for i in items] == ["lease_expired", "idempotency_key_reused"]
+    assert items[1]["job_id"] == "job-43" and items[1]["generation"] == 3
+
+
+async def test_limit_says_when_more_matched(admin_url, token):
+    code, out, _ = await run(args(admin_url, "--limit", "1"))
+    assert code == 0
+    assert len([line for line in out.splitlines() if "lease_expired" in line]) == 1
+    assert "more rejections match" in out
+
+
+async def test_empty_result(admin_url, token):
+    code, out, _ = await run(args(admin_url, "--job", "nobody"))
+    assert (code, out.strip()) == (0, "no rejections match")
+
+
+async def test_missing_token_is_a_one_line_error(admin_url, monkeypatch):
+    monkeypatch.delenv("SINKGATE_ADMIN_TOKEN", raising=False)
+    code, out, err = await run(args(admin_url))
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1
+    assert "unauthorized" in err and "SINKGATE_ADMIN_TOKEN" in err
+
+
+async def test_wrong_token_is_a_one_line_error(admin_url, monkeypatch):
+    monkeypatch.setenv("SINKGATE_ADMIN_TOKEN", "nope")
+    code, _, err = await run(args(admin_url))
+    assert code == 1
+    assert "token was refused" in err and err.count("\n") == 1
+
+
+async def test_bad_filter_shows_the_servers_reason(admin_url, token):
+    code, _, err = await run(args(admin_url, "--since", "last tuesday"))
+    assert code == 1
+    assert "400" in err and "RFC 3339" in err
+
+
+async def test_connection_refused(token):
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err = await run(args(f"http://127.0.0.1:{port}"))
+    assert code == 1 and out == ""
+    assert f"cannot reach the admin listener at http://127.0.0.1:{port}" in err
+
+
+def test_bad_admin_url():
+    out, err = io.StringIO(), io.StringIO()
+    assert main(args("ftp://x"), stdout=out, stderr=err) == 1
+    assert "--admin must be an http" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("30m", "2024-05-01T11:30:00Z"),
+        ("1h", "2024-05-01T11:00:00Z"),
+        ("7d", "2024-04-24T12:00:00Z"),
+        ("2w", "2024-04-17T12:00:00Z"),
+        ("2024-01-01T00:00:00Z", "2024-01-01T00:00:00Z"),
+        (None, None),
+    ],
+)
+def test_relative_times(value, expected):
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+    assert to_rfc3339(value, now, "--since") == expected
