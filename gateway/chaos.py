@@ -1,0 +1,392 @@
+"""`sinkgate chaos`: the fault-injection run of SPEC 7.
+
+Starts a recording destination (its own process, `chaos_destination`), N gateway
+processes on one store, and many workers built on the real client
+(`chaos_worker`); injects pauses past the lease, competing claims, skewed worker
+clocks, upstream latency / 503 / dropped connections and, with `--kill-every`,
+`kill -9` of gateway processes followed by a restart on the same store and port.
+Then it checks the destination's own record and the lease store
+(`chaos_judge`), prints a report and exits 1 on any violation.
+
+`--bypass-gateway` sends the writes straight to the destination (leases still
+come from the gateway's lease API): the same checks must then find violations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from leases import StoreUnavailable
+from leases.http import HTTPLeaseStore
+
+from .chaos_judge import INVARIANTS, FinalLease, Verdict, judge
+from .chaos_procs import Destination, GatewayProcess, ProcessFailed
+from .chaos_worker import RunContext, Tally, job_keys, run_worker
+from .logs import configure_logging
+
+GATEWAY_TIMEOUT_S = 2.0
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text.removesuffix("s"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sinkgate chaos",
+        description="Inject faults into a live gateway setup and check that no stale or "
+        "duplicate effect reaches the destination. Exit 1 on any violation.",
+    )
+    p.add_argument("--workers", type=_positive(int), default=12, help="concurrent workers (12)")
+    p.add_argument("--jobs", type=_positive(int), default=40, help="jobs to complete (40)")
+    p.add_argument("--steps", type=_positive(int), default=3, help="effect writes per job (3)")
+    p.add_argument(
+        "--duration", type=_positive(float), default=25.0, help="target seconds of work (25)"
+    )
+    p.add_argument("--ttl", type=_positive(float), default=1.0, help="lease ttl, seconds (1.0)")
+    p.add_argument(
+        "--pause-rate", type=_rate, default=0.2, help="chance a job's worker freezes (0.2)"
+    )
+    p.add_argument(
+        "--max-pause", type=_positive(float), default=3.0, help="longest freeze, seconds (3)"
+    )
+    p.add_argument(
+        "--clock-skew", type=_rate, default=0.2, help="max drift of worker clocks (0.2=±20%%)"
+    )
+    p.add_argument("--store", metavar="URL", help="sqlite:///path or postgresql://... "
+                   "(default: a temporary SQLite file)")  # fmt: skip
+    p.add_argument("--gateways", type=_positive(int), default=1, help="gateway processes (1)")
+    p.add_argument(
+        "--kill-every",
+        type=_positive(float),
+        metavar="SECONDS",
+        help="kill -9 a gateway this often",
+    )
+    p.add_argument(
+        "--upstream-faults", type=_rate, default=0.2, help="share of upstream faults (0.2)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    p.add_argument(
+        "--bypass-gateway", action="store_true", help="write straight to the destination"
+    )
+    p.add_argument(
+        "--upstream-idempotent",
+        action="store_true",
+        help="the destination deduplicates by key (upstream_idempotent = true)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run the chaos scenario; 0 with no violation, 1 with any, 2 if it could not run."""
+    args = _parser().parse_args(argv)
+    # The workers' own library logs (a lost lease is the point here) stay quiet.
+    configure_logging("error", json=False)
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 31)
+    if args.max_pause < args.ttl * 1.3:
+        print("sinkgate chaos: --max-pause must be at least 1.3 x --ttl", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(_run(args))
+    except ProcessFailed as exc:
+        print(f"sinkgate chaos: {exc}", file=sys.stderr)
+        return 2
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return 1 if report["violation_count"] else 0
+
+
+def _store_url(given: str | None, workdir: Path) -> str:
+    if given is None:
+        return f"sqlite:///{workdir / 'chaos.db'}"
+    scheme, sep, rest = given.partition(":///")
+    if scheme == "sqlite" and sep and not rest.startswith("/"):
+        # Relative to where the command runs, not to the generated config file.
+        return f"sqlite:///{Path(rest).resolve()}"
+    return given
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="sinkgate-chaos-"))
+    started = time.monotonic()
+    destination = Destination(
+        workdir,
+        seed=args.seed,
+        fault_rate=args.upstream_faults,
+        max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
+        idempotent=args.upstream_idempotent,
+    )
+    gateways: list[GatewayProcess] = []
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    stores: list[HTTPLeaseStore] = []
+    try:
+        await destination.start()
+        store_url = _store_url(args.store, workdir)
+        gateways = [
+            GatewayProcess(
+                i,
+                workdir,
+                store_url=store_url,
+                upstream=destination.url,
+                timeout=f"{GATEWAY_TIMEOUT_S:g}s",
+                upstream_idempotent=args.upstream_idempotent,
+            )
+            for i in range(args.gateways)
+        ]
+        # One first, so that it creates the schema alone.
+        await gateways[0].start(session)
+        await asyncio.gather(*(g.start(session) for g in gateways[1:]))
+        stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
+        ctx = _context(args, gateways, destination, stores, session)
+        kills = await _work(args, ctx, gateways, session)
+        record = await destination.record(session)
+        final = await _final_leases(ctx)
+        return _report(args, ctx, record, final, kills, time.monotonic() - started, workdir)
+    finally:
+        await asyncio.gather(*(g.stop() for g in gateways), destination.stop())
+        await session.close()
+        if args.keep:
+            print(f"work dir kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _context(
+    args: argparse.Namespace,
+    gateways: list[GatewayProcess],
+    destination: Destination,
+    stores: list[HTTPLeaseStore],
+    session: aiohttp.ClientSession,
+) -> RunContext:
+    run_id = secrets.token_hex(3)  # job ids unique per run, on a store that may be reused
+    jobs = [f"chaos-{run_id}-{n:03d}" for n in range(args.jobs)]
+    busy = min(args.workers, args.jobs)
+    # Pace the work so that the jobs take about --duration (workers idle at the tail).
+    step_work = max(0.01, args.duration * busy * 0.45 / (args.jobs * args.steps))
+    loop = asyncio.get_running_loop()
+    return RunContext(
+        jobs=jobs,
+        steps=args.steps,
+        ttl=args.ttl,
+        pause_rate=args.pause_rate,
+        max_pause=args.max_pause,
+        clock_skew=min(args.clock_skew, 0.5),
+        step_work=step_work,
+        write_urls=[destination.url] if args.bypass_gateway else [g.url for g in gateways],
+        lease_stores=stores,
+        session=session,
+        seed=args.seed,
+        deadline=loop.time() + 2 * args.duration + 10,
+        write_timeout=GATEWAY_TIMEOUT_S + 3,
+    )
+
+
+async def _work(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    gateways: list[GatewayProcess],
+    session: aiohttp.ClientSession,
+) -> int:
+    """Run the workers (and the killer); returns how many gateways were killed."""
+    stop = asyncio.Event()
+    kills = [0]
+    killer = None
+    if args.kill_every:
+        killer = asyncio.create_task(_killer(args, gateways, session, stop, kills))
+    workers = [asyncio.create_task(run_worker(ctx, i)) for i in range(args.workers)]
+    try:
+        # Workers stop starting jobs at ctx.deadline; a job under way may need
+        # a little longer (a freeze, a reservation left by a killed gateway).
+        loop = asyncio.get_running_loop()
+        _, late = await asyncio.wait(workers, timeout=ctx.deadline - loop.time() + 15)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        for task in workers:
+            if not task.cancelled() and task.exception() is not None:
+                ctx.tally.unexpected.append(f"worker crashed: {task.exception()!r}")
+    finally:
+        stop.set()
+        if killer is not None:
+            await killer
+    return kills[0]
+
+
+async def _killer(
+    args: argparse.Namespace,
+    gateways: list[GatewayProcess],
+    session: aiohttp.ClientSession,
+    stop: asyncio.Event,
+    kills: list[int],
+) -> None:
+    """kill -9 a random gateway every --kill-every seconds, restart it on the same port."""
+    rng = random.Random(f"{args.seed}:killer")
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), args.kill_every * rng.uniform(0.8, 1.2))
+            return
+        victim = rng.choice(gateways)
+        await victim.kill()
+        kills[0] += 1
+        await victim.start(session)  # every gateway is up again before the checks
+
+
+async def _final_leases(ctx: RunContext) -> dict[str, FinalLease | None]:
+    final: dict[str, FinalLease | None] = {}
+    for job in ctx.jobs:
+        for attempt in range(20):
+            store = ctx.lease_stores[attempt % len(ctx.lease_stores)]
+            try:
+                lease = await store.get(job)
+            except StoreUnavailable:
+                await asyncio.sleep(0.25)
+                continue
+            final[job] = (
+                None if lease is None else FinalLease(lease.state, lease.generation, lease.owner)
+            )
+            break
+        else:
+            raise ProcessFailed(f"could not read the lease of {job} from any gateway")
+    return final
+
+
+def _report(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    record: dict[str, Any],
+    final: dict[str, FinalLease | None],
+    kills: int,
+    elapsed: float,
+    workdir: Path,
+) -> dict[str, Any]:
+    tally: Tally = ctx.tally
+    verdict: Verdict = judge(
+        effects=record["effects"],
+        dropped_before=record["dropped_before"],
+        jobs={job: job_keys(job, ctx.steps) for job in ctx.jobs},
+        final=final,
+        completions=tally.completions,
+        confirmed=tally.completions_confirmed,
+        unknown_keys=tally.unknown_keys,
+        upstream_idempotent=args.upstream_idempotent,
+        gateways_killed=kills > 0,
+    )
+    skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
+    done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
+        "mode": "bypass-gateway" if args.bypass_gateway else "gateway",
+        "elapsed_s": round(elapsed, 2),
+        "jobs": {"total": len(ctx.jobs), "completed": done, "steps_per_job": ctx.steps},
+        "claims": {
+            "granted": tally.claims,
+            "conflicts": tally.claim_conflicts,
+            "refused_job_completed": tally.claims_of_completed,
+        },
+        "pauses_past_lease": tally.pauses_past_lease,
+        "stale_writes": {
+            "attempted": tally.stale_writes_attempted,
+            "rejected": dict(tally.stale_writes_rejected),
+            "accepted": tally.stale_writes_accepted,
+        },
+        "stale_completions": {
+            "attempted": tally.stale_completions_attempted,
+            "rejected": dict(tally.stale_completions_rejected),
+            "accepted": tally.stale_completions_accepted,
+        },
+        "writes": {
+            "sent": tally.writes_sent,
+            "applied": tally.writes_applied,
+            "duplicates_replayed": tally.duplicates_replayed,
+            "outcome_unknown_keys": len(tally.unknown_keys),
+            "unknown_and_applied": verdict.unknown_applied,
+            "unknown_and_not_applied": verdict.unknown_unapplied,
+            "rejected_in_hold": dict(tally.writes_rejected_in_hold),
+            "retried": dict(tally.retries),
+        },
+        "leases_lost": dict(tally.leases_lost),
+        "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
+        "faults": {
+            **{f"upstream_{k}": v for k, v in record["faults"].items()},
+            "pauses_past_lease": tally.pauses_past_lease,
+            "competing_claims": tally.claim_conflicts,
+            "skewed_clocks": len(skewed),
+            "gateway_kills": kills,
+        },
+        "clock_rates": [
+            round(min(tally.clock_rates, default=1), 3),
+            round(max(tally.clock_rates, default=1), 3),
+        ],
+        "destination": {
+            "requests": record["requests"],
+            "effects": len(record["effects"]),
+            "deduplicated": record["deduplicated"],
+        },
+        "unexpected": tally.unexpected[:20],
+        "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
+        "violation_examples": {
+            name: items[:5] for name, items in verdict.violations.items() if items
+        },
+        "violation_count": verdict.count,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for people: one line per count."""
+    lines = [f"sinkgate chaos ({report['mode']}, seed {report['settings']['seed']}, "
+             f"{report['elapsed_s']}s)"]  # fmt: skip
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key in sorted(value):
+                walk(f"{prefix}.{key}" if prefix else key, value[key])
+        elif prefix not in ("settings", "mode", "elapsed_s"):
+            lines.append(f"  {prefix:<44} {value}")
+
+    for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
+                "writes", "leases_lost", "faults", "destination", "violations"):  # fmt: skip
+        walk(key, report[key])
+    for name, items in report["violation_examples"].items():
+        lines.append(f"  {name}:")
+        lines.extend(f"    - {item}" for item in items)
+    for item in report["unexpected"]:
+        lines.append(f"  unexpected: {item}")
+    verdict = "FAILED" if report["violation_count"] else "OK"
+    lines.append(f"{verdict}: {report['violation_count']} violation(s)")
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""The chaos run's processes: the recording destination and the gateways.
+
+Each runs in its own session (process group), so `kill -9` of a gateway takes
+its whole group and the final clean-up can stop every group it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+
+
+class ProcessFailed(Exception):
+    """A chaos process did not start or did not become healthy."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Managed:
+    """One subprocess in its own process group, with its stderr in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def spawn(self, stdout: int | None = asyncio.subprocess.DEVNULL) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=log,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def _signal_group(self, signum: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+    async def kill(self) -> None:
+        """`kill -9` of the whole process group; returns once the process is gone."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        await self.proc.wait()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace`; the group is killed either way."""
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace)
+            except TimeoutError:
+                pass
+        self._signal_group(signal.SIGKILL)  # leftovers of the group, if any
+        with contextlib.suppress(ProcessLookupError):
+            await self.proc.wait()
+
+    def failure(self, what: str) -> ProcessFailed:
+        return ProcessFailed(f"{self.name} {what}; its log ends with:\n{_tail(self.log_path)}")
+
+
+class Destination(Managed):
+    """The recording destination (gateway.chaos_destination) on a free loopback port."""
+
+    def __init__(
+        self, workdir: Path, *, seed: int, fault_rate: float, max_latency: float, idempotent: bool
+    ) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "gateway.chaos_destination",
+            "--port",
+            "0",
+            "--seed",
+            str(seed),
+            "--fault-rate",
+            str(fault_rate),
+            "--max-latency",
+            str(max_latency),
+        ]
+        if idempotent:
+            argv.append("--idempotent")
+        super().__init__("destination", argv, workdir / "destination.log")
+        self.url = ""
+
+    async def start(self, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+        await self.spawn(stdout=asyncio.subprocess.PIPE)
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except TimeoutError:
+            raise self.failure("did not start in time") from None
+        words = line.decode().split()
+        if len(words) != 2 or words[0] != "READY":
+            raise self.failure("did not start")
+        self.url = f"http://127.0.0.1:{int(words[1])}"
+
+    async def record(self, session: aiohttp.ClientSession) -> dict[str, object]:
+        from .chaos_destination import RECORD_PATH
+
+        async with session.get(self.url + RECORD_PATH) as resp:
+            resp.raise_for_status()
+            doc = await resp.json()
+        assert isinstance(doc, dict)
+        return doc
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string of ASCII is a valid TOML basic string
+
+
+class GatewayProcess(Managed):
+    """`python -m gateway serve` with its own config dir, on fixed loopback ports so a
+    restart after `kill -9` comes back at the same address on the same store."""
+
+    def __init__(
+        self,
+        index: int,
+        workdir: Path,
+        *,
+        store_url: str,
+        upstream: str,
+        timeout: str,
+        upstream_idempotent: bool,
+    ) -> None:
+        self.index = index
+        self.port = free_port()
+        self.admin_port = free_port()
+        confdir = workdir / f"gateway-{index}"
+        (confdir / "destinations").mkdir(parents=True, exist_ok=True)
+        (confdir / "gateway.toml").write_text(
+            "[server]\n"
+            f'listen = "127.0.0.1:{self.port}"\n'
+            f'admin_listen = "127.0.0.1:{self.admin_port}"\n'
+            'shutdown_grace = "2s"\n'
+            "[store]\n"
+            f"url = {_toml_str(store_url)}\n"
+            "[destinations]\n"
+            'dir = "destinations"\n'
+        )
+        (confdir / "destinations" / "sink.toml").write_text(
+            f"upstream = {_toml_str(upstream)}\n"
+            f"timeout = {_toml_str(timeout)}\n"
+            'connect_timeout = "1s"\n'
+            f"upstream_idempotent = {'true' if upstream_idempotent else 'false'}\n"
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--config",
+            str(confdir / "gateway.toml"),
+            "--log-level",
+            "warning",
+            "--log-format",
+            "json",
+        ]
+        super().__init__(f"gateway {index}", argv, workdir / f"gateway-{index}.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def start(self, session: aiohttp.ClientSession, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+        """Spawn and wait until `/healthz` answers (a restart binds the same port)."""
+        await self.spawn()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        probe = aiohttp.ClientTimeout(total=1.0)
+        while loop.time() < deadline:
+            if not self.running:
+                raise self.failure("exited during start-up")
+            try:
+                async with session.get(self.url + "/healthz", timeout=probe) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+        raise self.failure("did not become healthy in time")

@@ -1,0 +1,398 @@
+"""The chaos run's workers: real workers on the real client (`hold`, `FencedWriter`,
+the HTTP lease store), with the faults a real fleet suffers.
+
+A worker loops: pick a job not known to be done, claim it under `hold()` (its
+monotonic clock skewed by a fixed rate), do `steps` effect writes with keys
+derived from (job, step), complete on exit. Per job, with probability
+`pause_rate`, it freezes between two writes for longer than its lease: its
+renewals stop too (the lease store it uses is frozen), and when it wakes it goes
+on writing with its old lease through a writer built from the plain `Lease`, so
+no client-side guard saves it, then tries to complete. The gateway must refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
+from leases.http import HTTPLeaseStore
+from leases.writer import (
+    BadWrite,
+    DuplicateWrite,
+    FencedWriter,
+    GatewayRejected,
+    GatewayUnavailable,
+    StaleWrite,
+    derive_key,
+)
+
+DESTINATION = "sink"
+# Answers the writer reports as "the key's outcome is unknown" (SPEC 2 step 8).
+UNKNOWN_REASONS = frozenset({"outcome_unknown", "upstream_timeout", "upstream_disconnected"})
+_RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def step_name(step: int) -> str:
+    return f"effect-{step}"
+
+
+def job_keys(job_id: str, steps: int) -> list[str]:
+    """The idempotency keys of a job's effects, as every worker derives them."""
+    return [derive_key(job_id, step_name(s)) for s in range(steps)]
+
+
+@dataclass
+class Tally:
+    """What the workers saw and did; shared by all of them (one event loop)."""
+
+    claims: int = 0
+    claim_conflicts: int = 0
+    claims_of_completed: int = 0
+    granted: dict[str, list[int]] = field(default_factory=dict)
+    pauses_past_lease: int = 0
+    stale_writes_attempted: int = 0
+    stale_writes_rejected: Counter[str] = field(default_factory=Counter)
+    stale_writes_accepted: int = 0
+    stale_completions_attempted: int = 0
+    stale_completions_rejected: Counter[str] = field(default_factory=Counter)
+    stale_completions_accepted: int = 0
+    writes_rejected_in_hold: Counter[str] = field(default_factory=Counter)
+    writes_sent: int = 0
+    writes_applied: int = 0
+    duplicates_replayed: int = 0
+    unknown_keys: set[str] = field(default_factory=set)
+    retries: Counter[str] = field(default_factory=Counter)
+    leases_lost: Counter[str] = field(default_factory=Counter)
+    # Completions the store acknowledged (200), per job, with their generation.
+    completions: dict[str, list[int]] = field(default_factory=dict)
+    # Answer lost, then found done with our generation and owner: job -> generation.
+    completions_confirmed: dict[str, int] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    clock_rates: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RunContext:
+    """Everything the workers share."""
+
+    jobs: list[str]
+    steps: int
+    ttl: float
+    pause_rate: float
+    max_pause: float
+    clock_skew: float
+    step_work: float
+    write_urls: list[str]  # the gateways, or the destination with --bypass-gateway
+    lease_stores: list[HTTPLeaseStore]
+    session: aiohttp.ClientSession
+    seed: int
+    deadline: float  # loop time after which no new job is started
+    write_timeout: float
+    tally: Tally = field(default_factory=Tally)
+    done: set[str] = field(default_factory=set)
+
+    def pending(self) -> list[str]:
+        return [j for j in self.jobs if j not in self.done]
+
+
+class SkewedClock:
+    """A monotonic clock running `rate` times as fast as the real one."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._origin = time.monotonic()
+
+    def __call__(self) -> float:
+        return self._origin + (time.monotonic() - self._origin) * self.rate
+
+
+class WorkerLeaseStore:
+    """The lease store as one worker process sees it: the gateways' lease APIs with
+    failover, and a freeze switch (a paused process sends nothing, renewals included)."""
+
+    def __init__(self, stores: list[HTTPLeaseStore], start: int) -> None:
+        self._stores = stores
+        self._next = start
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+
+    def freeze(self) -> None:
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self._thawed.set()
+
+    async def _call(self, op: str, *args: Any, **kw: Any) -> Any:
+        await self._thawed.wait()
+        last: StoreUnavailable | None = None
+        for _ in self._stores:
+            store = self._stores[self._next % len(self._stores)]
+            try:
+                return await getattr(store, op)(*args, **kw)
+            except StoreUnavailable as exc:
+                last = exc
+                self._next += 1
+        assert last is not None
+        raise last
+
+    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
+        lease: Lease = await self._call("claim", job_id, owner=owner, ttl=ttl)
+        return lease
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        renewed: Lease = await self._call("renew", lease, ttl=ttl)
+        return renewed
+
+    async def complete(self, lease: Lease) -> Lease:
+        done: Lease = await self._call("complete", lease)
+        return done
+
+    async def release(self, lease: Lease) -> Lease:
+        freed: Lease = await self._call("release", lease)
+        return freed
+
+    async def get(self, job_id: str) -> Lease | None:
+        current: Lease | None = await self._call("get", job_id)
+        return current
+
+    async def close(self) -> None:
+        pass  # the underlying stores belong to the run
+
+    async def __aenter__(self) -> WorkerLeaseStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+
+class Writers:
+    """One `FencedWriter` per write URL under one lease, used round-robin; a
+    connection failure moves on to the next gateway."""
+
+    def __init__(self, ctx: RunContext, lease: Lease, start: int) -> None:
+        self._writers = [
+            FencedWriter(
+                url,
+                lease,
+                session=ctx.session,
+                max_retries=2,
+                max_retry_wait=1.0,
+                timeout=ctx.write_timeout,
+            )
+            for url in ctx.write_urls
+        ]
+        self._next = start
+
+    async def post(self, job_id: str, step: int) -> Any:
+        writer = self._writers[self._next % len(self._writers)]
+        self._next += 1
+        return await writer.post(
+            DESTINATION,
+            f"/effects/{job_id}/{step}",
+            json={"job": job_id, "step": step},
+            step=step_name(step),
+        )
+
+
+@dataclass
+class _Zombie:
+    lease: Lease
+    step: int
+    wake_at: float
+
+
+async def run_worker(ctx: RunContext, index: int) -> None:
+    """One worker until every job is done or the run's deadline passes."""
+    rng = random.Random(f"{ctx.seed}:worker:{index}")
+    rate = 1.0 + rng.uniform(-ctx.clock_skew, ctx.clock_skew)
+    ctx.tally.clock_rates.append(rate)
+    clock = SkewedClock(rate)
+    store = WorkerLeaseStore(ctx.lease_stores, start=index)
+    owner = f"chaos-worker-{index:02d}"
+    loop = asyncio.get_running_loop()
+    while loop.time() < ctx.deadline:
+        pending = ctx.pending()
+        if not pending:
+            return
+        job = rng.choice(pending)
+        await _one_job(ctx, rng, store, clock, owner, job, index)
+
+
+async def _one_job(
+    ctx: RunContext,
+    rng: random.Random,
+    store: WorkerLeaseStore,
+    clock: Callable[[], float],
+    owner: str,
+    job: str,
+    index: int,
+) -> None:
+    tally = ctx.tally
+    loop = asyncio.get_running_loop()
+    pause_at = rng.randrange(1, ctx.steps) if ctx.steps > 1 else 0
+    paused = rng.random() < ctx.pause_rate
+    # Long enough that even the slowest clock's local deadline has passed.
+    pause_min = ctx.ttl * 1.3 / (1.0 - ctx.clock_skew)
+    pause = rng.uniform(pause_min, max(ctx.max_pause, pause_min + 0.1))
+    zombie: _Zombie | None = None
+    lease: Lease | None = None
+    try:
+        async with hold(store, job, owner, ctx.ttl, on_exit="complete", monotonic=clock) as lease:
+            tally.claims += 1
+            tally.granted.setdefault(job, []).append(lease.generation)
+            writers = Writers(ctx, lease, start=index)
+            for step in range(ctx.steps):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * ctx.step_work)
+                if paused and step == pause_at:
+                    zombie = _Zombie(lease, step, loop.time() + pause)
+                    tally.pauses_past_lease += 1
+                    store.freeze()
+                    await asyncio.sleep(pause)  # hold() cancels us: LeaseLost
+                    raise LeaseLost(job, lease.generation, "paused")
+                await _write_step(ctx, writers, job, step)
+        tally.completions.setdefault(job, []).append(lease.generation)
+        ctx.done.add(job)
+    except LeaseHeld:
+        tally.claim_conflicts += 1
+        await asyncio.sleep(rng.uniform(0.2, 0.5))
+    except JobCompleted:
+        tally.claims_of_completed += 1
+        ctx.done.add(job)
+    except LeaseLost as exc:
+        if zombie is not None:
+            await _wake_as_zombie(ctx, store, zombie)
+        else:
+            tally.leases_lost[exc.reason] += 1
+            await _confirm_completion(ctx, store, lease)
+    except StaleWrite as exc:
+        # A write inside the hold refused as stale: e.g. a slow clock let the body
+        # run past the store's lease while a renewal was failing.
+        tally.writes_rejected_in_hold[exc.reason] += 1
+    except StoreUnavailable:
+        tally.retries["store_unavailable"] += 1
+        await _confirm_completion(ctx, store, lease)
+        await asyncio.sleep(0.2)
+    except GatewayRejected as exc:
+        tally.unexpected.append(f"{job}: {exc!r}")
+    finally:
+        store.thaw()
+
+
+async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) -> None:
+    """Write one effect until it is applied, replayed, or its outcome is unknown.
+
+    Retries with the same key after anything transient, as a real worker would.
+    `StaleWrite` propagates: the lease is gone, the job is someone else's.
+    """
+    tally = ctx.tally
+    key = derive_key(job, step_name(step))
+    while True:
+        tally.writes_sent += 1
+        try:
+            result = await writers.post(job, step)
+        except DuplicateWrite as exc:
+            if exc.reason == "outcome_unknown":
+                tally.unknown_keys.add(key)
+                return  # the effect may have been applied: that is the contract
+            if exc.reason == "idempotency_key_reused":
+                tally.unexpected.append(f"{job} step {step}: {exc}")
+                return
+            tally.retries[exc.reason] += 1
+            await asyncio.sleep(0.3)
+            continue
+        except GatewayUnavailable as exc:
+            tally.retries[exc.reason] += 1
+            if exc.reason in UNKNOWN_REASONS:
+                tally.unknown_keys.add(key)
+            await asyncio.sleep(0.2)
+            continue
+        except BadWrite as exc:
+            tally.unexpected.append(f"{job} step {step}: {exc}")
+            return
+        if result.status in _RETRYABLE_STATUSES:
+            tally.retries[f"upstream_{result.status}"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        if 200 <= result.status < 300:
+            if result.replayed:
+                tally.duplicates_replayed += 1
+            else:
+                tally.writes_applied += 1
+            return
+        tally.unexpected.append(f"{job} step {step}: upstream answered {result.status}")
+        return
+
+
+async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zombie) -> None:
+    """The frozen worker wakes and goes on as if nothing happened: writes with its
+    old generation (no Hold to stop it), then tries to complete."""
+    tally = ctx.tally
+    await asyncio.sleep(max(0.0, zombie.wake_at - asyncio.get_running_loop().time()))
+    store.thaw()
+    writers = Writers(ctx, zombie.lease, start=zombie.step)
+    job = zombie.lease.job_id
+    for step in range(zombie.step, ctx.steps):
+        tally.stale_writes_attempted += 1
+        for _ in range(5):  # a few tries past transient errors; a refusal is final
+            try:
+                result = await writers.post(job, step)
+            except StaleWrite as exc:
+                tally.stale_writes_rejected[exc.reason] += 1
+            except (GatewayUnavailable, DuplicateWrite) as exc:
+                if exc.reason in UNKNOWN_REASONS | {"outcome_unknown"}:
+                    tally.stale_writes_rejected[f"other:{exc.reason}"] += 1
+                    break
+                await asyncio.sleep(0.2)
+                continue
+            except BadWrite as exc:
+                tally.unexpected.append(f"zombie {job}: {exc}")
+            else:
+                if result.status in _RETRYABLE_STATUSES:
+                    await asyncio.sleep(0.2)
+                    continue
+                tally.stale_writes_accepted += 1
+            break
+    tally.stale_completions_attempted += 1
+    try:
+        await store.complete(zombie.lease)
+    except LeaseLost as exc:
+        tally.stale_completions_rejected[exc.reason] += 1
+    except StoreUnavailable:
+        tally.stale_completions_rejected["store_unavailable"] += 1
+    else:
+        tally.stale_completions_accepted += 1
+        tally.completions.setdefault(job, []).append(zombie.lease.generation)
+
+
+async def _confirm_completion(
+    ctx: RunContext, store: WorkerLeaseStore, lease: Lease | None
+) -> None:
+    """After a completion whose answer was lost (or refused as `job_completed` by a
+    failover retry of our own request), read the store: done with our generation
+    and owner means ours went through."""
+    if lease is None:
+        return
+    for _ in range(10):
+        try:
+            current = await store.get(lease.job_id)
+        except StoreUnavailable:
+            await asyncio.sleep(0.5)
+            continue
+        if (
+            current is not None
+            and current.state == "done"
+            and current.generation == lease.generation
+            and current.owner == lease.owner
+            and lease.job_id not in ctx.done
+        ):
+            ctx.tally.completions_confirmed[lease.job_id] = lease.generation
+            ctx.done.add(lease.job_id)
+        return
