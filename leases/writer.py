@@ -1,0 +1,418 @@
+"""Fenced writes from a worker: every request goes through the gateway's `/to/...`
+route with the lease's fencing headers and an idempotency key.
+
+    async with hold(store, "job-42", owner="worker-a", ttl=30) as lease:
+        async with FencedWriter("http://gateway:8480", lease) as writer:
+            result = await writer.post("payments", "/charges", json=charge, step="charge")
+
+Gateway rejections (answers carrying `Sinkgate-Rejected`) raise one exception per
+family; upstream answers come back untouched as `WriteResult`. Keys derived from
+(job id, step) are the same for every worker redoing the job, so a second
+worker gets the first one's stored result instead of producing a second effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json as jsonlib
+import math
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from . import model
+from .hold import Hold
+from .model import Lease
+
+__all__ = [
+    "BadWrite",
+    "DuplicateWrite",
+    "FencedWriter",
+    "GatewayRejected",
+    "GatewayUnavailable",
+    "StaleWrite",
+    "WriteResult",
+    "derive_key",
+    "rejection_from_response",
+]
+
+MAX_KEY_LENGTH = 255
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
+_RETRIED = frozenset({"older_generation_in_flight", "request_in_progress"})
+_OWN_HEADERS = frozenset(
+    {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
+)
+
+
+# --- rejections --------------------------------------------------------------------------
+
+
+class GatewayRejected(Exception):
+    """The gateway refused the write itself (the answer carried `Sinkgate-Rejected`).
+
+    Carries the problem+json members callers branch on; `problem` is the whole body.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        status: int | None,
+        detail: str = "",
+        *,
+        job_id: str | None = None,
+        generation: int | None = None,
+        current_generation: int | None = None,
+        highest_generation: int | None = None,
+        rejection_id: int | None = None,
+        retry_after: float | None = None,
+        problem: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(f"{status} {reason}: {detail}" if detail else f"{status} {reason}")
+        self.reason = reason
+        self.status = status
+        self.detail = detail
+        self.job_id = job_id
+        self.generation = generation
+        self.current_generation = current_generation
+        self.highest_generation = highest_generation
+        self.rejection_id = rejection_id
+        self.retry_after = retry_after
+        self.problem: Mapping[str, Any] = problem or {}
+
+
+class StaleWrite(GatewayRejected):
+    """The write's lease is not the job's current one: stop, another worker has it."""
+
+
+class DuplicateWrite(GatewayRejected):
+    """The key is taken: reused with another payload, in flight, of unknown outcome,
+    or an older generation of the job is still on the wire."""
+
+
+class BadWrite(GatewayRejected):
+    """The request itself is wrong (route, method, auth, size, headers, path)."""
+
+
+class GatewayUnavailable(GatewayRejected):
+    """The gateway, its store or the upstream could not be reached; the write may be
+    retried with the same key (the gateway keeps at most one effect per key)."""
+
+
+_FAMILY: dict[str, type[GatewayRejected]] = {
+    **dict.fromkeys(
+        (
+            "stale_generation",
+            "unknown_generation",
+            "lease_not_held",
+            "lease_expired",
+            "job_completed",
+            "owner_mismatch",
+        ),
+        StaleWrite,
+    ),
+    **dict.fromkeys(
+        (
+            "idempotency_key_reused",
+            "request_in_progress",
+            "outcome_unknown",
+            "older_generation_in_flight",
+        ),
+        DuplicateWrite,
+    ),
+    **dict.fromkeys(
+        (
+            "store_unavailable",
+            "overloaded",
+            "upstream_unreachable",
+            "upstream_timeout",
+            "upstream_disconnected",
+            "gateway_unreachable",
+            "gateway_timeout",
+        ),
+        GatewayUnavailable,
+    ),
+}
+
+
+def rejection_from_response(
+    status: int, headers: Mapping[str, str], body: bytes
+) -> GatewayRejected:
+    """The typed exception for a gateway answer carrying `Sinkgate-Rejected`."""
+    try:
+        problem = jsonlib.loads(body)
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {}
+    reason = headers.get("Sinkgate-Rejected") or _str(problem.get("reason")) or "unknown"
+    family = _FAMILY.get(reason)
+    if family is None:  # a reason newer than this client: classify by status
+        family = GatewayUnavailable if status >= 500 else BadWrite
+    return family(
+        reason,
+        status,
+        _str(problem.get("detail")) or "",
+        job_id=_str(problem.get("job_id")),
+        generation=_int(problem.get("generation")),
+        current_generation=_int(problem.get("current_generation")),
+        highest_generation=_int(problem.get("highest_generation")),
+        rejection_id=_int(problem.get("rejection_id")),
+        retry_after=_retry_after(headers.get("Retry-After")),
+        problem=problem,
+    )
+
+
+# --- results and keys ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """The upstream's answer as the gateway relayed it (or replayed it)."""
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    replayed: bool
+
+    def json(self) -> Any:
+        return jsonlib.loads(self.body)
+
+    def text(self, encoding: str = "utf-8") -> str:
+        return self.body.decode(encoding)
+
+
+def derive_key(job_id: str, step: str) -> str:
+    """The idempotency key of `step` of `job_id`: deterministic, generation-free.
+
+    Readable prefix for the rejection log and admin, then a hash of the exact
+    (job_id, step) pair, so long or unusual ids stay within 255 visible ASCII and
+    ("a:b", "c") never collides with ("a", "b:c").
+    """
+    model.validate_ident(job_id, "job_id")
+    if not isinstance(step, str) or not step:
+        raise ValueError("step must be a non-empty string")
+    digest = hashlib.sha256(jsonlib.dumps([job_id, step]).encode()).hexdigest()[:32]
+    readable = "_".join(_VISIBLE.findall(step)) or "step"
+    return f"{job_id[:120]}:{readable[:80]}:{digest}"
+
+
+def _validate_key(key: object) -> str:
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH:
+        raise ValueError("idempotency_key must be a string of 1-255 visible ASCII characters")
+    if not _VISIBLE.fullmatch(key):
+        raise ValueError("idempotency_key must be visible ASCII (0x21-0x7E)")
+    return key
+
+
+# --- the writer ----------------------------------------------------------------------------
+
+
+class FencedWriter:
+    """Sends writes through the gateway under one lease (a `Lease`, or a `Hold` whose
+    loss it checks before every send)."""
+
+    def __init__(
+        self,
+        gateway_url: str,
+        lease: Lease | Hold,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        token: str | None = None,
+        max_retries: int = 5,
+        max_retry_wait: float = 5.0,
+        timeout: float = 60.0,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        base = URL(gateway_url) if isinstance(gateway_url, str) else None
+        if base is None or base.scheme not in ("http", "https") or not base.host:
+            raise ValueError(f"gateway_url must be http(s)://host[:port], not {gateway_url!r}")
+        if not isinstance(lease, Lease | Hold):
+            raise ValueError(f"lease must be a Lease or a Hold, not {type(lease).__name__}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError("max_retries must be an integer >= 0")
+        for name, value in (("max_retry_wait", max_retry_wait), ("timeout", timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0")
+        if token is not None and not (isinstance(token, str) and _VISIBLE.fullmatch(token)):
+            raise ValueError("token must be visible ASCII")
+        self._base = str(base.with_query(None).with_fragment(None)).rstrip("/")
+        self._lease = lease
+        self._session = session
+        self._owns_session = session is None
+        self._token = token
+        self.max_retries = max_retries
+        self.max_retry_wait = float(max_retry_wait)
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._sleep = sleep
+
+    @property
+    def lease(self) -> Lease:
+        """The lease the next write is fenced with (a Hold's latest renewal)."""
+        return self._lease.lease if isinstance(self._lease, Hold) else self._lease
+
+    async def post(self, destination: str, path: str = "", **kw: Any) -> WriteResult:
+        return await self.request("POST", destination, path, **kw)
+
+    async def put(self, destination: str, path: str = "", **kw: Any) -> WriteResult:
+        return await self.request("PUT", destination, path, **kw)
+
+    async def patch(self, destination: str, path: str = "", **kw: Any) -> WriteResult:
+        return await self.request("PATCH", destination, path, **kw)
+
+    async def delete(self, destination: str, path: str = "", **kw: Any) -> WriteResult:
+        return await self.request("DELETE", destination, path, **kw)
+
+    async def request(
+        self,
+        method: str,
+        destination: str,
+        path: str = "",
+        *,
+        json: Any = None,
+        data: bytes | str | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+    ) -> WriteResult:
+        """Send one write; retry while an older generation or the same key is in
+        flight (honouring `Retry-After`, at most `max_retries` times).
+
+        Raises `LeaseLost` (from a lost `Hold`) before sending, `GatewayRejected`
+        subclasses for gateway refusals, `ValueError` for bad arguments.
+        """
+        url = self._url(method, destination, path)
+        if (idempotency_key is None) == (step is None):
+            raise ValueError("pass exactly one of idempotency_key and step")
+        key = (
+            _validate_key(idempotency_key)
+            if idempotency_key is not None
+            else derive_key(self.lease.job_id, step)  # type: ignore[arg-type]
+        )
+        body, content_type = _body(json, data)
+        sent = CIMultiDict(headers or {})
+        clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
+        if clash:
+            raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
+        if content_type is not None and "Content-Type" not in sent:
+            sent["Content-Type"] = content_type
+        sent["Idempotency-Key"] = key
+        if self._token is not None:
+            sent["Authorization"] = f"Bearer {self._token}"
+        retries = 0
+        while True:
+            if isinstance(self._lease, Hold):
+                self._lease.check()  # raises LeaseLost: no effect under a lost lease
+            lease = self.lease
+            sent["Fencing-Job"] = lease.job_id
+            sent["Fencing-Token"] = str(lease.generation)
+            sent["Fencing-Owner"] = lease.owner
+            status, answer_headers, answer = await self._send(method, url, body, sent, params)
+            if "Sinkgate-Rejected" not in answer_headers:
+                replayed = answer_headers.get("Idempotent-Replayed", "").lower() == "true"
+                return WriteResult(status, answer_headers, answer, replayed)
+            rejection = rejection_from_response(status, answer_headers, answer)
+            if rejection.reason not in _RETRIED or retries >= self.max_retries:
+                raise rejection
+            retries += 1
+            await self._sleep(self._backoff(rejection.retry_after, retries))
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> FencedWriter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _backoff(self, retry_after: float | None, retries: int) -> float:
+        wait = retry_after if retry_after is not None else 0.05 * 2 ** (retries - 1)
+        return min(wait, self.max_retry_wait)
+
+    def _url(self, method: str, destination: str, path: str) -> URL:
+        if not isinstance(method, str) or not re.fullmatch(r"[A-Za-z]+", method):
+            raise ValueError(f"invalid method {method!r}")
+        if not isinstance(destination, str) or not destination or "/" in destination:
+            raise ValueError(f"destination must be a name without '/', not {destination!r}")
+        if not isinstance(path, str):
+            raise ValueError(f"path must be a string, not {type(path).__name__}")
+        if path and not path.startswith("/"):
+            path = "/" + path
+        segments = path.split("?", 1)[0].split("/")
+        if any(seg.lower().replace("%2e", ".") in (".", "..") for seg in segments):
+            # The URL would be normalised on the way (possibly out of /to/...).
+            raise ValueError(f"path must not contain '.' or '..' segments: {path!r}")
+        # The path is the caller's, percent-escapes included; yarl only escapes what
+        # must be (spaces, non-ASCII) and keeps escapes such as %2F as they are.
+        return URL(f"{self._base}/to/{quote(destination, safe='')}{path}")
+
+    async def _send(
+        self,
+        method: str,
+        url: URL,
+        body: bytes | None,
+        headers: CIMultiDict[str],
+        params: Mapping[str, str] | None,
+    ) -> tuple[int, CIMultiDictProxy[str], bytes]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.request(
+                method.upper(),
+                url,
+                data=body,
+                headers=headers,
+                params=params,
+                allow_redirects=False,  # a redirect is the upstream's answer, relayed
+                timeout=self._timeout,
+            ) as resp:
+                return resp.status, resp.headers, await resp.read()
+        except TimeoutError as exc:
+            raise GatewayUnavailable(
+                "gateway_timeout", None, f"no answer from the gateway: {exc!r}"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise GatewayUnavailable(
+                "gateway_unreachable", None, f"cannot reach the gateway: {exc!r}"
+            ) from exc
+
+
+def _body(json: Any, data: bytes | str | None) -> tuple[bytes | None, str | None]:
+    if json is not None and data is not None:
+        raise ValueError("pass json or data, not both")
+    if json is not None:
+        # Sorted and compact: two workers sending the same payload send the same
+        # bytes, so the gateway's fingerprint matches and the second gets a replay.
+        text = jsonlib.dumps(json, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return text.encode(), "application/json"
+    if isinstance(data, str):
+        return data.encode(), "text/plain; charset=utf-8"
+    if data is None or isinstance(data, bytes):
+        return data, None
+    raise ValueError(f"data must be bytes or str, not {type(data).__name__}")
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Delta-seconds only; an HTTP-date falls back to the writer's own backoff."""
+    if value is None or not value.strip().isdigit():
+        return None
+    seconds = float(value.strip())
+    return seconds if math.isfinite(seconds) else None
