@@ -64,7 +64,11 @@ def create_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         owned = store is None
-        app[STORE] = store if store is not None else await open_store(config.store_url, clock=clock)
+        app[STORE] = (
+            store
+            if store is not None
+            else await open_store(config.store_url, clock=clock, pool_size=config.store_pool_size)
+        )
         upstreams = Upstreams(config.destinations)
         writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
         app[WRITES] = writes

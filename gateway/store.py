@@ -149,8 +149,15 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-async def open_store(url: str, *, clock: Clock = time.time, **options: Any) -> Store:
-    """Open the backend named by `url`'s scheme; imports are lazy."""
+async def open_store(
+    url: str, *, clock: Clock = time.time, pool_size: int | None = None, **options: Any
+) -> Store:
+    """Open the backend named by `url`'s scheme; imports are lazy.
+
+    `pool_size` (config `store.pool_size`) caps a PostgreSQL store's connection
+    pool; SQLite has one writer connection and ignores it. PostgreSQL decides by
+    the server's clock, so `clock` applies to SQLite only.
+    """
     scheme = url.split(":", 1)[0].lower()
     if scheme == "sqlite":
         from .sqlite_store import SQLiteStore
@@ -159,5 +166,7 @@ async def open_store(url: str, *, clock: Clock = time.time, **options: Any) -> S
     if scheme in ("postgresql", "postgres"):
         from .postgres_store import PostgresStore
 
+        if pool_size is not None:
+            options.setdefault("max_size", pool_size)
         return await PostgresStore.open(url, **options)
     raise ValueError(f"unsupported store URL {url!r} (sqlite:///path or postgresql://...)")
