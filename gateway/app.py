@@ -15,7 +15,7 @@ from aiohttp import web
 
 from .admin import add_health_routes, admin_bind_allowed, create_admin_app
 from .appkeys import CONFIG, METRICS, STORE
-from .config import Config
+from .config import Config, redact_url
 from .errors import Rejection
 from .handlers import WriteGateway, parse_target
 from .lease_api import add_lease_routes
@@ -151,7 +151,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
         info = {
             "listen": _address(runner),
             "admin_listen": _address(admin_runner),
-            "store": _redact(config.store_url),
+            "store": redact_url(config.store_url),
             "destinations": sorted(config.destinations),
         }
         log.info("serving", **info)
@@ -179,11 +179,3 @@ def _address(runner: web.AppRunner) -> str:
     host, port = runner.addresses[0][:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-
-def _redact(url: str) -> str:
-    """Hide a password in a store URL before it is logged."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}"
