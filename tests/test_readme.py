@@ -1,0 +1,52 @@
+"""The README's "worker in 20 lines" runs as printed against a live gateway."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+from .harness import destination, make_config, recording_upstream, running_gateway
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def worker_example() -> str:
+    text = README.read_text(encoding="utf-8")
+    marker = text.index("<!-- worker-example")
+    match = re.search(r"```python\n(.*?)```", text[marker:], re.S)
+    assert match is not None, "the worker example block is missing"
+    return match.group(1)
+
+
+def test_the_worker_example_is_at_most_20_lines_of_code() -> None:
+    code = [line for line in worker_example().splitlines() if line.strip()]
+    assert len(code) <= 20
+    ast.parse(worker_example())
+
+
+async def test_the_worker_example_charges_once_through_the_gateway(tmp_path: Path) -> None:
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("payments", upstream.url + "/api"))
+        async with running_gateway(config) as gw:
+            source = worker_example().replace("http://127.0.0.1:8480", gw.url)
+            script = tmp_path / "worker.py"
+            script.write_text(source, encoding="utf-8")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
+            result = ast.literal_eval(out.decode().strip().splitlines()[-1])
+            assert result["status"] == 201 and result["replayed"] is False
+            (charge,) = upstream.received
+            assert charge.raw_path == "/api/charges"
+            assert charge.headers["Fencing-Job"] == "order-1001"
+            assert charge.headers["Fencing-Token"] == "1"
+            lease = await gw.store.get("order-1001")
+            assert lease is not None and lease.state == "done"
