@@ -275,17 +275,14 @@ class WriteGateway:
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
         sent = time.perf_counter()
+        answer: UpstreamAnswer | None = None
+        rejection: Rejection | None = None
         try:
             answer = await self.upstreams.send(destination, facts.method, url, headers, body)
+            outcome = _completed_outcome(destination, answer)
         except ForwardFailed as failure:
             outcome = Outcome("unknown" if failure.failure.maybe_sent else "released")
-            rejection: Rejection | None = Rejection(
-                str(failure.failure), failure.detail, **_write_members(facts)
-            )
-            answer = None
-        else:
-            outcome = _completed_outcome(destination, answer)
-            rejection = None
+            rejection = Rejection(str(failure.failure), failure.detail, **_write_members(facts))
         upstream_s = time.perf_counter() - sent
         self.metrics.upstream_latency.labels(destination.name).observe(upstream_s)
         self.metrics.upstream_outcomes.labels(destination.name, outcome.kind).inc()
@@ -350,7 +347,7 @@ def _fencing_headers(
     token = headers.get("Fencing-Token", "")
     owner = headers.get("Fencing-Owner", "") or None
     key = headers.get("Idempotency-Key", "")
-    members = {"destination": destination.name}
+    members: dict[str, Any] = {"destination": destination.name}
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
         raise Rejection("missing_fencing_token", f"{missing} is required", **members)

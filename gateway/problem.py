@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -24,5 +25,5 @@ def problem_response(rejection: Rejection) -> web.Response:
     )
 
 
-def invalid_request(detail: str, **members: object) -> Rejection:
+def invalid_request(detail: str, **members: Any) -> Rejection:
     return Rejection("invalid_request", detail, **members)

@@ -16,7 +16,13 @@ from typing import Any
 
 from leases import sqlite as lease_sql
 from leases.errors import StoreUnavailable
-from leases.sqlite import SQLiteExecutor, SQLiteLeaseStore, ensure_component, read_lease
+from leases.sqlite import (
+    SQLiteExecutor,
+    SQLiteLeaseStore,
+    ensure_component,
+    in_thread,
+    read_lease,
+)
 
 from .decision import (
     Fencing,
@@ -126,7 +132,7 @@ class SQLiteStore(SQLiteLeaseStore):
             raise ValueError(f"unknown SQLite store options: {', '.join(sorted(options))}")
         executor = await SQLiteExecutor.open(lease_sql.sqlite_path(url))
         try:
-            await executor._writer._execute(_init_schema, executor._writer._conn)
+            await in_thread(executor._writer, _init_schema)
         except sqlite3.Error as exc:
             await executor.close()
             raise StoreUnavailable(f"cannot create the gateway schema: {exc}") from exc
@@ -378,7 +384,7 @@ def _read_key(conn: sqlite3.Connection, destination: str, key: str) -> KeyRecord
         deadline=row[11],
         completed_at=row[12],
         status=row[13],
-        headers=tuple(tuple(h) for h in json.loads(row[14])) if row[14] else (),  # type: ignore[misc]
+        headers=tuple((str(n), str(v)) for n, v in json.loads(row[14])) if row[14] else (),
         body=row[15] or b"",
         body_omitted=bool(row[16]),
     )

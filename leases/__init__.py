@@ -6,11 +6,26 @@ async with hold(store, "job-42", owner="worker-a", ttl=30.0) as lease:
 """
 
 from .errors import JobCompleted, LeaseError, LeaseHeld, LeaseLost, StoreUnavailable
-from .hold import Hold, HeldLease, hold
+from .hold import HeldLease, Hold, hold
 from .model import Lease, Reason, default_owner
 from .store import LeaseStore, open_store
+from .writer import (
+    BadWrite,
+    DuplicateWrite,
+    FencedWriter,
+    GatewayRejected,
+    GatewayUnavailable,
+    StaleWrite,
+    WriteResult,
+    derive_key,
+)
 
 __all__ = [
+    "BadWrite",
+    "DuplicateWrite",
+    "FencedWriter",
+    "GatewayRejected",
+    "GatewayUnavailable",
     "HeldLease",
     "Hold",
     "JobCompleted",
@@ -20,8 +35,11 @@ __all__ = [
     "LeaseLost",
     "LeaseStore",
     "Reason",
+    "StaleWrite",
     "StoreUnavailable",
+    "WriteResult",
     "default_owner",
+    "derive_key",
     "hold",
     "open_store",
 ]

@@ -130,7 +130,7 @@ class SQLiteExecutor:
         if self._closed:
             raise StoreUnavailable("store is closed")
         try:
-            result: T = await self._reader._execute(_read_snapshot, self._reader._conn, fn)
+            result: T = await in_thread(self._reader, _read_snapshot, fn)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"SQLite read failed: {exc}") from exc
         return result
@@ -142,7 +142,7 @@ class SQLiteExecutor:
             try:
                 # aiosqlite runs each queued call in its own thread; handing it the
                 # whole batch costs one thread hop instead of one per statement.
-                outcomes = await self._writer._execute(_write_batch, self._writer._conn, fns)
+                outcomes = await in_thread(self._writer, _write_batch, fns)
             except BaseException as exc:
                 err = StoreUnavailable(f"SQLite write failed: {exc}")
                 err.__cause__ = exc
@@ -168,6 +168,18 @@ class SQLiteExecutor:
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self._reader.close()
         await self._writer.close()
+
+
+async def in_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(sqlite3_connection, *args)` in `conn`'s worker thread, in one hop.
+
+    aiosqlite's own API makes one thread hop per statement; a whole batch in one
+    hop is what makes group commit cheap. `_execute`/`_conn` are aiosqlite's
+    internals, pinned by the version bound in pyproject.toml; this is the one
+    place that touches them.
+    """
+    result: T = await conn._execute(fn, conn._conn, *args)  # type: ignore[no-untyped-call]
+    return result
 
 
 def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, Any]]:
@@ -294,7 +306,7 @@ class SQLiteLeaseStore:
     async def open(cls, path: str | Path, *, clock: Clock = time.time) -> SQLiteLeaseStore:
         executor = await SQLiteExecutor.open(path)
         try:
-            await executor._writer._execute(init_leases_schema, executor._writer._conn)
+            await in_thread(executor._writer, init_leases_schema)
         except sqlite3.Error as exc:
             await executor.close()
             raise StoreUnavailable(f"cannot create the lease schema: {exc}") from exc

@@ -28,7 +28,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from . import model
-from .hold import Hold
+from .hold import HeldLease, Hold
 from .model import Lease
 
 __all__ = [
@@ -215,8 +215,8 @@ def _validate_key(key: object) -> str:
 
 
 class FencedWriter:
-    """Sends writes through the gateway under one lease (a `Lease`, or a `Hold` whose
-    loss it checks before every send)."""
+    """Sends writes through the gateway under one lease: a plain `Lease`, or what
+    `hold()` yields (or its `Hold`), whose loss it checks before every send."""
 
     def __init__(
         self,
@@ -233,6 +233,8 @@ class FencedWriter:
         base = URL(gateway_url) if isinstance(gateway_url, str) else None
         if base is None or base.scheme not in ("http", "https") or not base.host:
             raise ValueError(f"gateway_url must be http(s)://host[:port], not {gateway_url!r}")
+        if isinstance(lease, HeldLease):
+            lease = lease.hold  # what hold() yields: check its live state before each send
         if not isinstance(lease, Lease | Hold):
             raise ValueError(f"lease must be a Lease or a Hold, not {type(lease).__name__}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
