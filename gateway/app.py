@@ -31,6 +31,18 @@ WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# aiohttp server limits for both listeners. Oversized request lines, header
+# fields or header counts are refused by aiohttp itself (4xx, connection closed).
+# `keepalive_timeout` is also the slowloris guard: aiohttp closes a connection
+# still waiting for a complete header block when it runs out (it starts at
+# connect and again after each answer), where its default would allow an hour.
+SERVER_LIMITS: dict[str, Any] = {
+    "keepalive_timeout": 15.0,
+    "max_line_size": 8190,
+    "max_field_size": 8190,
+    "max_headers": 100,
+}
+
 
 @web.middleware
 async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -127,14 +139,16 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             loop.add_signal_handler(signum, stop.set)
 
     app = create_app(config)
-    runner = web.AppRunner(app, shutdown_timeout=config.shutdown_grace, access_log=None)
+    runner = web.AppRunner(
+        app, shutdown_timeout=config.shutdown_grace, access_log=None, **SERVER_LIMITS
+    )
     await runner.setup()
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
     try:
         await web.TCPSite(runner, *config.listen).start()
         admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
-        admin_runner = web.AppRunner(admin_app, access_log=None)
+        admin_runner = web.AppRunner(admin_app, access_log=None, **SERVER_LIMITS)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, *config.admin_listen).start()
         from .janitor import run_janitor
