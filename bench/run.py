@@ -89,6 +89,17 @@ def cpu_seconds(pgid: int) -> float:
     return total
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """CPU of the process's main thread only (its event loop); the rest is other threads."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def memory_mb(pgid: int) -> tuple[float, float]:
     """(peak RSS, current RSS) in MB summed over the group, from /proc/<pid>/status."""
     hwm = rss = 0
@@ -270,7 +281,12 @@ def prefill_sqlite(db_path: Path, records: int) -> bool:
 
 
 def run_load(
-    target: Target, args: argparse.Namespace, conns: int, dup: float, stale: float
+    target: Target,
+    args: argparse.Namespace,
+    conns: int,
+    dup: float,
+    stale: float,
+    upstream: Target | None = None,
 ) -> dict:
     cmd = [
         sys.executable,
@@ -294,8 +310,11 @@ def run_load(
     if target.claim:
         cmd += ["--claim-url", target.base]
     pgid = target.proc.pid if target.proc else None
-    cpu0 = cpu_seconds(pgid)
+    up_pgid = upstream.proc.pid if upstream and upstream.proc and upstream is not target else None
+    cpu0, main0 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
+    up0 = cpu_seconds(up_pgid) if up_pgid else 0.0
     tot0, idle0 = machine_ticks()
+    wall0 = time.monotonic()
     proc = subprocess.run(
         cmd,
         cwd=REPO,
@@ -303,8 +322,10 @@ def run_load(
         text=True,
         timeout=args.duration + args.warmup + 120,
     )
-    cpu1 = cpu_seconds(pgid)
+    cpu1, main1 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
+    up1 = cpu_seconds(up_pgid) if up_pgid else 0.0
     tot1, idle1 = machine_ticks()
+    wall = time.monotonic() - wall0
     if proc.returncode != 0:
         raise RuntimeError(f"loadgen failed on {target.name}: {proc.stderr[-2000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -316,9 +337,75 @@ def run_load(
         cpu_ms_per_req=(cpu1 - cpu0) * 1000 / total,
         peak_rss_mb=hwm,
         rss_mb=rss,
+        main_thread_ms_per_req=(main1 - main0) * 1000 / total,
+        upstream_cpu_s=up1 - up0,
         idle_pct=100.0 * (idle1 - idle0) / max(1, tot1 - tot0),
     )
+    # cores busy with something else than the target, the upstream and the generator
+    ncpu = os.cpu_count() or 1
+    busy_cores = ncpu * (1 - report["idle_pct"] / 100.0)
+    ours = (report["cpu_s"] + report["upstream_cpu_s"] + report["loadgen_cpu_s"]) / max(wall, 1e-3)
+    report["other_cores"] = max(0.0, busy_cores - ours)
     return report
+
+
+def _frame_key(frame: str) -> str:
+    """`func (path/to/file.py:123)` -> `func (file.py)`: one entry per function."""
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({'/'.join(where.split('/')[-2:])})" if where else name
+
+
+def profile_target(target: Target, args: argparse.Namespace, conns: int, outdir: Path) -> None:
+    """One extra, unmeasured run with py-spy attached; print where the CPU goes."""
+    pyspy = shutil.which("py-spy")
+    if pyspy is None or target.proc is None:
+        log("py-spy is not installed (pip install py-spy): --profile skipped")
+        return
+    outdir.mkdir(parents=True, exist_ok=True)
+    raw = outdir / f"{target.name}-c{conns}.txt"
+    seconds = max(1, int(args.warmup + args.duration))
+    spy = subprocess.Popen(
+        [pyspy, "record", "-p", str(target.proc.pid), "-d", str(seconds), "-r", "250",
+         "--threads", "--nonblocking", "-f", "raw", "-o", str(raw)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        rep = run_load(target, args, conns, 0.0, 0.0)
+        spy.wait(timeout=seconds + 30)
+    finally:
+        Processes.stop(spy, grace=2)
+    if not raw.exists():
+        log(f"py-spy wrote nothing for {target.name} (needs ptrace permission)")
+        return
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = stack.split(";")
+        threads[frames[0]] = threads.get(frames[0], 0) + count
+        keys = [_frame_key(f) for f in frames[1:]]
+        for k in set(keys):
+            inclusive[k] = inclusive.get(k, 0) + count
+        if keys:
+            own[keys[-1]] = own.get(keys[-1], 0) + count
+    print()
+    print(f"## Profile of {target.name} at c={conns} ({rep['rps']:.0f} req/s under py-spy, "
+          f"{total} samples of busy threads; stacks in {raw.name})")  # fmt: skip
+    for name, count in sorted(threads.items(), key=lambda kv: -kv[1]):
+        print(f"  thread {100 * count / total:5.1f}%  {name}")
+    print("  -- inclusive (share of samples with the function on the stack)")
+    for name, count in sorted(inclusive.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"  {100 * count / total:5.1f}%  {name}")
+    print("  -- self (the function itself was running)")
+    for name, count in sorted(own.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {100 * count / total:5.1f}%  {name}")
 
 
 def _median_of(rows: list[dict]):
@@ -344,12 +431,14 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
         "p50 ms",
         "p99 ms",
         "cpu ms/req",
+        "loop ms/req",
         "peak RSS MB",
         "gen cpu s",
         "idle %",
+        "other cores",
         "outcomes",
     ]
-    widths = [18, 5, 15, 9, 7, 7, 10, 11, 9, 6, 0]
+    widths = [18, 5, 15, 9, 7, 7, 10, 11, 11, 9, 6, 11, 0]
     print()
     print("## Runs (in the order they ran)")
     print(fmt_row(head, widths))
@@ -367,9 +456,11 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
                     f"{r['p50_ms']:.2f}",
                     f"{r['p99_ms']:.2f}",
                     f"{r['cpu_ms_per_req']:.3f}",
+                    f"{r['main_thread_ms_per_req']:.3f}",
                     f"{r['peak_rss_mb']:.1f}",
                     f"{r['loadgen_cpu_s']:.1f}",
                     f"{r['idle_pct']:.0f}",
+                    f"{r['other_cores']:.2f}",
                     outcomes,
                 ],
                 widths,
@@ -401,6 +492,39 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
                     widths,
                 )
             )
+
+    if "sqlite-prefill" in targets and "sqlite" in targets:
+        print()
+        print("## sqlite-prefill / sqlite (empty store), per round and median")
+        for sc in scenarios:
+            for figure, key in (("req/s", "rps"), ("p99", "p99_ms")):
+                ratios = []
+                for rnd in sorted({r["round"] for r in results}):
+                    a = [
+                        r
+                        for r in results
+                        if (r["scenario"], r["round"], r["target"])
+                        == (sc[0], rnd, "sqlite-prefill")
+                    ]
+                    b = [
+                        r
+                        for r in results
+                        if (r["scenario"], r["round"], r["target"]) == (sc[0], rnd, "sqlite")
+                    ]
+                    if a and b and b[0][key]:
+                        ratios.append(a[0][key] / b[0][key])
+                if ratios:
+                    print(
+                        fmt_row(
+                            [
+                                sc[0],
+                                figure,
+                                " ".join(f"{x:.2f}" for x in ratios),
+                                f"{statistics.median(ratios):.2f}",
+                            ],
+                            [18, 8, 30, 7],
+                        )
+                    )
 
     gateways = [t for t in targets if t in GATEWAY_TARGETS]
     if "plain" not in targets or not gateways:
@@ -440,38 +564,6 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
                             widths,
                         )
                     )
-    if "sqlite-prefill" in targets and "sqlite" in targets:
-        print()
-        print("## sqlite-prefill / sqlite (empty store), per round and median")
-        for sc in scenarios:
-            for figure, key in (("req/s", "rps"), ("p99", "p99_ms")):
-                ratios = []
-                for rnd in sorted({r["round"] for r in results}):
-                    a = [
-                        r
-                        for r in results
-                        if (r["scenario"], r["round"], r["target"])
-                        == (sc[0], rnd, "sqlite-prefill")
-                    ]
-                    b = [
-                        r
-                        for r in results
-                        if (r["scenario"], r["round"], r["target"]) == (sc[0], rnd, "sqlite")
-                    ]
-                    if a and b and b[0][key]:
-                        ratios.append(a[0][key] / b[0][key])
-                if ratios:
-                    print(
-                        fmt_row(
-                            [
-                                sc[0],
-                                figure,
-                                " ".join(f"{x:.2f}" for x in ratios),
-                                f"{statistics.median(ratios):.2f}",
-                            ],
-                            [18, 8, 30, 7],
-                        )
-                    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=("auto", "wrk", "aiohttp"), default="auto")
     p.add_argument("--pg-admin-url", default=PG_ADMIN_URL)
     p.add_argument("--json", help="also write all results to this file")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the measured runs, profile each gateway target with py-spy (not timed)",
+    )
     p.add_argument("--pause", type=float, default=0.5, help="seconds between runs")
     args = p.parse_args(argv)
 
@@ -586,16 +683,23 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             config = write_gateway_config(root, port, free_port(), store_url, up.base)
             t = Target(name, f"http://127.0.0.1:{port}", claim=True, logfile=tmp / f"{name}.log")
-            t.proc = procs.start(gateway_command(config), t.logfile)
-            wait_ready(t, "/healthz")
-            if name == "sqlite-prefill":
-                # the gateway created the schema; stop it, fill the file, start again
-                procs.stop(t.proc)
-                if not prefill_sqlite(root / "data" / "sinkgate.db", args.prefill):
-                    log("prefill not possible: running sqlite-prefill on an empty store")
+            try:
                 t.proc = procs.start(gateway_command(config), t.logfile)
                 wait_ready(t, "/healthz")
+                if name == "sqlite-prefill":
+                    # the gateway created the schema; stop it, fill the file, start again
+                    procs.stop(t.proc)
+                    if not prefill_sqlite(root / "data" / "sinkgate.db", args.prefill):
+                        log("prefill not possible: running sqlite-prefill on an empty store")
+                    t.proc = procs.start(gateway_command(config), t.logfile)
+                    wait_ready(t, "/healthz")
+            except RuntimeError as exc:
+                log(f"skipping target {name}: {exc}")
+                if t.proc is not None:
+                    procs.stop(t.proc)
+                continue
             by_name[name] = t
+        targets = [n for n in targets if n in by_name]
         log(f"targets: {', '.join(f'{n}={by_name[n].base}' for n in targets)}")
 
         runs = len(scenarios) * args.rounds * len(targets)
@@ -604,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(1, args.rounds + 1):
                 order = targets if rnd % 2 else list(reversed(targets))
                 for name in order:
-                    rep = run_load(by_name[name], args, conns, dup, stale)
+                    rep = run_load(by_name[name], args, conns, dup, stale, upstream=up)
                     rep.update(scenario=sc_name, round=rnd)
                     results.append(rep)
                     log(
@@ -614,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     time.sleep(args.pause)
         print_tables(results, scenarios, targets)
+        if args.profile:
+            for name in [t for t in targets if t in GATEWAY_TARGETS]:
+                profile_target(by_name[name], args, scenarios[0][1], REPO / "bench" / "results")
         out = Path(args.json) if args.json else None
         if out is None:
             out = REPO / "bench" / "results" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
