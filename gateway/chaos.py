@@ -341,6 +341,7 @@ def _report(
             "retried": dict(tally.retries),
         },
         "leases_lost": dict(tally.leases_lost),
+        "lease_calls_failed": tally.lease_calls_failed,
         "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
         "faults": {
             **{f"upstream_{k}": v for k, v in record["faults"].items()},

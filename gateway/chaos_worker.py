@@ -17,7 +17,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import aiohttp
@@ -70,6 +70,7 @@ class Tally:
     duplicates_replayed: int = 0
     unknown_keys: set[str] = field(default_factory=set)
     retries: Counter[str] = field(default_factory=Counter)
+    lease_calls_failed: int = 0  # a claim or completion no gateway answered
     leases_lost: Counter[str] = field(default_factory=Counter)
     # Completions the store acknowledged (200), per job, with their generation.
     completions: dict[str, list[int]] = field(default_factory=dict)
@@ -202,6 +203,12 @@ class Writers:
         )
 
 
+def _plain(lease: Lease) -> Lease:
+    """The bare values of what `hold()` yielded, without its live state: a writer
+    given this has no client-side guard, as a process that missed its loss."""
+    return Lease(**{f.name: getattr(lease, f.name) for f in fields(Lease)})
+
+
 @dataclass
 class _Zombie:
     lease: Lease
@@ -252,7 +259,7 @@ async def _one_job(
             for step in range(ctx.steps):
                 await asyncio.sleep(rng.uniform(0.5, 1.5) * ctx.step_work)
                 if paused and step == pause_at:
-                    zombie = _Zombie(lease, step, loop.time() + pause)
+                    zombie = _Zombie(_plain(lease), step, loop.time() + pause)
                     tally.pauses_past_lease += 1
                     store.freeze()
                     await asyncio.sleep(pause)  # hold() cancels us: LeaseLost
@@ -277,7 +284,7 @@ async def _one_job(
         # run past the store's lease while a renewal was failing.
         tally.writes_rejected_in_hold[exc.reason] += 1
     except StoreUnavailable:
-        tally.retries["store_unavailable"] += 1
+        tally.lease_calls_failed += 1
         await _confirm_completion(ctx, store, lease)
         await asyncio.sleep(0.2)
     except GatewayRejected as exc:
