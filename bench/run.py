@@ -89,6 +89,27 @@ def cpu_seconds(pgid: int) -> float:
     return total
 
 
+def matching_cpu_seconds(needle: str) -> float:
+    """CPU of live processes whose command line contains `needle` (the PostgreSQL
+    backends serving the bench database: `postgres: user db 127.0.0.1(port) ...`)."""
+    total = 0.0
+    data = needle.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if data not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
 def main_thread_cpu_seconds(pid: int) -> float:
     """CPU of the process's main thread only (its event loop); the rest is other threads."""
     try:
@@ -313,6 +334,8 @@ def run_load(
     up_pgid = upstream.proc.pid if upstream and upstream.proc and upstream is not target else None
     cpu0, main0 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
     up0 = cpu_seconds(up_pgid) if up_pgid else 0.0
+    db_needle = target.extra.get("db_process")
+    db0 = matching_cpu_seconds(db_needle) if db_needle else 0.0
     tot0, idle0 = machine_ticks()
     wall0 = time.monotonic()
     proc = subprocess.run(
@@ -324,6 +347,7 @@ def run_load(
     )
     cpu1, main1 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
     up1 = cpu_seconds(up_pgid) if up_pgid else 0.0
+    db1 = matching_cpu_seconds(db_needle) if db_needle else 0.0
     tot1, idle1 = machine_ticks()
     wall = time.monotonic() - wall0
     if proc.returncode != 0:
@@ -339,12 +363,15 @@ def run_load(
         rss_mb=rss,
         main_thread_ms_per_req=(main1 - main0) * 1000 / total,
         upstream_cpu_s=up1 - up0,
+        db_cpu_s=db1 - db0,
+        db_ms_per_req=(db1 - db0) * 1000 / total,
         idle_pct=100.0 * (idle1 - idle0) / max(1, tot1 - tot0),
     )
     # cores busy with something else than the target, the upstream and the generator
     ncpu = os.cpu_count() or 1
     busy_cores = ncpu * (1 - report["idle_pct"] / 100.0)
-    ours = (report["cpu_s"] + report["upstream_cpu_s"] + report["loadgen_cpu_s"]) / max(wall, 1e-3)
+    ours = report["cpu_s"] + report["upstream_cpu_s"] + report["loadgen_cpu_s"] + report["db_cpu_s"]
+    ours /= max(wall, 1e-3)
     report["other_cores"] = max(0.0, busy_cores - ours)
     return report
 
@@ -432,13 +459,14 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
         "p99 ms",
         "cpu ms/req",
         "loop ms/req",
+        "db ms/req",
         "peak RSS MB",
         "gen cpu s",
         "idle %",
         "other cores",
         "outcomes",
     ]
-    widths = [18, 5, 15, 9, 7, 7, 10, 11, 11, 9, 6, 11, 0]
+    widths = [18, 5, 15, 9, 7, 7, 10, 11, 9, 11, 9, 6, 11, 0]
     print()
     print("## Runs (in the order they ran)")
     print(fmt_row(head, widths))
@@ -457,6 +485,7 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
                     f"{r['p99_ms']:.2f}",
                     f"{r['cpu_ms_per_req']:.3f}",
                     f"{r['main_thread_ms_per_req']:.3f}",
+                    f"{r['db_ms_per_req']:.3f}" if r.get("db_cpu_s") else "-",
                     f"{r['peak_rss_mb']:.1f}",
                     f"{r['loadgen_cpu_s']:.1f}",
                     f"{r['idle_pct']:.0f}",
@@ -683,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             config = write_gateway_config(root, port, free_port(), store_url, up.base)
             t = Target(name, f"http://127.0.0.1:{port}", claim=True, logfile=tmp / f"{name}.log")
+            if name == "postgres":
+                t.extra["db_process"] = f" {pg_db} "
             try:
                 t.proc = procs.start(gateway_command(config), t.logfile)
                 wait_ready(t, "/healthz")
