@@ -24,6 +24,9 @@ from tests.conftest import FakeClock
 TTL = 0.3
 INTERVAL = TTL / 3  # hold's default renew_fraction
 PATIENCE = 5.0  # generous bound on anything paced by real time
+# Where both clocks are real, the gap between the worker's deadline and the store's
+# expiry is ttl * safety_margin: 150 ms here, so a busy machine cannot close it.
+REAL_CLOCK_HOLD: dict[str, Any] = {"ttl": 0.6, "safety_margin": 0.25}
 
 
 class SpyStore:
@@ -33,6 +36,8 @@ class SpyStore:
         self.inner = inner
         self.renewals = 0
         self.fail_renewals: Exception | None = None
+        self.hang_renewals = False
+        self.slow_response = 0.0
         self.last_renewed: Lease | None = None
         self._renewed = asyncio.Condition()
 
@@ -43,7 +48,11 @@ class SpyStore:
         try:
             if self.fail_renewals is not None:
                 raise self.fail_renewals
+            if self.hang_renewals:
+                await asyncio.Event().wait()  # a store that never answers
             self.last_renewed = await self.inner.renew(lease, ttl=ttl)
+            if self.slow_response:
+                await asyncio.sleep(self.slow_response)  # applied, but the answer is late
             return self.last_renewed
         finally:
             async with self._renewed:
@@ -260,7 +269,7 @@ async def test_closed_store_stops_body_before_the_store_could_reassign_the_job(
     spy = SpyStore(inner)
     try:
         with pytest.raises(LeaseLost) as info:
-            async with hold(spy, "job-1", owner="worker-a", ttl=TTL):
+            async with hold(spy, "job-1", owner="worker-a", **REAL_CLOCK_HOLD):
                 await spy.wait_renewals(1)
                 await inner.close()  # renewals now raise StoreUnavailable
                 await asyncio.sleep(PATIENCE * 10)
@@ -268,6 +277,52 @@ async def test_closed_store_stops_body_before_the_store_could_reassign_the_job(
     finally:
         await inner.close()
     assert info.value.reason in ("lease_expired", "store_unavailable")
+    assert spy.last_renewed is not None
+    assert stopped_at < spy.last_renewed.lease_until.timestamp()
+
+
+async def test_hanging_renewal_is_cut_off_at_the_local_deadline(tmp_path: Path) -> None:
+    """A renewal that never answers is abandoned when the worker's deadline (ttl
+    minus the safety margin after the last successful renewal was sent) passes:
+    LeaseLost(store_unavailable), before the lease could end in the store."""
+    inner = await SQLiteLeaseStore.open(tmp_path / "leases.db")
+    spy = SpyStore(inner)
+    effects: list[str] = []
+    try:
+        with pytest.raises(LeaseLost) as info:
+            async with hold(spy, "job-1", owner="worker-a", **REAL_CLOCK_HOLD):
+                await spy.wait_renewals(1)
+                spy.hang_renewals = True
+                await asyncio.sleep(PATIENCE * 10)
+                effects.append("after the deadline")
+        stopped_at = time.time()
+        assert renewal_tasks() == []
+    finally:
+        await inner.close()
+    assert info.value.reason == "store_unavailable"
+    assert effects == []
+    assert spy.last_renewed is not None
+    assert stopped_at < spy.last_renewed.lease_until.timestamp()
+
+
+async def test_late_renewal_answer_counts_from_when_it_was_sent(tmp_path: Path) -> None:
+    """A renewal whose answer arrives late extends the worker's deadline only from
+    the moment the request was sent (the store may have applied it right then), so
+    when the store then becomes unreachable the body still stops before the lease
+    ends in the store."""
+    inner = await SQLiteLeaseStore.open(tmp_path / "leases.db")
+    spy = SpyStore(inner)
+    try:
+        with pytest.raises(LeaseLost):
+            async with hold(spy, "job-1", owner="worker-a", **REAL_CLOCK_HOLD):
+                await spy.wait_renewals(1)
+                spy.slow_response = 0.22  # > ttl * safety_margin, < the renewal timeout
+                await spy.wait_renewals(2)
+                spy.fail_renewals = StoreUnavailable("unreachable")
+                await asyncio.sleep(PATIENCE * 10)
+        stopped_at = time.time()
+    finally:
+        await inner.close()
     assert spy.last_renewed is not None
     assert stopped_at < spy.last_renewed.lease_until.timestamp()
 
