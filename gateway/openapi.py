@@ -22,6 +22,8 @@ from .errors import STATUS_BY_REASON
 IDENT_PATTERN = "^[\\x21-\\x7e]{1,256}$"
 PROBLEM_JSON = "application/problem+json"
 
+# Reasons answered with their own status outside STATUS_BY_REASON's table.
+_REASONS = sorted((set(STATUS_BY_REASON) - {"duplicate"}) | {"request_timeout", "internal_error"})
 _LEASE_FAILURES = (
     "lease_not_held",
     "stale_generation",
@@ -74,7 +76,7 @@ _SCHEMAS: dict[str, Any] = {
             "title": _STRING,
             "status": {"type": "integer", "minimum": 400, "maximum": 599},
             "detail": _STRING,
-            "reason": {"type": "string", "enum": sorted(set(STATUS_BY_REASON) - {"duplicate"})},
+            "reason": {"type": "string", "enum": _REASONS},
             "destination": _STRING,
             "job_id": _STRING,
             "owner": _STRING,

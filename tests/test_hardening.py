@@ -1,0 +1,481 @@
+"""Limits, bad input and the security review's claims, against a real gateway.
+
+The gateway runs with the server limits `serve` uses (`app.SERVER_LIMITS`).
+Requests that aiohttp's client refuses to send (invalid UTF-8, control
+characters, oversized or trickling headers) go over raw sockets. Every test
+checks that nothing was forwarded and the store holds exactly what the contract
+says (a rejection-log row where SPEC 2 wants one; no lease, fence or key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from yarl import URL
+
+from gateway import handlers
+from gateway.admin import create_admin_app
+from gateway.app import SERVER_LIMITS, create_app
+from gateway.appkeys import METRICS
+from gateway.decision import Fencing
+from gateway.sqlite_store import SQLiteStore
+from gateway.store import RejectionQuery
+
+from .harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
+from .harness import recording_upstream as _recording_upstream
+
+ADMIN_TOKEN = "admin-token-for-hardening"
+WORKER_TOKEN = "worker-token-for-hardening"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with _recording_upstream() as up:
+        yield up
+
+
+@asynccontextmanager
+async def gateway_with_limits(
+    tmp_path: Path, upstream: RecordingUpstream, **limits: Any
+) -> AsyncIterator[Gateway]:
+    config = make_config(
+        tmp_path,
+        destination("pay", upstream.url + "/api"),
+        destination("other", upstream.url + "/other"),
+        destination("mono", upstream.url + "/api", fencing=Fencing.MONOTONIC),
+        destination("secure", upstream.url + "/api", worker_tokens=(WORKER_TOKEN,)),
+        destination("narrow", upstream.url + "/api", max_in_flight=2),
+    )
+    clock = FakeClock()
+    store = await SQLiteStore.open(config.store_url, clock=clock)
+    app = create_app(config, store=store, clock=clock)
+    runner = web.AppRunner(app, shutdown_timeout=5, **{**SERVER_LIMITS, **limits})
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    session = aiohttp.ClientSession()
+    try:
+        yield Gateway(f"http://{host}:{port}", store, clock, session, app)
+    finally:
+        await session.close()
+        await runner.cleanup()
+        await store.close()
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
+    async with gateway_with_limits(tmp_path, upstream) as gateway:
+        yield gateway
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+async def raw_request(gw: Gateway, data: bytes) -> bytes:
+    """Send raw bytes, read one response (requests say Connection: close)."""
+    url = URL(gw.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(read_response(reader), 10)
+    finally:
+        writer.close()
+
+
+async def read_response(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP/1.1 response with a Content-Length (or up to EOF without one)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    headers, _ = head_and_body(head)
+    if "content-length" in headers:
+        return head + await reader.readexactly(int(headers["content-length"]))
+    return head + await reader.read()
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def head_and_body(response: bytes) -> tuple[dict[str, str], bytes]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    return headers, body
+
+
+def write_head(path: str, job: bytes, *, key: bytes = b"k-1", extra: bytes = b"") -> bytes:
+    return (
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2\r\n"
+        b"Fencing-Job: "
+        + job
+        + b"\r\nFencing-Token: 1\r\nIdempotency-Key: "
+        + key
+        + b"\r\n"
+        + extra
+        + b"\r\n{}"
+    )
+
+
+async def table_counts(store: SQLiteStore) -> dict[str, int]:
+    """Rows per table, read on the store's own connection."""
+    tables = ("leases", "fences", "idempotency", "attempts", "rejections")
+    return {
+        t: (
+            await store._executor.read(
+                lambda c, t=t: c.execute(f"SELECT count(*) FROM {t}").fetchone()
+            )
+        )[0]
+        for t in tables
+    }
+
+
+def assert_problem(response: bytes, status: int, reason: str) -> dict[str, Any]:
+    assert status_of(response) == status, response[:300]
+    headers, body = head_and_body(response)
+    assert headers["content-type"].startswith("application/problem+json")
+    assert headers["sinkgate-rejected"] == reason
+    doc: dict[str, Any] = json.loads(body)
+    assert doc["reason"] == reason and doc["status"] == status
+    return doc
+
+
+# --- slow clients ---------------------------------------------------------------------------
+
+
+async def test_a_write_body_slower_than_the_deadline_is_408_and_changes_nothing(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handlers, "BODY_READ_TIMEOUT_S", 0.3)
+    await gw.claim("job-1")
+    before = await table_counts(gw.store)
+    url = URL(gw.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(
+            b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nContent-Length: 1000\r\n"
+            b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\n\r\n" + b"x" * 10
+        )
+        await writer.drain()
+        started = time.monotonic()
+        response = await asyncio.wait_for(read_response(reader), 10)
+    finally:
+        writer.close()
+    assert time.monotonic() - started < 5
+    assert_problem(response, 408, "request_timeout")
+    assert head_and_body(response)[0]["connection"].lower() == "close"
+    assert upstream.received == []
+    assert await table_counts(gw.store) == before
+
+
+async def test_slowloris_headers_are_cut_off_at_the_keepalive_deadline(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """aiohttp closes a connection whose header block is still incomplete when the
+    keep-alive deadline runs out; `serve` sets it (SERVER_LIMITS), here shortened."""
+    assert SERVER_LIMITS["keepalive_timeout"] <= 30
+    async with gateway_with_limits(tmp_path, upstream, keepalive_timeout=0.5) as gw:
+        url = URL(gw.url)
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        started = time.monotonic()
+        closed_after = None
+        try:
+            writer.write(b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\n")
+            for i in range(100):  # one header line every 50 ms: never a complete head
+                try:
+                    writer.write(f"X-Trickle-{i}: 1\r\n".encode())
+                    await writer.drain()
+                except ConnectionError:
+                    closed_after = time.monotonic() - started
+                    break
+                try:
+                    data = await asyncio.wait_for(reader.read(1), 0.05)
+                except TimeoutError:
+                    continue
+                assert data == b"", "the server answered a request it never fully received"
+                closed_after = time.monotonic() - started
+                break
+        finally:
+            writer.close()
+        assert closed_after is not None and closed_after < 3.0, closed_after
+        assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    ("what", "request_bytes"),
+    [
+        (
+            "long header",
+            write_head("/to/pay/x", b"job-1", extra=b"X-Big: " + b"a" * 9000 + b"\r\n"),
+        ),
+        (
+            "many headers",
+            write_head(
+                "/to/pay/x", b"job-1", extra=b"".join(b"X-H%d: 1\r\n" % i for i in range(150))
+            ),
+        ),
+        ("long request line", write_head("/to/pay/" + "a" * 9000, b"job-1")),
+        ("long job id header", write_head("/to/pay/x", b"j" * 9000)),
+    ],
+)
+async def test_oversized_headers_are_a_4xx_from_aiohttp_and_change_nothing(
+    gw: Gateway, upstream: RecordingUpstream, what: str, request_bytes: bytes
+) -> None:
+    await gw.claim("job-1")
+    before = await table_counts(gw.store)
+    response = await raw_request(gw, request_bytes)
+    assert 400 <= status_of(response) < 500, (what, response[:200])
+    assert upstream.received == []
+    assert await table_counts(gw.store) == before
+
+
+async def test_oversized_json_on_the_lease_api_is_413_problem_and_claims_nothing(
+    gw: Gateway,
+) -> None:
+    body = json.dumps({"owner": "a", "ttl": 10, "pad": "x" * 70_000}).encode()
+    async with gw.session.post(f"{gw.url}/leases/job-1/claim", data=body) as resp:
+        assert resp.status == 413
+        assert resp.headers["Content-Type"].startswith("application/problem+json")
+        assert (await resp.json(content_type=None))["reason"] == "body_too_large"
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted while read
+        for _ in range(20):
+            yield b" " * 4096
+        yield b'{"owner": "a", "ttl": 10}'
+
+    async with gw.session.post(f"{gw.url}/leases/job-1/claim", data=chunks()) as resp:
+        assert resp.status == 413
+        assert resp.headers["Sinkgate-Rejected"] == "body_too_large"
+    assert await gw.store.get("job-1") is None
+
+
+# --- invalid ids ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "job",
+    [b"j\xffb", b"j\xc3\xa9b", b"j\tb", b"j b"],
+    ids=["invalid-utf8", "non-ascii", "tab", "space"],
+)
+async def test_bad_bytes_in_fencing_job_are_400_and_only_logged(
+    gw: Gateway, upstream: RecordingUpstream, job: bytes
+) -> None:
+    response = await raw_request(gw, write_head("/to/pay/x", job))
+    assert_problem(response, 400, "invalid_fencing_token")
+    assert upstream.received == []
+    (logged,) = await gw.store.list_rejections(RejectionQuery())
+    assert logged.record.reason == "invalid_fencing_token" and logged.record.job_id is None
+    counts = await table_counts(gw.store)
+    assert counts == {"leases": 0, "fences": 0, "idempotency": 0, "attempts": 0, "rejections": 1}
+
+
+@pytest.mark.parametrize("job", [b"j\x01b", b"j\x7fb", b"j\x00b"], ids=["control", "del", "nul"])
+async def test_control_characters_in_a_header_are_refused_by_the_parser(
+    gw: Gateway, upstream: RecordingUpstream, job: bytes
+) -> None:
+    """aiohttp's parser refuses control characters in any header value (RFC 9110
+    5.5) with its own 400, before the gateway runs: nothing reaches the store."""
+    response = await raw_request(gw, write_head("/to/pay/x", job))
+    assert status_of(response) == 400
+    assert upstream.received == []
+    assert sum((await table_counts(gw.store)).values()) == 0
+
+
+@pytest.mark.parametrize("key", [b"k\xffk", b"k\x00k", b"k\x7fk", b"k\xc3\xa9"])
+async def test_bad_bytes_in_the_idempotency_key_are_400(
+    gw: Gateway, upstream: RecordingUpstream, key: bytes
+) -> None:
+    await gw.claim("job-1")
+    response = await raw_request(gw, write_head("/to/pay/x", b"job-1", key=key))
+    if any(c < 0x20 or c == 0x7F for c in key):  # refused by aiohttp's parser itself
+        assert status_of(response) == 400
+    else:
+        assert_problem(response, 400, "invalid_idempotency_key")
+    assert upstream.received == []
+    assert (await table_counts(gw.store))["idempotency"] == 0
+
+
+@pytest.mark.parametrize(
+    "raw_job",
+    ["%FF", "a%00b", "a%0Ab", "a%7Fb", "%C3%A9", "a%20b", "j" * 257],
+)
+async def test_bad_job_ids_in_lease_paths_are_400_and_claim_nothing(
+    gw: Gateway, raw_job: str
+) -> None:
+    url = URL(f"{gw.url}/leases/{raw_job}/claim", encoded=True)
+    async with gw.session.post(url, json={"owner": "a", "ttl": 10}) as resp:
+        assert resp.status == 400, await resp.text()
+        assert (await resp.json(content_type=None))["reason"] == "invalid_request"
+    assert (await table_counts(gw.store))["leases"] == 0
+
+
+async def test_raw_invalid_utf8_in_a_lease_path_is_a_4xx(gw: Gateway) -> None:
+    request = (
+        b"POST /leases/j\xffb/claim HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 25\r\n\r\n"
+        b'{"owner": "a", "ttl": 10}'
+    )
+    response = await raw_request(gw, request)
+    assert 400 <= status_of(response) < 500, response[:200]
+    assert (await table_counts(gw.store))["leases"] == 0
+
+
+# --- overload -------------------------------------------------------------------------------
+
+
+async def test_past_max_in_flight_writes_get_503_overloaded_not_a_queue(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    slow = [asyncio.create_task(gw.write("/to/narrow/slow/1", key=f"s{i}")) for i in range(2)]
+    for _ in range(200):  # bounded: both forwards reach the upstream
+        if len(upstream.received) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert len(upstream.received) == 2
+    status, headers, _ = await gw.write("/to/narrow/x", key="third")
+    assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
+    assert int(headers["Retry-After"]) >= 1
+    assert await gw.store.key_record("narrow", "third") is None  # nothing reserved
+    upstream.release.set()
+    assert [(await t)[0] for t in slow] == [201, 201]
+    assert (await gw.write("/to/narrow/x", key="third"))[0] == 201
+
+
+# --- the security review's claims -------------------------------------------------------------
+
+
+async def test_without_a_token_a_worker_is_refused_and_logged_by_a_guarded_destination(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    status, headers, _ = await gw.write("/to/secure/x")
+    assert status == 401 and headers["Sinkgate-Rejected"] == "unauthorized"
+    status, _, _ = await gw.write("/to/secure/x", headers={"Authorization": "Bearer " + "x" * 20})
+    assert status == 401
+    assert upstream.received == []
+    assert len(await gw.store.list_rejections(RejectionQuery(reason="unauthorized"))) == 2
+
+
+async def test_the_lease_api_is_open_to_anyone_who_reaches_the_main_listener(
+    gw: Gateway,
+) -> None:
+    """A documented limit, pinned so that a change is noticed: the lease API has no
+    authentication, and owner and generation are readable, so any client can end
+    another worker's lease. Guard the main listener at the network level."""
+    await gw.claim("job-1", owner="worker-a")
+    async with gw.session.get(f"{gw.url}/leases/job-1") as resp:
+        lease = await resp.json()
+    async with gw.session.post(
+        f"{gw.url}/leases/job-1/release",
+        json={"owner": lease["owner"], "generation": lease["generation"]},
+    ) as resp:
+        assert resp.status == 200 and (await resp.json())["state"] == "free"
+
+
+async def test_a_forged_generation_is_never_forwarded_and_never_raises_the_mark(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    assert (await gw.write("/to/pay/x", generation=1, key="real"))[0] == 201
+    for forged in (2, 2**63 - 1):
+        status, headers, _ = await gw.write("/to/pay/x", generation=forged, key=f"f{forged}")
+        assert status == 409 and headers["Sinkgate-Rejected"] == "unknown_generation"
+    state = await gw.store.job_state("job-1")
+    assert state is not None and state.highest_generation == 1
+    assert len(upstream.received) == 1
+
+
+async def test_a_rejected_write_never_raises_another_jobs_mark(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """Lease mode: a write for a job one does not hold is refused and moves nothing.
+    Monotonic mode: a rejected write (reused key) with a huge token moves nothing."""
+    await gw.claim("victim", owner="b")
+    status, _, _ = await gw.write("/to/pay/x", job="victim", generation=99, key="evil")
+    assert status == 409
+    assert (await gw.write("/to/mono/x", job="m", generation=5, key="k"))[0] == 201
+    status, headers, _ = await gw.write(
+        "/to/mono/x", job="m", generation=2**63 - 1, key="k", body=b"other"
+    )
+    assert status == 422 and headers["Sinkgate-Rejected"] == "idempotency_key_reused"
+    victim = await gw.store.job_state("victim")
+    assert victim is not None and victim.highest_generation is None
+    mono = await gw.store.job_state("m")
+    assert mono is not None and mono.highest_generation == 5
+    assert len(upstream.received) == 1
+
+
+async def test_the_same_key_on_another_destination_never_replays_its_answer(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    first = await gw.write("/to/pay/x", key="shared")
+    second = await gw.write("/to/other/x", key="shared")
+    assert first[0] == second[0] == 201
+    assert "Idempotent-Replayed" not in second[1]
+    assert json.loads(second[2])["n"] == 2  # the other upstream's own answer
+    assert upstream.paths() == ["/api/x", "/other/x"]
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        b"POST http://evil.invalid/to/pay/x HTTP/1.1",
+        b"POST /to/pay/x HTTP/1.1",
+    ],
+)
+async def test_no_request_can_point_the_gateway_at_another_host(
+    gw: Gateway, upstream: RecordingUpstream, request_line: bytes
+) -> None:
+    """Absolute-form targets and a hostile Host header: whatever is forwarded goes to
+    the configured upstream and its base path, nowhere else."""
+    await gw.claim("job-1")
+    request = (
+        request_line + b"\r\nHost: evil.invalid:80\r\nConnection: close\r\n"
+        b"X-Forwarded-Host: evil.invalid\r\nContent-Length: 2\r\n"
+        b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-host\r\n\r\n{}"
+    )
+    response = await raw_request(gw, request)
+    status = status_of(response)
+    assert status < 500
+    if status == 201:
+        (seen,) = upstream.received
+        assert seen.raw_path == "/api/x"
+        assert seen.headers["Host"] == URL(upstream.url).raw_authority
+    else:
+        assert upstream.received == []
+
+
+async def test_the_admin_api_is_not_on_the_main_listener_and_needs_its_token(
+    gw: Gateway,
+) -> None:
+    async with gw.session.get(f"{gw.url}/admin/rejections") as resp:
+        assert resp.status == 404
+    admin = create_admin_app(gw.store, gw.app[METRICS], token=ADMIN_TOKEN)
+    runner = web.AppRunner(admin, **SERVER_LIMITS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        for headers in ({}, {"Authorization": f"Bearer {WORKER_TOKEN}"}):
+            async with gw.session.get(
+                f"http://{host}:{port}/admin/rejections", headers=headers
+            ) as resp:
+                assert resp.status == 401
+        async with gw.session.get(
+            f"http://{host}:{port}/admin/rejections",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as resp:
+            assert resp.status == 200
+    finally:
+        await runner.cleanup()
