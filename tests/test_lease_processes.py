@@ -19,8 +19,6 @@ import pytest
 from leases import LeaseHeld
 from leases.sqlite import SQLiteLeaseStore
 
-pytestmark = pytest.mark.slow
-
 PROCESSES = 4
 ROUNDS = 100
 TTL = 60.0
@@ -50,6 +48,7 @@ async def _claim_rounds(path: str, index: int, barrier: object, results: object)
     results.put((index, won))  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_four_processes_claim_one_job_exactly_one_wins(tmp_path: Path) -> None:
     """4 processes, released together by a barrier, claim the same never-seen job
     in each of 100 rounds: every round has exactly one winner, generation 1."""
@@ -128,6 +127,7 @@ _CRASHING_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_generation_is_never_reused_after_a_crash(tmp_path: Path) -> None:
     """A process is killed (SIGKILL) right after its claim returned: after a reopen
     the claim is still there, and the next claim (once it expires) is higher."""
