@@ -1,0 +1,621 @@
+"""The gateway's store on PostgreSQL (asyncpg): fence, barrier, keys, rejection log.
+
+The same tables as `sqlite_store` (PostgreSQL types: `double precision` epoch
+seconds, `bigint` generations, `bytea` bodies, `bigserial` rejection ids), in the
+database the lease store (`leases.postgres`) uses, so the lease-mode fence reads
+the very lease table the lease API writes.
+
+A write decision is one short READ COMMITTED transaction on a pooled connection:
+
+1. `BEGIN`
+2. one statement: `synchronous_commit` on for this transaction, then
+   `pg_advisory_xact_lock` on the job, then on (destination, key). The job lock
+   serialises the decisions of one job across replicas, which the generation
+   barrier needs (two generations must not both see "no older attempt"); the
+   key lock serialises first reservations of one key, which no row lock can do
+   (the row does not exist yet). Always job then key, in one statement, so two
+   decisions never wait on each other in opposite orders.
+3. one statement reading everything `decide` needs, with a snapshot taken after
+   the locks: the store's clock, the lease, the job's mark, the latest deadline
+   of an older generation's attempt, and the key's record `FOR UPDATE` (an
+   outcome being recorded for the key finishes first, or waits for us).
+4. one statement applying the verdict: reservation + attempt + mark, or the
+   rejection (a replay is logged as `duplicate`).
+5. `COMMIT` (durable).
+
+The lease row is read, not locked: every read of the decision comes from one
+snapshot and the clock is read in the same statement, so the decision is the
+one SQLite would have taken at that instant; a claim committing meanwhile could
+only take over a lease already expired by then (its clock reads later), and
+later writes of the job see this decision's attempt through the job lock.
+
+The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
+`clock()` is synchronous (the lease API stamps `server_time`, the janitor and
+admin views take their cut-offs from it), so it answers from the local clock
+corrected by the skew last measured against the server: at open, and at every
+write decision. It is for display and retention cut-offs; no fence or
+reservation is decided by it.
+
+No session state (see `leases.postgres`): works behind PgBouncer in
+transaction mode.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, cast
+
+from leases.model import LeaseRow, State
+from leases.postgres import (
+    SCHEMA_LOCK_KEY,
+    Conn,
+    PostgresLeaseStore,
+    db_now,
+    driver_errors,
+    ensure_component,
+    require_durable_commit,
+)
+
+from .decision import (
+    Fencing,
+    Forward,
+    KeyRecord,
+    KeyState,
+    Reject,
+    Replay,
+    StoredState,
+    WriteFacts,
+    barrier_deadline,
+    decide,
+    reservation_deadline,
+)
+from .store import (
+    JobState,
+    Outcome,
+    RejectionQuery,
+    RejectionRecord,
+    StoredRejection,
+    Verdict,
+    WriteContext,
+)
+
+GATEWAY_SCHEMA_VERSION = 1
+
+GATEWAY_DDL = """
+CREATE TABLE IF NOT EXISTS fences (
+    job_id text PRIMARY KEY,
+    highest_generation bigint NOT NULL,
+    updated_at double precision NOT NULL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    destination text NOT NULL,
+    key text NOT NULL,
+    state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint text NOT NULL,
+    attempt text NOT NULL,
+    attempts integer NOT NULL,
+    job_id text NOT NULL,
+    generation bigint NOT NULL,
+    owner text,
+    created_at double precision NOT NULL,
+    updated_at double precision NOT NULL,
+    deadline double precision NOT NULL,
+    completed_at double precision,
+    status integer,
+    headers text,
+    body bytea,
+    body_omitted boolean NOT NULL DEFAULT false,
+    PRIMARY KEY (destination, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt text PRIMARY KEY,
+    job_id text NOT NULL,
+    generation bigint NOT NULL,
+    destination text NOT NULL,
+    key text,
+    started_at double precision NOT NULL,
+    deadline double precision NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attempts_job ON attempts (job_id, generation);
+CREATE TABLE IF NOT EXISTS rejections (
+    id bigserial PRIMARY KEY,
+    at double precision NOT NULL,
+    destination text,
+    method text,
+    path text,
+    job_id text,
+    generation bigint,
+    owner text,
+    idempotency_key text,
+    reason text NOT NULL,
+    detail text,
+    current_generation bigint,
+    highest_generation bigint,
+    remote text,
+    body_sha256 text,
+    body_bytes bigint
+);
+CREATE INDEX IF NOT EXISTS rejections_at ON rejections (at);
+CREATE INDEX IF NOT EXISTS rejections_job ON rejections (job_id, id);
+CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
+CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
+"""
+
+_NOW = "extract(epoch FROM clock_timestamp())::float8 + {}::float8"
+_KEY_COLUMNS = (
+    "destination, key, state, fingerprint, attempt, attempts, job_id, generation, owner, "
+    "created_at, updated_at, deadline, completed_at, status, headers, body, body_omitted"
+)
+_REJECTION_FIELDS = tuple(RejectionRecord.__dataclass_fields__)
+_REJECTION_COLUMNS = ", ".join(_REJECTION_FIELDS)
+_LEASE_ALIASES = "l.job_id AS l_job, l.owner AS l_owner, l.generation AS l_generation, " + (
+    "l.state AS l_state, l.lease_until AS l_until, l.ttl AS l_ttl"
+)
+
+# $1 job, $2 destination, $3 key (NULL: no key). A NULL lock key skips the lock
+# (the functions are strict). The target list is evaluated left to right.
+_LOCK_SQL = (
+    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true), "
+    "pg_advisory_xact_lock(hashtextextended('job:' || $1::text, 0)), "
+    "pg_advisory_xact_lock(hashtextextended('key:' || $2::text || chr(10) || $3::text, 0))"
+)
+
+# $1 job, $2 generation, $3 destination, $4 key, $5 clock offset.
+_STATE_SQL = f"""
+WITH n AS MATERIALIZED (SELECT {_NOW.format("$5")} AS now)
+SELECT n.now, {_LEASE_ALIASES},
+    (SELECT highest_generation FROM fences WHERE job_id = $1) AS mark,
+    (SELECT max(deadline) FROM attempts
+        WHERE job_id = $1 AND generation < $2 AND deadline > n.now) AS older,
+    k.*
+FROM n
+LEFT JOIN leases l ON l.job_id = $1
+LEFT JOIN LATERAL (
+    SELECT {_KEY_COLUMNS} FROM idempotency
+    WHERE destination = $3 AND key = $4 FOR UPDATE
+) k ON true
+"""
+
+# $1 destination, $2 key (NULL: keyless), $3 fingerprint, $4 attempt, $5 job,
+# $6 generation, $7 owner, $8 now, $9 reservation deadline, $10 barrier deadline.
+_FORWARD_SQL = """
+WITH reserve AS (
+    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts,
+        job_id, generation, owner, created_at, updated_at, deadline)
+    SELECT $1, $2, 'in_flight', $3, $4, 1, $5, $6, $7, $8, $8, $9 WHERE $2::text IS NOT NULL
+    ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
+        attempt = excluded.attempt, attempts = idempotency.attempts + 1,
+        job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
+        updated_at = excluded.updated_at, deadline = excluded.deadline, completed_at = NULL,
+        status = NULL, headers = NULL, body = NULL, body_omitted = false
+), attempt AS (
+    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
+    VALUES ($4, $5, $6, $1, $2, $8, $10)
+)
+INSERT INTO fences (job_id, highest_generation, updated_at) VALUES ($5, $6, $8)
+ON CONFLICT (job_id) DO UPDATE SET
+    highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
+    updated_at = excluded.updated_at
+"""
+
+
+class PostgresStore(PostgresLeaseStore):
+    """Gateway store on PostgreSQL; also the lease store the lease API uses.
+
+    Several gateway processes may share one database: every decision is taken
+    under the database's locks and by the database server's clock.
+    """
+
+    def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
+        super().__init__(pool, clock_offset=clock_offset)
+        self._skew = 0.0  # server clock minus local clock, seconds
+        self.clock = self._clock
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        clock_offset: float = 0.0,
+        min_size: int = 1,
+        max_size: int = 10,
+        statement_cache_size: int = 100,
+        connect_timeout: float = 10.0,
+    ) -> PostgresStore:
+        """Open a pool on `url`, create or check the lease and gateway schema."""
+        store = cast(
+            PostgresStore,
+            await super().open(
+                url,
+                clock_offset=clock_offset,
+                min_size=min_size,
+                max_size=max_size,
+                statement_cache_size=statement_cache_size,
+                connect_timeout=connect_timeout,
+            ),
+        )
+        try:
+            with driver_errors("cannot create the PostgreSQL gateway schema"):
+                async with store._pool.acquire() as conn:
+                    await _init_schema(conn)
+                    before = time.time()
+                    server = await db_now(conn, 0.0)
+                    store._skew = server - (before + time.time()) / 2
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    def _clock(self) -> float:
+        return time.time() + self._skew + self._offset()
+
+    def _observed(self, now: float, offset: float) -> None:
+        self._skew = now - offset - time.time()
+
+    # --- writes ------------------------------------------------------------------------
+
+    async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
+        offset = self._offset()
+        self._check_open()
+        with driver_errors("PostgreSQL write decision failed"):
+            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+                await conn.execute(_LOCK_SQL, facts.job_id, facts.destination, facts.key)
+                row = await conn.fetchrow(
+                    _STATE_SQL,
+                    facts.job_id,
+                    facts.generation,
+                    facts.destination,
+                    facts.key,
+                    offset,
+                )
+                now: float = row["now"]
+                verdict = await _apply(conn, facts, context, _state(facts, row), now)
+        self._observed(now, offset)
+        return verdict
+
+    async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
+        offset = self._offset()
+        return await self._write_tx(lambda c: _outcome_tx(c, facts, attempt, outcome, offset))
+
+    async def record_rejection(self, record: RejectionRecord) -> int:
+        offset = self._offset()
+        values = [getattr(record, name) for name in _REJECTION_FIELDS]
+        return await self._write_tx(
+            lambda c: c.fetchval(
+                f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
+                f"VALUES ({_NOW.format('$1')}, {_placeholders(2, len(values))}) RETURNING id",
+                offset,
+                *values,
+            )
+        )
+
+    async def purge(
+        self, *, completed_before: float, rejections_before: float, batch: int
+    ) -> tuple[int, int]:
+        return await self._write_tx(
+            lambda c: _purge_tx(c, completed_before, rejections_before, batch)
+        )
+
+    async def _write_tx(self, fn: Any) -> Any:
+        """`fn(conn)` in one durable READ COMMITTED transaction (as the lease verbs)."""
+        self._check_open()
+        with driver_errors("PostgreSQL gateway write failed"):
+            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+                await require_durable_commit(conn)
+                return await fn(conn)
+
+    # --- reads -------------------------------------------------------------------------
+
+    async def list_rejections(self, query: RejectionQuery) -> list[StoredRejection]:
+        rows = await self._read(lambda c: _list_rejections(c, query))
+        return cast(list[StoredRejection], rows)
+
+    async def get_rejection(self, rejection_id: int) -> StoredRejection | None:
+        row = await self._read(
+            lambda c: c.fetchrow(
+                f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections WHERE id = $1",
+                rejection_id,
+            )
+        )
+        return None if row is None else _rejection(row)
+
+    async def job_state(self, job_id: str) -> JobState | None:
+        offset = self._offset()
+        self._check_open()
+        with driver_errors("PostgreSQL read failed"):
+            async with (
+                self._pool.acquire() as conn,
+                conn.transaction(isolation="repeatable_read", readonly=True),
+            ):
+                return await _job_state(conn, job_id, offset)
+
+    async def key_record(self, destination: str, key: str) -> KeyRecord | None:
+        row = await self._read(
+            lambda c: c.fetchrow(
+                f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = $1 AND key = $2",
+                destination,
+                key,
+            )
+        )
+        return None if row is None else _key_record(row)
+
+    async def ping(self) -> None:
+        await self._read(lambda c: c.fetchval("SELECT 1"))
+
+    async def _read(self, fn: Any) -> Any:
+        self._check_open()
+        with driver_errors("PostgreSQL read failed"):
+            async with self._pool.acquire() as conn:
+                return await fn(conn)
+
+
+async def _init_schema(conn: Conn) -> None:
+    """The gateway's tables, under the schema lock every sinkgate process takes."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+        await conn.execute(GATEWAY_DDL)
+        await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
+
+
+# --- the write decision -------------------------------------------------------------------
+
+
+def _state(facts: WriteFacts, row: Any) -> StoredState:
+    lease = None
+    if facts.fencing is Fencing.LEASE and row["l_job"] is not None:
+        lease = LeaseRow(
+            row["l_job"],
+            row["l_owner"],
+            row["l_generation"],
+            State(row["l_state"]),
+            row["l_until"],
+            row["l_ttl"],
+        )
+    return StoredState(
+        lease=lease,
+        highest_generation=row["mark"],
+        older_in_flight_until=row["older"],
+        record=None if row["key"] is None else _key_record(row),
+    )
+
+
+async def _apply(
+    conn: Conn, facts: WriteFacts, context: WriteContext, state: StoredState, now: float
+) -> Verdict:
+    """Apply `decide`'s verdict exactly as `sqlite_store._decide_tx` does."""
+    decision = decide(facts, state, now)
+    if isinstance(decision, Forward):
+        attempt = uuid.uuid4().hex
+        # Only a forwarded write raises the job's mark (SPEC 2 step 6).
+        await conn.execute(
+            _FORWARD_SQL,
+            facts.destination,
+            facts.key,
+            facts.fingerprint,
+            attempt,
+            facts.job_id,
+            facts.generation,
+            facts.owner,
+            now,
+            reservation_deadline(facts, now),
+            barrier_deadline(facts, now),
+        )
+        return Verdict(decision, attempt=attempt)
+    if isinstance(decision, Replay):
+        record = _record_for(facts, context, "duplicate", "replayed the stored response")
+    else:
+        assert isinstance(decision, Reject)
+        record = _record_for(
+            facts,
+            context,
+            decision.reason,
+            decision.detail,
+            current_generation=decision.current_generation,
+            highest_generation=decision.highest_generation,
+        )
+    values = [getattr(record, name) for name in _REJECTION_FIELDS]
+    rejection_id = await conn.fetchval(
+        f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
+        f"VALUES ($1, {_placeholders(2, len(values))}) RETURNING id",
+        now,
+        *values,
+    )
+    return Verdict(decision, rejection_id=rejection_id)
+
+
+def _record_for(
+    facts: WriteFacts,
+    context: WriteContext,
+    reason: str,
+    detail: str,
+    **generations: int | None,
+) -> RejectionRecord:
+    return RejectionRecord(
+        reason=reason,
+        detail=detail,
+        destination=facts.destination,
+        method=facts.method,
+        path=facts.path + (f"?{facts.query}" if facts.query else ""),
+        job_id=facts.job_id,
+        generation=facts.generation,
+        owner=facts.owner,
+        idempotency_key=facts.key,
+        remote=context.remote,
+        body_sha256=context.body_sha256,
+        body_bytes=context.body_bytes,
+        **generations,
+    )
+
+
+async def _outcome_tx(
+    conn: Conn, facts: WriteFacts, attempt: str, outcome: Outcome, offset: float
+) -> bool:
+    await conn.execute("DELETE FROM attempts WHERE attempt = $1", attempt)
+    if facts.key is None:
+        return True
+    where = " WHERE destination = $1 AND key = $2 AND attempt = $3"
+    ident = (facts.destination, facts.key, attempt)
+    if outcome.kind == "completed":
+        status = await conn.execute(
+            "UPDATE idempotency SET state = 'completed', status = $4, headers = $5, body = $6, "
+            f"body_omitted = $7, completed_at = {_NOW.format('$8')}, "
+            f"updated_at = {_NOW.format('$8')}" + where,
+            *ident,
+            outcome.status,
+            json.dumps(outcome.headers),
+            outcome.body,
+            outcome.body_omitted,
+            offset,
+        )
+    elif outcome.kind == "released":
+        status = await conn.execute("DELETE FROM idempotency" + where, *ident)
+    elif outcome.kind == "unknown":
+        status = await conn.execute(
+            f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}" + where,
+            *ident,
+            offset,
+        )
+    else:  # pragma: no cover - programming error
+        raise AssertionError(outcome.kind)
+    return _rowcount(status) == 1
+
+
+async def _purge_tx(
+    conn: Conn, completed_before: float, rejections_before: float, batch: int
+) -> tuple[int, int]:
+    # The batch is picked in a MATERIALIZED CTE: a LIMIT in an IN (...) subquery may
+    # be evaluated more than once and delete more than `batch`. SKIP LOCKED: the
+    # janitors of several replicas share the work instead of queueing on each other.
+    keys = await conn.execute(
+        "WITH doomed AS MATERIALIZED (SELECT destination, key FROM idempotency "
+        "WHERE state = 'completed' AND completed_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED) "
+        "DELETE FROM idempotency i USING doomed d "
+        "WHERE i.destination = d.destination AND i.key = d.key AND i.state = 'completed'",
+        completed_before,
+        batch,
+    )
+    rejections = await conn.execute(
+        "WITH doomed AS MATERIALIZED (SELECT id FROM rejections WHERE at < $1 "
+        "ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) "
+        "DELETE FROM rejections r USING doomed d WHERE r.id = d.id",
+        rejections_before,
+        batch,
+    )
+    # An attempt whose gateway died never deletes its own row; past its deadline it
+    # bars nothing (reads only look at deadline > now), so once it is as old as a
+    # purgeable key it is garbage.
+    await conn.execute(
+        "WITH doomed AS MATERIALIZED (SELECT attempt FROM attempts WHERE deadline < $1 "
+        "LIMIT $2 FOR UPDATE SKIP LOCKED) "
+        "DELETE FROM attempts a USING doomed d WHERE a.attempt = d.attempt",
+        completed_before,
+        batch,
+    )
+    return _rowcount(keys), _rowcount(rejections)
+
+
+# --- reads ---------------------------------------------------------------------------------
+
+
+def _key_record(row: Any) -> KeyRecord:
+    headers = row["headers"]
+    return KeyRecord(
+        destination=row["destination"],
+        key=row["key"],
+        state=KeyState(row["state"]),
+        fingerprint=row["fingerprint"],
+        attempt=row["attempt"],
+        attempts=row["attempts"],
+        job_id=row["job_id"],
+        generation=row["generation"],
+        owner=row["owner"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        deadline=row["deadline"],
+        completed_at=row["completed_at"],
+        status=row["status"],
+        headers=tuple(tuple(h) for h in json.loads(headers)) if headers else (),  # type: ignore[misc]
+        body=row["body"] or b"",
+        body_omitted=row["body_omitted"],
+    )
+
+
+def _rejection(row: Any) -> StoredRejection:
+    return StoredRejection(
+        id=row["id"],
+        at=row["at"],
+        record=RejectionRecord(**{name: row[name] for name in _REJECTION_FIELDS}),
+    )
+
+
+async def _list_rejections(conn: Conn, query: RejectionQuery) -> list[StoredRejection]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (
+        ("destination = ", query.destination),
+        ("job_id = ", query.job_id),
+        ("reason = ", query.reason),
+        ("at >= ", query.since),
+        ("at <= ", query.until),
+        ("id < ", query.before_id),
+    ):
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{column}${len(params)}")
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    params.append(query.limit)
+    rows = await conn.fetch(
+        f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}"
+        f"ORDER BY id DESC LIMIT ${len(params)}",
+        *params,
+    )
+    return [_rejection(row) for row in rows]
+
+
+async def _job_state(conn: Conn, job_id: str, offset: float) -> JobState | None:
+    head = await conn.fetchrow(
+        f"SELECT {_NOW.format('$2')} AS now, {_LEASE_ALIASES}, "
+        "(SELECT highest_generation FROM fences WHERE job_id = $1) AS mark "
+        "FROM (SELECT 1) one LEFT JOIN leases l ON l.job_id = $1",
+        job_id,
+        offset,
+    )
+    in_flight = await conn.fetch(
+        "SELECT attempt, generation, destination, key, started_at, deadline FROM attempts "
+        "WHERE job_id = $1 AND deadline > $2 ORDER BY started_at",
+        job_id,
+        head["now"],
+    )
+    recent = await _list_rejections(conn, RejectionQuery(job_id=job_id, limit=20))
+    lease = None
+    if head["l_job"] is not None:
+        lease = LeaseRow(
+            head["l_job"],
+            head["l_owner"],
+            head["l_generation"],
+            State(head["l_state"]),
+            head["l_until"],
+            head["l_ttl"],
+        )
+    if lease is None and head["mark"] is None and not in_flight and not recent:
+        return None
+    return JobState(
+        job_id=job_id,
+        lease=lease,
+        highest_generation=head["mark"],
+        in_flight=tuple(dict(r.items()) for r in in_flight),
+        recent_rejections=tuple(recent),
+    )
+
+
+def _placeholders(first: int, count: int) -> str:
+    return ", ".join(f"${i}" for i in range(first, first + count))
+
+
+def _rowcount(status: str) -> int:
+    """Rows touched, from a command tag such as 'UPDATE 1' or 'DELETE 0'."""
+    return int(status.rsplit(" ", 1)[-1])
