@@ -22,7 +22,9 @@ from yarl import URL
 from gateway.app import create_app
 from gateway.config import Config, DestinationConfig
 from gateway.decision import Fencing
+from gateway.postgres_store import PostgresStore
 from gateway.sqlite_store import SQLiteStore
+from gateway.store import Store
 
 
 class FakeClock:
@@ -36,6 +38,20 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class OffsetClock:
+    """A PostgreSQL store's clock (the server's), moved by the test through the
+    store's `clock_offset`: the server's clock still decides, only shifted."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+
+    def __call__(self) -> float:
+        return self._store.clock()
+
+    def advance(self, seconds: float) -> None:
+        self._store.clock_offset += seconds
 
 
 @dataclass
@@ -148,8 +164,8 @@ def make_config(tmp_path: Path, *destinations: DestinationConfig, **overrides: A
 @dataclass
 class Gateway:
     url: str
-    store: SQLiteStore
-    clock: FakeClock
+    store: Store
+    clock: FakeClock | OffsetClock
     session: aiohttp.ClientSession
     app: web.Application
 
@@ -191,10 +207,21 @@ class Gateway:
 
 
 @asynccontextmanager
-async def running_gateway(config: Config, clock: FakeClock | None = None) -> AsyncIterator[Gateway]:
-    clock = clock or FakeClock()
-    store = await SQLiteStore.open(config.store_url, clock=clock)
-    app = create_app(config, store=store, clock=clock)
+async def running_gateway(
+    config: Config, clock: FakeClock | None = None, backend: str = "sqlite"
+) -> AsyncIterator[Gateway]:
+    """`backend`: "sqlite" (config.store_url, on `clock`) or a postgresql:// URL
+    (the server's clock, moved by `Gateway.clock.advance` through `clock_offset`)."""
+    store: SQLiteStore | PostgresStore
+    gateway_clock: FakeClock | OffsetClock
+    if backend == "sqlite":
+        gateway_clock = clock or FakeClock()
+        store = await SQLiteStore.open(config.store_url, clock=gateway_clock)
+    else:
+        assert clock is None, "a PostgreSQL store runs on the server's clock"
+        store = await PostgresStore.open(backend)
+        gateway_clock = OffsetClock(store)
+    app = create_app(config, store=store, clock=gateway_clock)
     runner = web.AppRunner(app, shutdown_timeout=5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -202,7 +229,7 @@ async def running_gateway(config: Config, clock: FakeClock | None = None) -> Asy
     host, port = runner.addresses[0][:2]
     session = aiohttp.ClientSession()
     try:
-        yield Gateway(f"http://{host}:{port}", store, clock, session, app)
+        yield Gateway(f"http://{host}:{port}", store, gateway_clock, session, app)
     finally:
         await session.close()
         await runner.cleanup()

@@ -23,6 +23,7 @@ from .harness import (
     recording_upstream,
     running_gateway,
 )
+from .pg import fresh_database
 
 
 @pytest.fixture
@@ -31,8 +32,11 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
         yield up
 
 
-@pytest.fixture
-async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def gw(
+    request: pytest.FixtureRequest, tmp_path: Path, upstream: RecordingUpstream
+) -> AsyncIterator[Gateway]:
+    """The gateway on each store backend (PostgreSQL: a fresh database per test)."""
     config = make_config(
         tmp_path,
         destination("pay", upstream.url + "/api"),
@@ -56,7 +60,11 @@ async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gatew
         destination("quiet", upstream.url + "/api", forward_fencing_headers=False),
         destination("down", f"http://127.0.0.1:{free_port()}/api"),
     )
-    async with running_gateway(config) as gateway:
+    if request.param == "sqlite":
+        async with running_gateway(config) as gateway:
+            yield gateway
+        return
+    async with fresh_database() as url, running_gateway(config, backend=url) as gateway:
         yield gateway
 
 
