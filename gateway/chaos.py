@@ -21,6 +21,7 @@ import json
 import random
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -122,14 +123,25 @@ def main(argv: list[str]) -> int:
         print("sinkgate chaos: --max-pause must be at least 1.3 x --ttl", file=sys.stderr)
         return 2
     try:
-        report = asyncio.run(_run(args))
+        report = asyncio.run(_interruptible(_run(args)))
     except ProcessFailed as exc:
         print(f"sinkgate chaos: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("sinkgate chaos: interrupted; every process it started is stopped", file=sys.stderr)
         return 2
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 1 if report["violation_count"] else 0
+
+
+async def _interruptible(run: Any) -> Any:
+    """SIGTERM cancels the run like Ctrl-C does, so its `finally` stops the
+    processes it started (they live in their own process groups)."""
+    task = asyncio.ensure_future(run)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
 
 
 def _store_url(given: str | None, workdir: Path) -> str:
