@@ -479,3 +479,16 @@ async def test_the_admin_api_is_not_on_the_main_listener_and_needs_its_token(
             assert resp.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_in_monotonic_mode_any_authorised_worker_can_raise_any_jobs_mark(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """A documented limit, pinned so that a change is noticed: tokens authenticate a
+    worker to a destination, not to a job. In monotonic mode the gateway cannot
+    tell an honest high token from a forged one, so a worker that sends one for
+    another job has it forwarded and fences that job's real writers off."""
+    assert (await gw.write("/to/mono/x", job="victim", generation=3, key="v1"))[0] == 201
+    assert (await gw.write("/to/mono/x", job="victim", generation=2**62, key="evil"))[0] == 201
+    status, headers, _ = await gw.write("/to/mono/x", job="victim", generation=4, key="v2")
+    assert status == 409 and headers["Sinkgate-Rejected"] == "stale_generation"
