@@ -48,6 +48,7 @@ class HTTPLeaseStore:
         self._base = base_url
         self._session = session
         self._owns_session = owns_session
+        self._closed = False
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._headers = dict(headers or {})
 
@@ -123,6 +124,7 @@ class HTTPLeaseStore:
         raise _unexpected(status, doc)
 
     async def close(self) -> None:
+        self._closed = True
         if self._owns_session:
             await self._session.close()
 
@@ -158,6 +160,8 @@ class HTTPLeaseStore:
     async def _call(
         self, method: str, job_id: str, op: str | None, body: dict[str, Any] | None
     ) -> tuple[int, dict[str, Any]]:
+        if self._closed:
+            raise StoreUnavailable("store is closed")
         segment = quote(job_id, safe="")
         if segment in (".", ".."):
             # Left bare, a client, proxy or server would read them as path navigation.

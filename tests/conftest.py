@@ -1,7 +1,8 @@
 """Shared fixtures: a movable clock, and one lease store per backend.
 
-`lease_backend` runs a test on every backend (SQLite always; PostgreSQL when a
-server is reachable, and as a failure instead of a skip under CI=true). Each
+`lease_backend` runs a test on every backend (SQLite; the HTTP client against a
+live lease API; PostgreSQL when a server is reachable, and as a failure instead
+of a skip under CI=true). Each
 backend's clock can be moved with `.advance(seconds)`, so no test sleeps for a
 lease to expire.
 """
@@ -18,21 +19,7 @@ from typing import Any, NoReturn
 import pytest
 
 from leases.sqlite import SQLiteLeaseStore
-
-EPOCH_START = 1_700_000_000.0
-
-
-class FakeClock:
-    """A clock that stands still until told to move: call it for the current time."""
-
-    def __init__(self, start: float = EPOCH_START) -> None:
-        self.now = float(start)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.harness import FakeClock
 
 
 @dataclass
@@ -86,7 +73,39 @@ async def _postgres_backend() -> AsyncIterator[LeaseBackend]:
             await store.close()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@asynccontextmanager
+async def _http_backend(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LeaseBackend]:
+    """The HTTP lease client against the gateway's live lease API on loopback."""
+    from aiohttp import web
+
+    from gateway.appkeys import METRICS, STORE
+    from gateway.lease_api import add_lease_routes
+    from gateway.metrics import Metrics
+    from gateway.sqlite_store import SQLiteStore
+    from leases.http import HTTPLeaseStore
+
+    server_store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'gateway.db'}", clock=clock)
+    app = web.Application()
+    app[STORE] = server_store
+    app[METRICS] = Metrics()
+    add_lease_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        store = await HTTPLeaseStore.open(f"http://{host}:{port}")
+        try:
+            yield LeaseBackend("http", store, clock.advance)
+        finally:
+            await store.close()
+    finally:
+        await runner.cleanup()
+        await server_store.close()
+
+
+@pytest.fixture(params=["sqlite", "http", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def lease_backend(
     request: pytest.FixtureRequest, tmp_path: Path, fake_clock: FakeClock
 ) -> AsyncIterator[LeaseBackend]:
@@ -97,6 +116,10 @@ async def lease_backend(
             yield LeaseBackend("sqlite", store, fake_clock.advance)
         finally:
             await store.close()
+        return
+    if request.param == "http":
+        async with _http_backend(tmp_path, fake_clock) as backend:
+            yield backend
         return
     async with _postgres_backend() as backend:
         yield backend

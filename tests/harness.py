@@ -30,8 +30,8 @@ from gateway.store import Store
 class FakeClock:
     """The store's clock, moved by the test."""
 
-    def __init__(self, now: float = 1_800_000_000.0) -> None:
-        self.now = now
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = float(start)
 
     def __call__(self) -> float:
         return self.now
