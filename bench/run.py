@@ -376,6 +376,53 @@ def run_load(
     return report
 
 
+def soak_target(target: Target, args: argparse.Namespace, conns: int) -> dict:
+    """One long run; RSS sampled every few seconds. Growth = last fifth vs second fifth."""
+    soak_args = argparse.Namespace(**{**vars(args), "duration": args.soak})
+    samples: list[tuple[float, float]] = []
+    pgid = target.proc.pid if target.proc else 0
+    started = time.monotonic()
+    done: dict = {}
+
+    import threading
+
+    def load() -> None:
+        try:
+            done["report"] = run_load(target, soak_args, conns, 0.0, 0.0)
+        except Exception as exc:  # reported below
+            done["error"] = exc
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    interval = max(1.0, args.soak / 60)
+    while worker.is_alive() and time.monotonic() - started < args.soak + args.warmup + 180:
+        samples.append((time.monotonic() - started, memory_mb(pgid)[1]))
+        worker.join(timeout=interval)
+    worker.join(timeout=150)
+    if "error" in done:
+        raise done["error"]
+    report = done["report"]
+    n = len(samples)
+    early = [rss for _, rss in samples[n // 5 : 2 * n // 5]] or [samples[0][1]]
+    late = [rss for _, rss in samples[4 * n // 5 :]] or [samples[-1][1]]
+    report.update(
+        scenario=f"soak c={conns}",
+        round=0,
+        rss_samples=samples,
+        rss_early_mb=statistics.median(early),
+        rss_late_mb=statistics.median(late),
+        rss_max_mb=max(rss for _, rss in samples),
+    )
+    print()
+    print(
+        f"## Soak {target.name}: {args.soak:g} s at c={conns}, {report['rps']:.0f} req/s, "
+        f"RSS {report['rss_early_mb']:.1f} MB (2nd fifth) -> {report['rss_late_mb']:.1f} MB "
+        f"(last fifth), max {report['rss_max_mb']:.1f} MB, peak (VmHWM) "
+        f"{report['peak_rss_mb']:.1f} MB"
+    )
+    return report
+
+
 def _frame_key(frame: str) -> str:
     """`func (path/to/file.py:123)` -> `func (file.py)`: one entry per function."""
     name, _, where = frame.partition(" (")
@@ -627,6 +674,13 @@ def main(argv: list[str] | None = None) -> int:
         help="after the measured runs, profile each gateway target with py-spy (not timed)",
     )
     p.add_argument("--pause", type=float, default=0.5, help="seconds between runs")
+    p.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        help="after the runs, load each gateway target this many seconds (e.g. 300) "
+        "at the first scenario's connections, sampling its RSS: does memory grow?",
+    )
     args = p.parse_args(argv)
 
     if args.quick:
@@ -749,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     time.sleep(args.pause)
         print_tables(results, scenarios, targets)
+        if args.soak > 0:
+            for name in [t for t in targets if t in GATEWAY_TARGETS]:
+                results.append(soak_target(by_name[name], args, scenarios[0][1]))
         if args.profile:
             for name in [t for t in targets if t in GATEWAY_TARGETS]:
                 profile_target(by_name[name], args, scenarios[0][1], REPO / "bench" / "results")
