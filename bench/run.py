@@ -685,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.duration = args.duration or 2.0
-        args.warmup = min(args.warmup, 1.0)
+        args.warmup = 0.0  # a smoke run: the first of 2 s includes the connection set-up
+        args.pause = min(args.pause, 0.2)
     args.duration = args.duration or 10.0
     if args.duration < 1 or args.rounds < 1 or args.rounds > 20 or args.duration > 600:
         p.error("duration must be 1..600 s and rounds 1..20")
