@@ -141,6 +141,15 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
     lease = state.lease
     refusal = hold_refusal(lease, facts.generation, facts.owner, now)
     if refusal is None:
+        if mark is not None and facts.generation < mark:
+            # The mark is per job across destinations: a job also written through a
+            # monotonic destination with a higher token must never go back here.
+            return Reject(
+                "stale_generation",
+                f"generation {facts.generation} is below the highest forwarded ({mark})",
+                current_generation=lease.generation if lease is not None else None,
+                highest_generation=mark,
+            )
         return None
     return Reject(
         str(refusal),

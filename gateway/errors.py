@@ -17,6 +17,7 @@ STATUS_BY_REASON: dict[str, int] = {
     "method_not_allowed": 405,
     "unauthorized": 401,
     "body_too_large": 413,
+    "request_timeout": 408,
     "missing_fencing_token": 400,
     "invalid_fencing_token": 400,
     "missing_idempotency_key": 400,

@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 from leases.errors import StoreUnavailable
 from leases.model import MAX_GENERATION
 
+from .bodies import read_body
 from .config import Config, DestinationConfig
 from .decision import Forward, Reject, Replay, WriteFacts, fingerprint
 from .errors import Rejection
@@ -35,13 +36,6 @@ log = structlog.get_logger("gateway.write")
 
 _VISIBLE = re.compile(r"[\x21-\x7e]+")
 _TOKEN = re.compile(r"[1-9][0-9]{0,18}")
-_READ_CHUNK = 64 * 1024
-# A worker must deliver its whole body within this many seconds of its headers; a
-# body trickling slower ties up a connection and a parser (slowloris). SPEC 2 has
-# no reason for it, so the answer uses HTTP's own: 408 `request_timeout` (RFC 9110
-# 15.5.9), problem+json like every refusal, before step 5 and so not recorded,
-# like `body_too_large`; the connection is closed, the rest of the body unread.
-BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,29 +159,7 @@ class WriteGateway:
 
     async def _read_body(self, request: web.Request, destination: DestinationConfig) -> bytes:
         await self._authorize(request, destination)
-        limit = destination.max_body
-        too_large = Rejection(
-            "body_too_large", f"the body exceeds {limit} bytes", destination=destination.name
-        )
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                while chunk := await request.content.read(_READ_CHUNK):
-                    size += len(chunk)
-                    if size > limit:  # enforced while reading, not after
-                        raise too_large
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise Rejection(
-                "request_timeout",
-                f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
-                status=408,
-                destination=destination.name,
-            ) from None
-        return b"".join(chunks)
+        return await read_body(request, destination.max_body, destination=destination.name)
 
     def _facts(
         self,

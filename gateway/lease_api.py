@@ -23,6 +23,7 @@ from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease
 
 from .appkeys import METRICS, STORE
+from .bodies import read_body
 from .errors import Rejection
 from .problem import invalid_request, problem_response
 from .store import Store
@@ -236,15 +237,9 @@ def _job_id(request: web.Request) -> str:
 
 
 async def _body(request: web.Request, op: str) -> dict[str, Any]:
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        raise Rejection("body_too_large", f"the body must be at most {MAX_BODY} bytes")
-    raw = bytearray()
-    while chunk := await request.content.read(MAX_BODY + 1 - len(raw)):
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise Rejection("body_too_large", f"the body must be at most {MAX_BODY} bytes")
+    raw = await read_body(request, MAX_BODY)
     try:
-        body = json.loads(bytes(raw))
+        body = json.loads(raw)
     except (ValueError, RecursionError):
         raise invalid_request("the body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from gateway import handlers
+from gateway import bodies
 from gateway.admin import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
 from gateway.appkeys import METRICS
@@ -155,7 +155,7 @@ def assert_problem(response: bytes, status: int, reason: str) -> dict[str, Any]:
 async def test_a_write_body_slower_than_the_deadline_is_408_and_changes_nothing(
     gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(handlers, "BODY_READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(bodies, "BODY_READ_TIMEOUT_S", 0.3)
     await gw.claim("job-1")
     before = await table_counts(gw.store)
     url = URL(gw.url)

@@ -520,12 +520,6 @@ def test_the_checker_catches_a_stale_generation() -> None:
         raise AssertionError("the checker missed a stale generation")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open finding: a lease-mode write ignores the job's mark, so a job written "
-    "through a monotonic destination with a higher token can then get an older "
-    "generation forwarded through a lease destination",
-)
 def test_one_job_across_a_monotonic_and_a_lease_destination_never_goes_back() -> None:
     ops = [
         Claim("j1", "a", 30.0),

@@ -1,0 +1,44 @@
+"""Reading request bodies with a size limit enforced while reading, and a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from .errors import Rejection
+
+# A body that trickles in slower than this ties up a connection and a slot for
+# nothing: 408 (RFC 9110 15.5.9), problem+json like every refusal; the
+# connection is closed with the rest of the body unread.
+BODY_READ_TIMEOUT_S = 30.0
+_READ_CHUNK = 64 * 1024
+
+
+async def read_body(
+    request: web.Request,
+    limit: int,
+    *,
+    deadline_s: float | None = None,
+    **members: Any,
+) -> bytes:
+    """The whole body, or `Rejection` body_too_large (413) / request_timeout (408)."""
+    deadline_s = BODY_READ_TIMEOUT_S if deadline_s is None else deadline_s
+    too_large = Rejection("body_too_large", f"the body exceeds {limit} bytes", **members)
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(deadline_s):
+            while chunk := await request.content.read(_READ_CHUNK):
+                size += len(chunk)
+                if size > limit:  # enforced while reading, not after
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise Rejection(
+            "request_timeout", f"the body did not arrive within {deadline_s:g} s", **members
+        ) from None
+    return b"".join(chunks)
