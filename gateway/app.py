@@ -93,7 +93,7 @@ def create_app(
                 await app[STORE].close()
 
     app.cleanup_ctx.append(resources)
-    add_lease_routes(app)
+    add_lease_routes(app, tokens=config.lease_tokens)
     add_openapi_route(app)
     add_health_routes(app, _OpenedStore(app))  # type: ignore[arg-type]
     return app

@@ -118,6 +118,7 @@ class Config:
     )
     max_in_flight: int = 4096
     shutdown_grace: float = 30.0
+    lease_tokens: tuple[str, ...] | None = field(default=None, repr=False)  # None: open lease API
 
 
 # --- value parsers (raise ValueError; the loader adds file and key) ----------
@@ -369,7 +370,9 @@ def load_config(
         "",
         ("server", "store", "admin", "retention", "destinations"),
     )
-    server = root.table("server", ("listen", "admin_listen", "max_in_flight", "shutdown_grace"))
+    server = root.table(
+        "server", ("listen", "admin_listen", "max_in_flight", "shutdown_grace", "lease_tokens_env")
+    )
     listen = server.parsed("listen", parse_listen, ("127.0.0.1", 8480))
     admin_listen = server.parsed("admin_listen", parse_listen, ("127.0.0.1", 8481))
     if listen == admin_listen and listen[1] != 0:
@@ -402,6 +405,7 @@ def load_config(
         destinations=MappingProxyType(_destinations(root, source.parent, env)),
         max_in_flight=server.integer("max_in_flight", 4096, 1),
         shutdown_grace=server.duration("shutdown_grace", 30.0, allow_zero=True),
+        lease_tokens=_worker_tokens(server, env, "lease_tokens_env"),
     )
 
 
@@ -578,19 +582,23 @@ def _secret(t: _Table, key: str, var: str, env: Mapping[str, str]) -> str:
     return value.strip()
 
 
-def _worker_tokens(t: _Table, env: Mapping[str, str]) -> tuple[str, ...] | None:
-    if "worker_tokens_env" not in t.data:
+def _worker_tokens(
+    t: _Table, env: Mapping[str, str], key: str = "worker_tokens_env"
+) -> tuple[str, ...] | None:
+    """Comma-separated bearer tokens from the variable named by `key`; key absent:
+    None (no auth); key present but the variable unset or empty: an error."""
+    if key not in t.data:
         return None
-    var = t.env_name("worker_tokens_env", "")
-    tokens = [tok.strip() for tok in _secret(t, "worker_tokens_env", var, env).split(",")]
+    var = t.env_name(key, "")
+    tokens = [tok.strip() for tok in _secret(t, key, var, env).split(",")]
     tokens = [tok for tok in tokens if tok]
     if not tokens:
-        raise t.error("worker_tokens_env", f"environment variable {var} holds no tokens")
+        raise t.error(key, f"environment variable {var} holds no tokens")
     for number, token in enumerate(tokens, 1):
         if not _VISIBLE.fullmatch(token):
             # The token itself is never echoed.
             raise t.error(
-                "worker_tokens_env",
+                key,
                 f"environment variable {var}: token {number} has characters other than "
                 "visible ASCII",
             )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import re
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from multidict import CIMultiDict
 from leases.errors import StoreUnavailable
 from leases.model import MAX_GENERATION
 
+from .auth import bearer_matches
 from .bodies import read_body
 from .config import Config, DestinationConfig
 from .decision import Forward, Reject, Replay, WriteFacts, fingerprint
@@ -143,13 +143,7 @@ class WriteGateway:
         tokens = destination.worker_tokens
         if tokens is None:
             return
-        header = request.headers.get("Authorization", "")
-        scheme, _, presented = header.partition(" ")
-        presented_bytes = presented.strip().encode("utf-8", "surrogateescape")
-        ok = False
-        for token in tokens:  # compare against every token: no early exit
-            ok |= hmac.compare_digest(presented_bytes, token.encode())
-        if scheme.lower() == "bearer" and presented_bytes and ok:
+        if bearer_matches(request.headers.get("Authorization", ""), tokens):
             return
         rejection = Rejection(
             "unauthorized", "missing or wrong worker token", destination=destination.name

@@ -23,6 +23,7 @@ from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease
 
 from .appkeys import METRICS, STORE
+from .auth import bearer_matches
 from .bodies import read_body
 from .errors import Rejection
 from .problem import invalid_request, problem_response
@@ -45,8 +46,16 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {"renew": ("ttl",)}
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
 
-def add_lease_routes(app: web.Application) -> None:
-    """Register the lease API on `app`, which must hold `STORE` and `METRICS`."""
+LEASE_TOKENS: web.AppKey[tuple[str, ...]] = web.AppKey("lease_tokens", tuple)
+
+
+def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = None) -> None:
+    """Register the lease API on `app`, which must hold `STORE` and `METRICS`.
+
+    With `tokens`, every call needs `Authorization: Bearer <one of them>`.
+    """
+    if tokens:
+        app[LEASE_TOKENS] = tokens
     app.router.add_get("/leases/{job_id}", _get)
     app.router.add_post("/leases/{job_id}/{op}", _post)
     # Any other method on a verb's path still gets problem+json, never aiohttp's text.
@@ -72,6 +81,12 @@ def lease_json(lease: Lease, now: float) -> dict[str, Any]:
 
 
 # --- handlers --------------------------------------------------------------------------
+
+
+def _authorize(request: web.Request) -> None:
+    tokens = request.app.get(LEASE_TOKENS)
+    if tokens and not bearer_matches(request.headers.get("Authorization", ""), tokens):
+        raise Rejection("unauthorized", "missing or wrong lease API token")
 
 
 async def _get(request: web.Request) -> web.StreamResponse:
@@ -142,6 +157,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     store = request.app[STORE]
     facts: dict[str, Any] = {}
     try:
+        _authorize(request)
         job_id = _job_id(request)
         facts["job_id"] = job_id
         body = await _body(request, op) if op in _REQUIRED else {}

@@ -60,10 +60,13 @@ class HTTPLeaseStore:
         timeout: float = 10.0,  # noqa: ASYNC109 - bounds each later call, not open()
         session: aiohttp.ClientSession | None = None,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
     ) -> HTTPLeaseStore:
         """`url` is the gateway's main listener, e.g. `http://gateway:8480` (a path
         prefix is kept). `timeout` bounds each call; `headers` go with every call
-        (e.g. `Authorization`). A `session` passed in is used and left open."""
+        (e.g. `Authorization`); `token` sends `Authorization: Bearer <token>` for a
+        gateway whose lease API requires one. A `session` passed in is used and left
+        open."""
         base = _base_url(url)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise ValueError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
@@ -74,6 +77,10 @@ class HTTPLeaseStore:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
         ):
             raise ValueError("headers must be a dict of str to str")
+        if token is not None:
+            if not isinstance(token, str) or not token.isascii() or not token.isprintable():
+                raise ValueError("token must be printable ASCII")
+            headers = {**(headers or {}), "Authorization": f"Bearer {token}"}
         if session is not None and not isinstance(session, aiohttp.ClientSession):
             raise ValueError(f"session must be an aiohttp.ClientSession, not {type(session)}")
         owns = session is None

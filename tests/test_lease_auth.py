@@ -1,0 +1,57 @@
+"""Optional lease API tokens (`[server] lease_tokens_env`): without them anyone who
+reaches the main listener can release or complete any job."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gateway.config import load_config
+from gateway.errors import ConfigError
+from leases import StoreUnavailable, open_store
+
+from .harness import destination, make_config, recording_upstream, running_gateway
+
+
+async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path) -> None:
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("pay", upstream.url))
+        config = replace(config, lease_tokens=("lease-secret",))
+        async with running_gateway(config) as gw:
+            url = f"{gw.url}/leases/job-1/claim"
+            body = {"owner": "a", "ttl": 5}
+            async with gw.session.post(url, json=body) as resp:
+                assert resp.status == 401
+                assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+            wrong = {"Authorization": "Bearer lease-secreT"}
+            async with gw.session.post(url, json=body, headers=wrong) as resp:
+                assert resp.status == 401
+            assert await gw.store.get("job-1") is None  # nothing claimed
+
+            async with await open_store(gw.url, token="lease-secret") as store:
+                lease = await store.claim("job-1", owner="a", ttl=5)
+                assert (await store.complete(lease)).state == "done"
+            async with await open_store(gw.url) as anonymous:
+                with pytest.raises(StoreUnavailable):
+                    await anonymous.get("job-1")
+
+
+def _write(tmp_path: Path, server: str) -> Path:
+    (tmp_path / "gateway.toml").write_text(f"[server]\n{server}\n", encoding="utf-8")
+    return tmp_path / "gateway.toml"
+
+
+def test_lease_tokens_are_read_from_the_named_variable(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'lease_tokens_env = "LEASE_TOKENS"')
+    config = load_config(path, {"LEASE_TOKENS": "t1, t2"})
+    assert config.lease_tokens == ("t1", "t2")
+    assert "t1" not in repr(config)
+    assert load_config(_write(tmp_path, ""), {}).lease_tokens is None
+
+
+def test_lease_tokens_variable_unset_is_a_config_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'lease_tokens_env = "LEASE_TOKENS"')
+    with pytest.raises(ConfigError, match=r"gateway.toml: server.lease_tokens_env: .*LEASE_TOKENS"):
+        load_config(path, {})
