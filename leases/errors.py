@@ -63,6 +63,11 @@ class LeaseLost(LeaseError):
         self.current_generation = current_generation
 
 
+def refused(job_id: str, generation: int, reason: str, current_generation: int | None) -> LeaseLost:
+    """The LeaseLost a backend raises when renew/complete/release is refused."""
+    return LeaseLost(job_id, generation, reason, current_generation=current_generation)
+
+
 class StoreUnavailable(LeaseError):
     """The store could not be reached or failed; the operation's outcome is unknown
     only for the caller: the store either applied it whole or not at all."""

@@ -20,6 +20,7 @@ from yarl import URL
 from . import model
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease
+from .store import Closing
 
 _LOST_REASONS = frozenset(
     {
@@ -33,7 +34,7 @@ _LOST_REASONS = frozenset(
 )
 
 
-class HTTPLeaseStore:
+class HTTPLeaseStore(Closing):
     """A lease store reached through a sinkgate gateway's `/leases/...` routes."""
 
     def __init__(
@@ -135,18 +136,8 @@ class HTTPLeaseStore:
         if self._owns_session:
             await self._session.close()
 
-    async def __aenter__(self) -> HTTPLeaseStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
-        if not isinstance(lease, Lease):
-            raise ValueError(f"expected a Lease, not {type(lease).__name__}")
-        job_id = model.validate_ident(lease.job_id, "job_id")
-        owner = model.validate_ident(lease.owner, "owner")
-        generation = model.validate_generation(lease.generation)
+        job_id, owner, generation = model.lease_fields(lease)
         body: dict[str, Any] = {"owner": owner, "generation": generation}
         if ttl is not None:
             body["ttl"] = ttl

@@ -114,6 +114,17 @@ def validate_generation(value: object) -> int:
     return value
 
 
+def lease_fields(lease: object) -> tuple[str, str, int]:
+    """(job_id, owner, generation) of a `Lease` passed to renew/complete/release."""
+    if not isinstance(lease, Lease):
+        raise ValueError(f"expected a Lease, not {type(lease).__name__}")
+    return (
+        validate_ident(lease.job_id, "job_id"),
+        validate_ident(lease.owner, "owner"),
+        validate_generation(lease.generation),
+    )
+
+
 def default_owner() -> str:
     """An owner id unique to this process lifetime: host, pid and a random part.
 
@@ -170,6 +181,26 @@ def claimed(row: LeaseRow | None, job_id: str, owner: str, ttl: float, now: floa
     """The row after a successful claim: the generation is bumped by one."""
     generation = 1 if row is None else row.generation + 1
     return LeaseRow(job_id, owner, generation, State.ACTIVE, now + ttl, ttl)
+
+
+def held_row(
+    current: LeaseRow | None, op: str, generation: int, owner: str, ttl: float | None, now: float
+) -> LeaseRow | Reason:
+    """The row after renew/complete/release, or the reason it is refused.
+
+    A renewal without a ttl extends by the ttl stored on the row.
+    """
+    refusal = hold_refusal(current, generation, owner, now)
+    if refusal is not None:
+        return refusal
+    assert current is not None
+    if op == "renew":
+        return renewed(current, current.ttl if ttl is None else ttl, now)
+    if op == "complete":
+        return completed(current, now)
+    if op == "release":
+        return released(current, now)
+    raise ValueError(f"unknown lease operation {op!r}")
 
 
 def renewed(row: LeaseRow, ttl: float, now: float) -> LeaseRow:

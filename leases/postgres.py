@@ -38,8 +38,9 @@ from typing import Any, TypeVar
 import asyncpg  # type: ignore[import-untyped]
 
 from . import model
-from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
 from .model import Lease, LeaseRow, Reason, State
+from .store import Closing
 
 T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
@@ -206,23 +207,9 @@ async def held_tx(
     """renew / complete / release inside the caller's transaction; raises LeaseLost."""
     current = await read_lease_for_update(conn, job_id)
     now = await db_now(conn, clock_offset)
-    refusal = model.hold_refusal(current, generation, owner, now)
-    if refusal is not None:
-        raise LeaseLost(
-            job_id,
-            generation,
-            str(refusal),
-            current_generation=None if current is None else current.generation,
-        )
-    assert current is not None
-    if op == "renew":
-        row = model.renewed(current, current.ttl if ttl is None else ttl, now)
-    elif op == "complete":
-        row = model.completed(current, now)
-    elif op == "release":
-        row = model.released(current, now)
-    else:  # pragma: no cover - programming error
-        raise AssertionError(op)
+    row = model.held_row(current, op, generation, owner, ttl, now)
+    if isinstance(row, Reason):
+        raise refused(job_id, generation, str(row), current.generation if current else None)
     await update_lease(conn, row)
     return Lease.from_row(row, now)
 
@@ -245,7 +232,7 @@ def _values(row: LeaseRow) -> tuple[str, str, int, str, float, float]:
 # --- the store -----------------------------------------------------------------------
 
 
-class PostgresLeaseStore:
+class PostgresLeaseStore(Closing):
     """The lease API on PostgreSQL (see SPEC 3 and 9).
 
     `clock_offset` (seconds, default 0) is added to the server's clock; tests
@@ -326,14 +313,8 @@ class PostgresLeaseStore:
         with driver_errors("closing the PostgreSQL lease store failed"):
             await self._pool.close()
 
-    async def __aenter__(self) -> PostgresLeaseStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
-        job_id, owner, generation = _lease_fields(lease)
+        job_id, owner, generation = model.lease_fields(lease)
         offset = self._offset()
         return await self._write(lambda c: held_tx(c, op, job_id, owner, generation, ttl, offset))
 
@@ -380,13 +361,3 @@ def _validate_open(
     assert isinstance(min_size, int) and isinstance(max_size, int)
     if min_size > max_size:
         raise ValueError("min_size must not exceed max_size")
-
-
-def _lease_fields(lease: object) -> tuple[str, str, int]:
-    if not isinstance(lease, Lease):
-        raise ValueError(f"expected a Lease, not {type(lease).__name__}")
-    return (
-        model.validate_ident(lease.job_id, "job_id"),
-        model.validate_ident(lease.owner, "owner"),
-        model.validate_generation(lease.generation),
-    )

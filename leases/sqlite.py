@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import model
-from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
 from .model import Lease, LeaseRow, Reason, State
+from .store import Closing
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -263,23 +264,9 @@ def held_tx(
 ) -> Lease:
     """renew / complete / release: same guard, different resulting row."""
     current = read_lease(conn, job_id)
-    refusal = model.hold_refusal(current, generation, owner, now)
-    if refusal is not None:
-        raise LeaseLost(
-            job_id,
-            generation,
-            str(refusal),
-            current_generation=None if current is None else current.generation,
-        )
-    assert current is not None
-    if op == "renew":
-        row = model.renewed(current, current.ttl if ttl is None else ttl, now)
-    elif op == "complete":
-        row = model.completed(current, now)
-    elif op == "release":
-        row = model.released(current, now)
-    else:  # pragma: no cover - programming error
-        raise AssertionError(op)
+    row = model.held_row(current, op, generation, owner, ttl, now)
+    if isinstance(row, Reason):
+        raise refused(job_id, generation, str(row), current.generation if current else None)
     _write_lease(conn, row)
     return Lease.from_row(row, now)
 
@@ -295,7 +282,7 @@ def init_leases_schema(conn: sqlite3.Connection) -> None:
         raise
 
 
-class SQLiteLeaseStore:
+class SQLiteLeaseStore(Closing):
     """The lease API on one SQLite file (see SPEC 3 and 9)."""
 
     def __init__(self, executor: SQLiteExecutor, clock: Clock = time.time) -> None:
@@ -339,25 +326,9 @@ class SQLiteLeaseStore:
     async def close(self) -> None:
         await self._executor.close()
 
-    async def __aenter__(self) -> SQLiteLeaseStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
-        job_id, owner, generation = _lease_fields(lease)
+        job_id, owner, generation = model.lease_fields(lease)
         clock = self._clock
         return await self._executor.run(
             lambda c: held_tx(c, op, job_id, owner, generation, ttl, clock())
         )
-
-
-def _lease_fields(lease: object) -> tuple[str, str, int]:
-    if not isinstance(lease, Lease):
-        raise ValueError(f"expected a Lease, not {type(lease).__name__}")
-    return (
-        model.validate_ident(lease.job_id, "job_id"),
-        model.validate_ident(lease.owner, "owner"),
-        model.validate_generation(lease.generation),
-    )

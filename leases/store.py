@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from .model import Lease
 
@@ -20,6 +20,19 @@ class LeaseStore(Protocol):
     async def close(self) -> None: ...
     async def __aenter__(self) -> LeaseStore: ...
     async def __aexit__(self, *exc: object) -> None: ...
+
+
+class Closing:
+    """Base of the backends: `async with store:` closes the store on exit."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 async def open_store(url: str, **options: object) -> LeaseStore:
