@@ -229,7 +229,7 @@ _ADMIN_SERVERS = [
         "variables": {"admin_listen": {"default": "127.0.0.1:8481"}},
     }
 ]
-_ADMIN_SECURITY = [{"adminToken": []}]
+_ADMIN_SECURITY: list[dict[str, list[str]]] = [{"adminToken": []}]
 _INVALID = _problem("malformed request", "invalid_request")
 _STORE_DOWN = _problem("the store does not answer", "store_unavailable")
 _UNAUTHORIZED = _problem("missing or wrong admin token", "unauthorized")
