@@ -48,7 +48,8 @@ TITLE_BY_REASON: dict[str, str] = {
     reason: reason.replace("_", " ").capitalize() for reason in STATUS_BY_REASON
 }
 
-PROBLEM_TYPE_BASE = "https://sinkgate.dev/problems/"
+# A URN: stable and ours, and never mistaken for a page someone should fetch.
+PROBLEM_TYPE_BASE = "urn:sinkgate:problem:"
 
 
 class GatewayError(Exception):

@@ -92,7 +92,7 @@ def rejected(
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
     problem = {
-        "type": f"https://sinkgate.dev/problems/{reason}",
+        "type": f"urn:sinkgate:problem:{reason}",
         "title": reason,
         "status": status,
         "detail": f"because {reason}",
