@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ALL_TARGETS = ("upstream", "plain", "sqlite", "sqlite-prefill", "postgres")
-GATEWAY_TARGETS = ("sqlite", "sqlite-prefill", "postgres")
+ALL_TARGETS = ("upstream", "plain", "sqlite", "sqlite-base", "sqlite-prefill", "postgres")
+GATEWAY_TARGETS = ("sqlite", "sqlite-base", "sqlite-prefill", "postgres")
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 WRITE_PATH = "/to/bench/items"
 
@@ -166,11 +166,13 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], logfile: Path, env: dict | None = None) -> subprocess.Popen:
+    def start(
+        self, cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path = REPO
+    ) -> subprocess.Popen:
         out = open(logfile, "wb")
         proc = subprocess.Popen(
             cmd,
-            cwd=REPO,
+            cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -228,6 +230,17 @@ def wait_ready(target: Target, path: str = "/", timeout: float = 30.0) -> None:
 def gateway_command(config: Path) -> list[str]:
     code = "import sys; from gateway.cli import main; sys.exit(main())"
     return [sys.executable, "-c", code, "serve", "--config", str(config)]
+
+
+def export_revision(rev: str, dest: Path) -> Path:
+    """The gateway's source (gateway/, leases/) at git revision `rev`, extracted into
+    `dest`; a gateway started there (cwd first on sys.path) runs that revision."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", rev, "gateway", "leases"], cwd=REPO, check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
 
 
 def gateway_available() -> bool:
@@ -664,6 +677,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also run target sqlite-prefill with N keys and N/10 jobs stored",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run target sqlite-base: the gateway of git revision REV on SQLite, "
+        "side by side with the working tree's (before/after a change, same run)",
+    )
     p.add_argument("--upstream-latency-ms", type=float, default=0.0)
     p.add_argument("--engine", choices=("auto", "wrk", "aiohttp"), default="auto")
     p.add_argument("--pg-admin-url", default=PG_ADMIN_URL)
@@ -699,6 +718,11 @@ def main(argv: list[str] | None = None) -> int:
         targets.insert(
             targets.index("sqlite") + 1 if "sqlite" in targets else len(targets), "sqlite-prefill"
         )
+    if args.baseline and "sqlite-base" not in targets:
+        at = targets.index("sqlite") + 1 if "sqlite" in targets else len(targets)
+        targets.insert(at, "sqlite-base")
+    if "sqlite-base" in targets and not args.baseline:
+        p.error("target sqlite-base needs --baseline REV")
     if any(t in GATEWAY_TARGETS for t in targets) and not gateway_available():
         log("gateway not available yet (gateway/cli.py missing): skipping gateway targets")
         targets = [t for t in targets if t not in GATEWAY_TARGETS]
@@ -769,8 +793,12 @@ def main(argv: list[str] | None = None) -> int:
             t = Target(name, f"http://127.0.0.1:{port}", claim=True, logfile=tmp / f"{name}.log")
             if name == "postgres":
                 t.extra["db_process"] = f" {pg_db} "
+            cwd = REPO
+            if name == "sqlite-base":
+                cwd = export_revision(args.baseline, tmp / "base-src")
+                t.extra["revision"] = args.baseline
             try:
-                t.proc = procs.start(gateway_command(config), t.logfile)
+                t.proc = procs.start(gateway_command(config), t.logfile, cwd=cwd)
                 wait_ready(t, "/healthz")
                 if name == "sqlite-prefill":
                     # the gateway created the schema; stop it, fill the file, start again
