@@ -45,7 +45,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from leases.model import LeaseRow, State
 from leases.postgres import (
@@ -80,6 +81,8 @@ from .store import (
     Verdict,
     WriteContext,
 )
+
+T = TypeVar("T")
 
 GATEWAY_SCHEMA_VERSION = 1
 
@@ -284,7 +287,7 @@ class PostgresStore(PostgresLeaseStore):
     async def record_rejection(self, record: RejectionRecord) -> int:
         offset = self._offset()
         values = [getattr(record, name) for name in _REJECTION_FIELDS]
-        return await self._write_tx(
+        rejection_id: int = await self._write_tx(
             lambda c: c.fetchval(
                 f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
                 f"VALUES ({_NOW.format('$1')}, {_placeholders(2, len(values))}) RETURNING id",
@@ -292,6 +295,7 @@ class PostgresStore(PostgresLeaseStore):
                 *values,
             )
         )
+        return rejection_id
 
     async def purge(
         self, *, completed_before: float, rejections_before: float, batch: int
@@ -300,7 +304,7 @@ class PostgresStore(PostgresLeaseStore):
             lambda c: _purge_tx(c, completed_before, rejections_before, batch)
         )
 
-    async def _write_tx(self, fn: Any) -> Any:
+    async def _write_tx(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """`fn(conn)` in one durable READ COMMITTED transaction (as the lease verbs)."""
         self._check_open()
         with driver_errors("PostgreSQL gateway write failed"):
@@ -311,8 +315,7 @@ class PostgresStore(PostgresLeaseStore):
     # --- reads -------------------------------------------------------------------------
 
     async def list_rejections(self, query: RejectionQuery) -> list[StoredRejection]:
-        rows = await self._read(lambda c: _list_rejections(c, query))
-        return cast(list[StoredRejection], rows)
+        return await self._read(lambda c: _list_rejections(c, query))
 
     async def get_rejection(self, rejection_id: int) -> StoredRejection | None:
         row = await self._read(
@@ -346,7 +349,7 @@ class PostgresStore(PostgresLeaseStore):
     async def ping(self) -> None:
         await self._read(lambda c: c.fetchval("SELECT 1"))
 
-    async def _read(self, fn: Any) -> Any:
+    async def _read(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         self._check_open()
         with driver_errors("PostgreSQL read failed"):
             async with self._pool.acquire() as conn:
@@ -538,7 +541,7 @@ def _key_record(row: Any) -> KeyRecord:
         deadline=row["deadline"],
         completed_at=row["completed_at"],
         status=row["status"],
-        headers=tuple(tuple(h) for h in json.loads(headers)) if headers else (),  # type: ignore[misc]
+        headers=tuple((name, value) for name, value in json.loads(headers)) if headers else (),
         body=row["body"] or b"",
         body_omitted=row["body_omitted"],
     )

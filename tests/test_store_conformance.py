@@ -291,7 +291,10 @@ async def test_twenty_concurrent_writes_of_one_key_forward_exactly_once(
     backend: Backend,
 ) -> None:
     store = backend.store
-    verdicts = await asyncio.gather(*(store.decide_write(write(), CONTEXT) for _ in range(20)))
+    # Ten jobs share the key (it is scoped by destination): the job lock cannot help.
+    verdicts = await asyncio.gather(
+        *(store.decide_write(write(job_id=f"job-{n % 10}"), CONTEXT) for n in range(20))
+    )
     forwarded = [v for v in verdicts if isinstance(v.decision, Forward)]
     assert len(forwarded) == 1
     assert sorted({reason(v) for v in verdicts if v not in forwarded}) == ["request_in_progress"]
@@ -453,30 +456,30 @@ async def test_the_clock_is_the_servers_plus_the_offset() -> None:
             await store.close()
 
 
-async def _race_two_generations(url: str) -> list[str]:
-    """Two stores (two replicas) decide generations 1 and 2 of one job at once.
+async def _race(url: str, table: str, writes: list[WriteFacts]) -> list[str]:
+    """Each write decided by its own store (its own replica), all at once.
 
-    A third session holds `attempts` locked until both decisions are waiting, so
-    both reach their state read together unless something serialises them first.
+    A third session holds `table` locked until every decision waits on a lock, so
+    all reach their state read together unless something serialises them first.
     """
-    replicas = [await PostgresStore.open(url) for _ in range(2)]
+    replicas = [await PostgresStore.open(url, max_size=1) for _ in writes]
     blocker = await asyncpg.connect(url)
     try:
         async with blocker.transaction():
-            await blocker.execute("LOCK TABLE attempts IN ACCESS EXCLUSIVE MODE")
+            await blocker.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
             decisions = [
-                asyncio.create_task(r.decide_write(write(generation=g, key=f"g{g}"), CONTEXT))
-                for g, r in ((1, replicas[0]), (2, replicas[1]))
+                asyncio.create_task(r.decide_write(w, CONTEXT))
+                for r, w in zip(replicas, writes, strict=True)
             ]
-            for _ in range(500):  # until both wait on a lock (not a timing guess)
+            for _ in range(500):  # until all wait on a lock (not a timing guess)
                 waiting = await blocker.fetchval(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                     "AND datname = current_database()"
                 )
-                if waiting == 2:
+                if waiting == len(writes):
                     break
                 await asyncio.sleep(0.01)
-            assert waiting == 2
+            assert waiting == len(writes)
         verdicts = await asyncio.gather(*decisions)
         return ["forward" if isinstance(v.decision, Forward) else reason(v) for v in verdicts]
     finally:
@@ -485,11 +488,19 @@ async def _race_two_generations(url: str) -> list[str]:
             await r.close()
 
 
+def _two_generations() -> list[WriteFacts]:
+    return [write(generation=1, key="g1"), write(generation=2, key="g2")]
+
+
+def _one_key_three_jobs() -> list[WriteFacts]:
+    return [write(job_id=f"job-{n}") for n in range(3)]
+
+
 @pytest.mark.postgres
 async def test_replicas_racing_two_generations_forward_only_the_older() -> None:
     async with fresh_database() as url:
         # Whichever replica takes the job lock first forwards; the other is refused.
-        assert await _race_two_generations(url) in (
+        assert await _race(url, "attempts", _two_generations()) in (
             ["forward", "older_generation_in_flight"],
             ["stale_generation", "forward"],
         )
@@ -508,4 +519,28 @@ async def test_without_the_job_lock_two_generations_race_onto_the_wire(
     assert without != postgres_store._LOCK_SQL
     monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
     async with fresh_database() as url:
-        assert await _race_two_generations(url) == ["forward", "forward"]
+        assert await _race(url, "attempts", _two_generations()) == ["forward", "forward"]
+
+
+@pytest.mark.postgres
+async def test_replicas_racing_one_key_of_several_jobs_forward_it_once() -> None:
+    async with fresh_database() as url:
+        verdicts = await _race(url, "idempotency", _one_key_three_jobs())
+        assert sorted(verdicts) == ["forward", "request_in_progress", "request_in_progress"]
+
+
+@pytest.mark.postgres
+async def test_without_the_key_lock_one_key_of_several_jobs_is_forwarded_thrice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The protection switched off: the job locks differ, the key row does not exist
+    yet (nothing to lock), so without the key's advisory lock every replica reserves
+    it. Shows the race test above can fail."""
+    without = postgres_store._LOCK_SQL.replace(
+        "pg_advisory_xact_lock(hashtextextended('key:' || $2::text || chr(10) || $3::text, 0))",
+        "$2::text || $3::text",
+    )
+    assert without != postgres_store._LOCK_SQL
+    monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
+    async with fresh_database() as url:
+        assert await _race(url, "idempotency", _one_key_three_jobs()) == ["forward"] * 3
