@@ -214,6 +214,15 @@ async def held_tx(
     return Lease.from_row(row, now)
 
 
+async def _no_reset(conn: Any) -> None:
+    """Skip asyncpg's reset query on release: one round trip less per operation.
+
+    Safe because the stores keep no session state: every setting is
+    transaction-local (SET LOCAL), every advisory lock transaction-scoped, and a
+    connection goes back to the pool only after its transaction has ended.
+    """
+
+
 def _row(record: Any) -> LeaseRow:
     return LeaseRow(
         record["job_id"],
@@ -266,6 +275,7 @@ class PostgresLeaseStore(Closing):
                 max_size=max_size,
                 statement_cache_size=statement_cache_size,
                 timeout=connect_timeout,
+                reset=_no_reset,
             )
         store = cls(pool, clock_offset=float(clock_offset))
         try:
