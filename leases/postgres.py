@@ -218,7 +218,7 @@ async def _no_reset(conn: Any) -> None:
     """Skip asyncpg's reset query on release: one round trip less per operation.
 
     Safe because the stores keep no session state: every setting is
-    transaction-local (SET LOCAL), every advisory lock transaction-scoped, and a
+    transaction-local (set_config(..., true)), every advisory lock transaction-scoped, and a
     connection goes back to the pool only after its transaction has ended.
     """
 
