@@ -3,8 +3,8 @@
 One write connection per process. Callers hand the executor small synchronous
 transaction functions; everything queued while a batch is being written goes
 into the next batch, which runs in aiosqlite's worker thread in one hop as ONE
-`BEGIN IMMEDIATE ... COMMIT` (so one fsync), each function inside its own
-savepoint so a refused operation changes nothing while its neighbours commit.
+`BEGIN IMMEDIATE ... COMMIT` (so one fsync); a function that fails changes
+nothing while its neighbours commit (see `_write_batch`).
 `BEGIN IMMEDIATE` takes SQLite's write lock up front, which makes every read-
 decide-write function atomic also against other processes sharing the file.
 """
@@ -116,7 +116,8 @@ class SQLiteExecutor:
         """Run `fn` atomically inside the next group-committed write transaction.
 
         Returns once the batch holding it is durably committed. An exception `fn`
-        raises rolls back only `fn`'s own changes and is re-raised here.
+        raises rolls back only `fn`'s own changes and is re-raised here. `fn` may
+        run twice (see `_write_batch`): it must act only through `conn`.
         """
         if self._closed:
             raise StoreUnavailable("store is closed")
@@ -184,28 +185,54 @@ async def in_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any
 
 
 def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, Any]]:
-    outcomes: list[tuple[bool, Any]] = []
+    """Run `fns` in ONE transaction; each fn's exception undoes only its own changes.
+
+    The common case pays no savepoints: a function that raises before it has
+    changed a row (every refusal here decides before it writes) needs nothing
+    undone, which `total_changes` tells. Only if one raises after changing rows
+    is the whole batch rolled back and run again with a savepoint around each
+    function. Nothing is answered before COMMIT, so the first run leaves no trace.
+    """
     conn.execute("BEGIN IMMEDIATE")
     try:
+        outcomes: list[tuple[bool, Any]] | None = []
         for fn in fns:
-            conn.execute("SAVEPOINT op")
+            before = conn.total_changes
             try:
                 value = fn(conn)
             except sqlite3.Error:
                 raise  # the connection itself failed: the whole batch fails
             except Exception as exc:
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
+                if conn.total_changes != before:
+                    outcomes = None  # it wrote, then failed: redo with savepoints
+                    break
                 outcomes.append((False, exc))
             else:
-                conn.execute("RELEASE op")
                 outcomes.append((True, value))
+        if outcomes is None:
+            conn.execute("ROLLBACK")
+            conn.execute("BEGIN IMMEDIATE")
+            outcomes = [_in_savepoint(conn, fn) for fn in fns]
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
     return outcomes
+
+
+def _in_savepoint(conn: sqlite3.Connection, fn: TxFn) -> tuple[bool, Any]:
+    conn.execute("SAVEPOINT op")
+    try:
+        value = fn(conn)
+    except sqlite3.Error:
+        raise
+    except Exception as exc:
+        conn.execute("ROLLBACK TO op")
+        conn.execute("RELEASE op")
+        return False, exc
+    conn.execute("RELEASE op")
+    return True, value
 
 
 def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:

@@ -1,0 +1,81 @@
+"""The SQLite group-commit executor: one transaction per batch, each function
+atomic on its own, with or without a function that fails after writing."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import pytest
+
+from leases.sqlite import SQLiteExecutor, in_thread
+
+
+class Refused(Exception):
+    pass
+
+
+@pytest.fixture
+async def executor(tmp_path):
+    ex = await SQLiteExecutor.open(tmp_path / "x.db")
+    await in_thread(ex._writer, lambda c: c.execute("CREATE TABLE t (k TEXT PRIMARY KEY)"))
+    yield ex
+    await ex.close()
+
+
+def insert(key: str, *, fail_after: bool = False, fail_before: bool = False):
+    def fn(conn: sqlite3.Connection) -> str:
+        if fail_before:
+            raise Refused(key)
+        conn.execute("INSERT INTO t (k) VALUES (?)", (key,))
+        if fail_after:
+            raise Refused(key)
+        return key
+
+    return fn
+
+
+async def keys(ex: SQLiteExecutor) -> set[str]:
+    rows = await ex.read(lambda c: c.execute("SELECT k FROM t").fetchall())
+    return {k for (k,) in rows}
+
+
+async def run_all(ex: SQLiteExecutor, fns) -> list:
+    return await asyncio.gather(*(ex.run(fn) for fn in fns), return_exceptions=True)
+
+
+async def test_one_batch_one_transaction(executor):
+    results = await run_all(executor, [insert(f"k{i}") for i in range(10)])
+    assert results == [f"k{i}" for i in range(10)]
+    assert executor.batches == 1 and executor.operations == 10
+    assert await keys(executor) == {f"k{i}" for i in range(10)}
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+async def test_failure_after_writing_undoes_only_its_own_rows(executor, where):
+    bad = {"first": 0, "middle": 2, "last": 4}[where]
+    fns = [insert(f"k{i}", fail_after=i == bad) for i in range(5)]
+    results = await run_all(executor, fns)
+    assert executor.batches == 1
+    assert isinstance(results[bad], Refused)
+    assert [r for i, r in enumerate(results) if i != bad] == [
+        f"k{i}" for i in range(5) if i != bad
+    ]
+    assert await keys(executor) == {f"k{i}" for i in range(5) if i != bad}
+
+
+async def test_failure_before_writing_leaves_neighbours(executor):
+    fns = [insert("a"), insert("b", fail_before=True), insert("c")]
+    results = await run_all(executor, fns)
+    assert results[0] == "a" and isinstance(results[1], Refused) and results[2] == "c"
+    assert await keys(executor) == {"a", "c"}
+
+
+async def test_database_error_fails_the_whole_batch(executor):
+    from leases.errors import StoreUnavailable
+
+    await executor.run(insert("dup"))
+    results = await run_all(executor, [insert("x"), insert("dup"), insert("y")])
+    assert all(isinstance(r, StoreUnavailable) for r in results)
+    assert await keys(executor) == {"dup"}
+    assert await executor.run(insert("z")) == "z"  # the connection is usable again
