@@ -2,8 +2,8 @@
 
 Every verb is a small synchronous transaction function handed to the shared
 group-commit executor (`leases.sqlite.SQLiteExecutor`): concurrent decisions
-share one `BEGIN IMMEDIATE ... COMMIT` and one fsync, each inside its own
-savepoint, and each caller gets its answer only once the batch is durable.
+share one `BEGIN IMMEDIATE ... COMMIT` and one fsync, each still atomic on its
+own, and each caller gets its answer only once the batch is durable.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from leases import sqlite as lease_sql
 from leases.errors import StoreUnavailable
+from leases.model import LeaseRow, State
 from leases.sqlite import (
     SQLiteExecutor,
     SQLiteLeaseStore,
@@ -216,14 +217,16 @@ def _decide_tx(
                 barrier_deadline(facts, now),
             ),
         )
-        # Only a forwarded write raises the job's mark (SPEC 2 step 6).
-        conn.execute(
-            "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
-            "ON CONFLICT (job_id) DO UPDATE SET "
-            "highest_generation = max(highest_generation, excluded.highest_generation), "
-            "updated_at = excluded.updated_at",
-            (facts.job_id, facts.generation, now),
-        )
+        # Only a forwarded write raises the job's mark (SPEC 2 step 6); a write
+        # at the mark (most of them) leaves the row as it is.
+        if state.highest_generation is None or facts.generation > state.highest_generation:
+            conn.execute(
+                "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id) DO UPDATE SET "
+                "highest_generation = max(highest_generation, excluded.highest_generation), "
+                "updated_at = excluded.updated_at",
+                (facts.job_id, facts.generation, now),
+            )
         return Verdict(decision, attempt=attempt)
     if isinstance(decision, Replay):
         record = _record_for(facts, context, "duplicate", "replayed the stored response")
@@ -240,21 +243,32 @@ def _decide_tx(
     return Verdict(decision, rejection_id=_insert_rejection(conn, record, now))
 
 
+# The whole stored state a decision reads, in one statement: the job's lease and
+# mark, the latest deadline of an older generation still on the wire, and the
+# key's record. ?1 job, ?2 generation, ?3 now, ?4 destination, ?5 key (NULL: none).
+_STATE_SQL = (
+    "SELECT (SELECT highest_generation FROM fences WHERE job_id = ?1), "
+    "(SELECT max(deadline) FROM attempts WHERE job_id = ?1 AND generation < ?2 "
+    "AND deadline > ?3), "
+    "l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl, "
+    + ", ".join(f"k.{c.strip()}" for c in _KEY_COLUMNS.split(","))
+    + " FROM (SELECT 1) LEFT JOIN leases AS l ON l.job_id = ?1 "
+    "LEFT JOIN idempotency AS k ON k.destination = ?4 AND k.key = ?5"
+)
+
+
 def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> StoredState:
-    lease = read_lease(conn, facts.job_id) if facts.fencing is Fencing.LEASE else None
-    mark_row = conn.execute(
-        "SELECT highest_generation FROM fences WHERE job_id = ?", (facts.job_id,)
+    row = conn.execute(
+        _STATE_SQL, (facts.job_id, facts.generation, now, facts.destination, facts.key)
     ).fetchone()
-    older = conn.execute(
-        "SELECT max(deadline) FROM attempts WHERE job_id = ? AND generation < ? AND deadline > ?",
-        (facts.job_id, facts.generation, now),
-    ).fetchone()
-    record = None if facts.key is None else _read_key(conn, facts.destination, facts.key)
+    lease = None
+    if row[2] is not None and facts.fencing is Fencing.LEASE:
+        lease = LeaseRow(row[2], row[3], row[4], State(row[5]), row[6], row[7])
     return StoredState(
         lease=lease,
-        highest_generation=None if mark_row is None else mark_row[0],
-        older_in_flight_until=older[0],
-        record=record,
+        highest_generation=row[0],
+        older_in_flight_until=row[1],
+        record=None if row[8] is None else _key_record(row[8:]),
     )
 
 
@@ -362,13 +376,16 @@ def _insert_rejection(conn: sqlite3.Connection, record: RejectionRecord, now: fl
 # --- reads -------------------------------------------------------------------------------
 
 
+_READ_KEY_SQL = f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = ? AND key = ?"
+
+
 def _read_key(conn: sqlite3.Connection, destination: str, key: str) -> KeyRecord | None:
-    row = conn.execute(
-        f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = ? AND key = ?",
-        (destination, key),
-    ).fetchone()
-    if row is None:
-        return None
+    row = conn.execute(_READ_KEY_SQL, (destination, key)).fetchone()
+    return None if row is None else _key_record(row)
+
+
+def _key_record(row: tuple[Any, ...]) -> KeyRecord:
+    """A KeyRecord from the `_KEY_COLUMNS` of a row, in their order."""
     return KeyRecord(
         destination=row[0],
         key=row[1],
