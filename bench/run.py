@@ -454,7 +454,9 @@ def profile_target(target: Target, args: argparse.Namespace, conns: int, outdir:
     seconds = max(1, int(args.warmup + args.duration))
     spy = subprocess.Popen(
         [pyspy, "record", "-p", str(target.proc.pid), "-d", str(seconds), "-r", "250",
-         "--threads", "--nonblocking", "-f", "raw", "-o", str(raw)],
+         "--threads", "-f", "raw", "-o", str(raw),
+         # native unwinding needs the process paused at each sample
+         *(["--native"] if args.profile_native else ["--nonblocking"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
@@ -691,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         action="store_true",
         help="after the measured runs, profile each gateway target with py-spy (not timed)",
+    )
+    p.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="with --profile: also sample C frames (uvloop, sqlite3, the GIL)",
     )
     p.add_argument("--pause", type=float, default=0.5, help="seconds between runs")
     p.add_argument(
