@@ -94,10 +94,20 @@ def create_app(
                 await app[STORE].close()
 
     app.cleanup_ctx.append(resources)
+    # Writes never reach this route: `dispatch_writes` answers them first. It is
+    # here so that aiohttp's router, which resolves every request before the
+    # middleware runs, finds a match instead of building an HTTPNotFound per
+    # write (about 4 % of the event loop's time). A path that only normalises
+    # into /to/... gets the same 404 as before.
+    app.router.add_route("*", "/to/{tail:.*}", _not_a_write)
     add_lease_routes(app, tokens=config.lease_tokens)
     add_openapi_route(app)
     add_health_routes(app, _OpenedStore(app))  # type: ignore[arg-type]
     return app
+
+
+async def _not_a_write(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPNotFound()
 
 
 class _OpenedStore:
