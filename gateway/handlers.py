@@ -112,10 +112,11 @@ class WriteGateway:
             if rejection.reason == "request_timeout":
                 response.force_close()  # the rest of the body is never read
             fields.update(decision="rejected", reason=rejection.reason)
-            self.metrics.rejections.labels(rejection.reason).inc()
+            self.metrics.child(self.metrics.rejections, rejection.reason).inc()
         fields["status"] = response.status
         fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
-        self.metrics.writes.labels(target.destination, fields.get("decision", "rejected")).inc()
+        metrics = self.metrics
+        metrics.child(metrics.writes, target.destination, fields.get("decision", "rejected")).inc()
         log.info("write_decision", **fields)
         return response
 
@@ -206,15 +207,15 @@ class WriteGateway:
                 raise Rejection("store_unavailable", str(exc), **_write_members(facts)) from exc
             finally:
                 elapsed = time.perf_counter() - store_started
-                self.metrics.store_latency.labels("decide").observe(elapsed)
+                self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
                 fields["store_ms"] = round(elapsed * 1000, 3)
             decision = verdict.decision
             if isinstance(decision, Reject):
-                self.metrics.rejections.labels(decision.reason).inc()
+                self.metrics.child(self.metrics.rejections, decision.reason).inc()
                 fields.update(decision="rejected", reason=decision.reason)
                 return problem_response(_reject(decision, facts, verdict.rejection_id))
             if isinstance(decision, Replay):
-                self.metrics.rejections.labels("duplicate").inc()
+                self.metrics.child(self.metrics.rejections, "duplicate").inc()
                 fields.update(decision="replayed", reason="duplicate")
                 return _replay(decision)
             assert isinstance(decision, Forward) and verdict.attempt is not None
@@ -239,12 +240,13 @@ class WriteGateway:
             raise Rejection("overloaded", "too many writes in flight", retry_after=1)
         self.in_flight[name] += 1
         self.in_flight_total += 1
-        self.metrics.in_flight.labels(name).set(self.in_flight[name])
+        self.metrics.child(self.metrics.in_flight, name).set(self.in_flight[name])
 
     def _release(self, destination: DestinationConfig) -> None:
         self.in_flight[destination.name] -= 1
         self.in_flight_total -= 1
-        self.metrics.in_flight.labels(destination.name).set(self.in_flight[destination.name])
+        name = destination.name
+        self.metrics.child(self.metrics.in_flight, name).set(self.in_flight[name])
 
     async def _forward(
         self,
@@ -267,8 +269,9 @@ class WriteGateway:
             outcome = Outcome("unknown" if failure.failure.maybe_sent else "released")
             rejection = Rejection(str(failure.failure), failure.detail, **_write_members(facts))
         upstream_s = time.perf_counter() - sent
-        self.metrics.upstream_latency.labels(destination.name).observe(upstream_s)
-        self.metrics.upstream_outcomes.labels(destination.name, outcome.kind).inc()
+        metrics = self.metrics
+        metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
+        metrics.child(metrics.upstream_outcomes, destination.name, outcome.kind).inc()
         fields.update(upstream_ms=round(upstream_s * 1000, 3), outcome=outcome.kind)
         await self._record_outcome(facts, attempt, outcome)
         if rejection is not None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
+# Children kept by `Metrics.child`; past this, label values are looked up each time.
+_MAX_CACHED_CHILDREN = 1000
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -60,6 +65,19 @@ class Metrics:
         self.purged = Counter(
             "sinkgate_purged_total", "Records deleted by retention.", ["kind"], registry=r
         )
+
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, remembered: the write path asks for the same few
+        children on every request, and `labels()` validates and locks each time."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = metric.labels(*values)
+            if len(self._children) < _MAX_CACHED_CHILDREN:
+                self._children[key] = found
+        return found
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
