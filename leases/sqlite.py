@@ -125,7 +125,10 @@ class SQLiteExecutor:
         self._pending.append((fn, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="sqlite-group-commit")
-        return await asyncio.shield(future)
+        # No shield needed: a caller cancelled here cancels only `future`; `fn` is
+        # queued and commits with its batch all the same (the flush loop skips
+        # answering a future that is done).
+        return await future
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read-only `fn` on the read connection (a consistent WAL snapshot)."""
