@@ -116,7 +116,10 @@ class WriteGateway:
         fields["status"] = response.status
         fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
         metrics = self.metrics
-        metrics.child(metrics.writes, target.destination, fields.get("decision", "rejected")).inc()
+        # Only configured names become label values: `/to/<anything>` must not
+        # grow the metric series without bound.
+        label = target.destination if target.destination in self.in_flight else "(unknown)"
+        metrics.child(metrics.writes, label, fields.get("decision", "rejected")).inc()
         log.info("write_decision", **fields)
         return response
 

@@ -560,3 +560,14 @@ async def test_without_the_fence_the_stale_write_lands(
     r = await worked_example(gw, upstream)
     assert r["late_a"][0] == 201  # type: ignore[index]
     assert [x.headers["Fencing-Token"] for x in upstream.received] == ["7", "8"]
+
+
+async def test_unknown_destinations_share_one_metric_series(gw: Gateway) -> None:
+    """`/to/<random>` must not create a metric series per name sent."""
+    for name in ("a1", "b2", "c3"):
+        assert_rejected(await gw.write(f"/to/{name}/x"), 404, "unknown_destination")
+    from gateway.appkeys import METRICS
+
+    text = gw.app[METRICS].render()[0].decode()
+    assert 'sinkgate_writes_total{decision="rejected",destination="(unknown)"} 3.0' in text
+    assert 'destination="a1"' not in text
