@@ -63,7 +63,6 @@ from .decision import (
     Fencing,
     Forward,
     KeyRecord,
-    KeyState,
     Reject,
     Replay,
     StoredState,
@@ -73,6 +72,10 @@ from .decision import (
     reservation_deadline,
 )
 from .store import (
+    KEY_COLUMNS,
+    KEY_COLUMNS_SQL,
+    REJECTION_COLUMNS_SQL,
+    REJECTION_FIELDS,
     JobState,
     Outcome,
     RejectionQuery,
@@ -80,6 +83,9 @@ from .store import (
     StoredRejection,
     Verdict,
     WriteContext,
+    key_record,
+    rejection_record,
+    rejection_values,
 )
 
 T = TypeVar("T")
@@ -148,12 +154,8 @@ CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id
 """
 
 _NOW = "extract(epoch FROM clock_timestamp())::float8 + {}::float8"
-_KEY_COLUMNS = (
-    "destination, key, state, fingerprint, attempt, attempts, job_id, generation, owner, "
-    "created_at, updated_at, deadline, completed_at, status, headers, body, body_omitted"
-)
-_REJECTION_FIELDS = tuple(RejectionRecord.__dataclass_fields__)
-_REJECTION_COLUMNS = ", ".join(_REJECTION_FIELDS)
+_KEY_COLUMNS = KEY_COLUMNS_SQL
+_REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
 _LEASE_ALIASES = "l.job_id AS l_job, l.owner AS l_owner, l.generation AS l_generation, " + (
     "l.state AS l_state, l.lease_until AS l_until, l.ttl AS l_ttl"
 )
@@ -286,7 +288,7 @@ class PostgresStore(PostgresLeaseStore):
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         offset = self._offset()
-        values = [getattr(record, name) for name in _REJECTION_FIELDS]
+        values = rejection_values(record)
         rejection_id: int = await self._write_tx(
             lambda c: c.fetchval(
                 f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
@@ -408,19 +410,8 @@ async def _apply(
             barrier_deadline(facts, now),
         )
         return Verdict(decision, attempt=attempt)
-    if isinstance(decision, Replay):
-        record = _record_for(facts, context, "duplicate", "replayed the stored response")
-    else:
-        assert isinstance(decision, Reject)
-        record = _record_for(
-            facts,
-            context,
-            decision.reason,
-            decision.detail,
-            current_generation=decision.current_generation,
-            highest_generation=decision.highest_generation,
-        )
-    values = [getattr(record, name) for name in _REJECTION_FIELDS]
+    assert isinstance(decision, Replay | Reject)
+    values = rejection_values(rejection_record(facts, context, decision))
     rejection_id = await conn.fetchval(
         f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
         f"VALUES ($1, {_placeholders(2, len(values))}) RETURNING id",
@@ -428,30 +419,6 @@ async def _apply(
         *values,
     )
     return Verdict(decision, rejection_id=rejection_id)
-
-
-def _record_for(
-    facts: WriteFacts,
-    context: WriteContext,
-    reason: str,
-    detail: str,
-    **generations: int | None,
-) -> RejectionRecord:
-    return RejectionRecord(
-        reason=reason,
-        detail=detail,
-        destination=facts.destination,
-        method=facts.method,
-        path=facts.path + (f"?{facts.query}" if facts.query else ""),
-        job_id=facts.job_id,
-        generation=facts.generation,
-        owner=facts.owner,
-        idempotency_key=facts.key,
-        remote=context.remote,
-        body_sha256=context.body_sha256,
-        body_bytes=context.body_bytes,
-        **generations,
-    )
 
 
 async def _outcome_tx(
@@ -525,33 +492,14 @@ async def _purge_tx(
 
 
 def _key_record(row: Any) -> KeyRecord:
-    headers = row["headers"]
-    return KeyRecord(
-        destination=row["destination"],
-        key=row["key"],
-        state=KeyState(row["state"]),
-        fingerprint=row["fingerprint"],
-        attempt=row["attempt"],
-        attempts=row["attempts"],
-        job_id=row["job_id"],
-        generation=row["generation"],
-        owner=row["owner"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        deadline=row["deadline"],
-        completed_at=row["completed_at"],
-        status=row["status"],
-        headers=tuple((name, value) for name, value in json.loads(headers)) if headers else (),
-        body=row["body"] or b"",
-        body_omitted=row["body_omitted"],
-    )
+    return key_record([row[name] for name in KEY_COLUMNS])
 
 
 def _rejection(row: Any) -> StoredRejection:
     return StoredRejection(
         id=row["id"],
         at=row["at"],
-        record=RejectionRecord(**{name: row[name] for name in _REJECTION_FIELDS}),
+        record=RejectionRecord(**{name: row[name] for name in REJECTION_FIELDS}),
     )
 
 

@@ -29,7 +29,6 @@ from .decision import (
     Fencing,
     Forward,
     KeyRecord,
-    KeyState,
     Reject,
     Replay,
     StoredState,
@@ -39,6 +38,9 @@ from .decision import (
     reservation_deadline,
 )
 from .store import (
+    KEY_COLUMNS,
+    KEY_COLUMNS_SQL,
+    REJECTION_COLUMNS_SQL,
     Clock,
     JobState,
     Outcome,
@@ -47,6 +49,9 @@ from .store import (
     StoredRejection,
     Verdict,
     WriteContext,
+    key_record,
+    rejection_record,
+    rejection_values,
 )
 
 GATEWAY_SCHEMA_VERSION = 1
@@ -112,12 +117,8 @@ CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
 CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
 """
 
-_KEY_COLUMNS = (
-    "destination, key, state, fingerprint, attempt, attempts, job_id, generation, owner, "
-    "created_at, updated_at, deadline, completed_at, status, headers, body, body_omitted"
-)
-_REJECTION_FIELDS = tuple(RejectionRecord.__dataclass_fields__)
-_REJECTION_COLUMNS = ", ".join(_REJECTION_FIELDS)
+_KEY_COLUMNS = KEY_COLUMNS_SQL
+_REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
 
 
 class SQLiteStore(SQLiteLeaseStore):
@@ -228,18 +229,8 @@ def _decide_tx(
                 (facts.job_id, facts.generation, now),
             )
         return Verdict(decision, attempt=attempt)
-    if isinstance(decision, Replay):
-        record = _record_for(facts, context, "duplicate", "replayed the stored response")
-    else:
-        assert isinstance(decision, Reject)
-        record = _record_for(
-            facts,
-            context,
-            decision.reason,
-            decision.detail,
-            current_generation=decision.current_generation,
-            highest_generation=decision.highest_generation,
-        )
+    assert isinstance(decision, Replay | Reject)
+    record = rejection_record(facts, context, decision)
     return Verdict(decision, rejection_id=_insert_rejection(conn, record, now))
 
 
@@ -251,7 +242,7 @@ _STATE_SQL = (
     "(SELECT max(deadline) FROM attempts WHERE job_id = ?1 AND generation < ?2 "
     "AND deadline > ?3), "
     "l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl, "
-    + ", ".join(f"k.{c.strip()}" for c in _KEY_COLUMNS.split(","))
+    + ", ".join(f"k.{c}" for c in KEY_COLUMNS)
     + " FROM (SELECT 1) LEFT JOIN leases AS l ON l.job_id = ?1 "
     "LEFT JOIN idempotency AS k ON k.destination = ?4 AND k.key = ?5"
 )
@@ -268,7 +259,7 @@ def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> Stor
         lease=lease,
         highest_generation=row[0],
         older_in_flight_until=row[1],
-        record=None if row[8] is None else _key_record(row[8:]),
+        record=None if row[8] is None else key_record(row[8:]),
     )
 
 
@@ -338,32 +329,8 @@ def _outcome_tx(
     return cursor.rowcount == 1
 
 
-def _record_for(
-    facts: WriteFacts,
-    context: WriteContext,
-    reason: str,
-    detail: str,
-    **generations: int | None,
-) -> RejectionRecord:
-    return RejectionRecord(
-        reason=reason,
-        detail=detail,
-        destination=facts.destination,
-        method=facts.method,
-        path=facts.path + (f"?{facts.query}" if facts.query else ""),
-        job_id=facts.job_id,
-        generation=facts.generation,
-        owner=facts.owner,
-        idempotency_key=facts.key,
-        remote=context.remote,
-        body_sha256=context.body_sha256,
-        body_bytes=context.body_bytes,
-        **generations,
-    )
-
-
 def _insert_rejection(conn: sqlite3.Connection, record: RejectionRecord, now: float) -> int:
-    values = [getattr(record, name) for name in _REJECTION_FIELDS]
+    values = rejection_values(record)
     cursor = conn.execute(
         f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
         f"VALUES (?, {', '.join('?' * len(values))})",
@@ -381,30 +348,7 @@ _READ_KEY_SQL = f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = ? A
 
 def _read_key(conn: sqlite3.Connection, destination: str, key: str) -> KeyRecord | None:
     row = conn.execute(_READ_KEY_SQL, (destination, key)).fetchone()
-    return None if row is None else _key_record(row)
-
-
-def _key_record(row: tuple[Any, ...]) -> KeyRecord:
-    """A KeyRecord from the `_KEY_COLUMNS` of a row, in their order."""
-    return KeyRecord(
-        destination=row[0],
-        key=row[1],
-        state=KeyState(row[2]),
-        fingerprint=row[3],
-        attempt=row[4],
-        attempts=row[5],
-        job_id=row[6],
-        generation=row[7],
-        owner=row[8],
-        created_at=row[9],
-        updated_at=row[10],
-        deadline=row[11],
-        completed_at=row[12],
-        status=row[13],
-        headers=tuple((str(n), str(v)) for n, v in json.loads(row[14])) if row[14] else (),
-        body=row[15] or b"",
-        body_omitted=bool(row[16]),
-    )
+    return None if row is None else key_record(row)
 
 
 def _rejection(row: tuple[Any, ...]) -> StoredRejection:

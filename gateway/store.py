@@ -7,14 +7,15 @@ must read one and the same lease table). Backends: `sqlite_store.SQLiteStore`,
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from leases.model import Lease, LeaseRow
 
-from .decision import Decision, KeyRecord, WriteFacts
+from .decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
 
 Clock = Callable[[], float]
 
@@ -103,6 +104,62 @@ class JobState:
     highest_generation: int | None
     in_flight: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     recent_rejections: tuple[StoredRejection, ...] = field(default_factory=tuple)
+
+
+# --- row shapes shared by the backends: same columns, same order ----------------------
+
+KEY_COLUMNS = (
+    "destination", "key", "state", "fingerprint", "attempt", "attempts", "job_id",
+    "generation", "owner", "created_at", "updated_at", "deadline", "completed_at", "status",
+    "headers", "body", "body_omitted",
+)  # fmt: skip
+KEY_COLUMNS_SQL = ", ".join(KEY_COLUMNS)
+REJECTION_FIELDS = tuple(RejectionRecord.__dataclass_fields__)
+REJECTION_COLUMNS_SQL = ", ".join(REJECTION_FIELDS)
+
+
+def key_record(values: Sequence[Any]) -> KeyRecord:
+    """A KeyRecord from the values of `KEY_COLUMNS`, in that order (headers as JSON)."""
+    row = dict(zip(KEY_COLUMNS, values, strict=True))  # the names are KeyRecord's fields
+    headers = row["headers"]
+    row.update(
+        state=KeyState(row["state"]),
+        headers=tuple((str(n), str(v)) for n, v in json.loads(headers)) if headers else (),
+        body=bytes(row["body"] or b""),
+        body_omitted=bool(row["body_omitted"]),
+    )
+    return KeyRecord(**row)
+
+
+def rejection_record(
+    facts: WriteFacts, context: WriteContext, decision: Replay | Reject
+) -> RejectionRecord:
+    """The rejection-log row of a write the store refused or replayed (`duplicate`)."""
+    common: dict[str, Any] = {
+        "destination": facts.destination,
+        "method": facts.method,
+        "path": facts.path + (f"?{facts.query}" if facts.query else ""),
+        "job_id": facts.job_id,
+        "generation": facts.generation,
+        "owner": facts.owner,
+        "idempotency_key": facts.key,
+        "remote": context.remote,
+        "body_sha256": context.body_sha256,
+        "body_bytes": context.body_bytes,
+    }
+    if isinstance(decision, Replay):
+        return RejectionRecord(reason="duplicate", detail="replayed the stored response", **common)
+    return RejectionRecord(
+        reason=decision.reason,
+        detail=decision.detail,
+        current_generation=decision.current_generation,
+        highest_generation=decision.highest_generation,
+        **common,
+    )
+
+
+def rejection_values(record: RejectionRecord) -> list[Any]:
+    return [getattr(record, name) for name in REJECTION_FIELDS]
 
 
 class Store(Protocol):

@@ -198,7 +198,8 @@ def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, 
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
-        outcomes: list[tuple[bool, Any]] | None = []
+        outcomes: list[tuple[bool, Any]] = []
+        redo = False
         for fn in fns:
             before = conn.total_changes
             try:
@@ -207,12 +208,12 @@ def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, 
                 raise  # the connection itself failed: the whole batch fails
             except Exception as exc:
                 if conn.total_changes != before:
-                    outcomes = None  # it wrote, then failed: redo with savepoints
+                    redo = True  # it wrote, then failed: redo with savepoints
                     break
                 outcomes.append((False, exc))
             else:
                 outcomes.append((True, value))
-        if outcomes is None:
+        if redo:
             conn.execute("ROLLBACK")
             conn.execute("BEGIN IMMEDIATE")
             outcomes = [_in_savepoint(conn, fn) for fn in fns]
