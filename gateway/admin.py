@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from leases.model import MAX_GENERATION, expires_in
+from leases.model import LOST_REASONS, MAX_GENERATION, expires_in
 
 from .decision import KeyRecord
 from .errors import STATUS_BY_REASON, Rejection, StoreUnavailable
@@ -58,12 +58,7 @@ RECORDED_REASONS = (
     "invalid_fencing_token",
     "missing_idempotency_key",
     "invalid_idempotency_key",
-    "lease_not_held",
-    "stale_generation",
-    "unknown_generation",
-    "job_completed",
-    "lease_expired",
-    "owner_mismatch",
+    *LOST_REASONS,
     "older_generation_in_flight",
     "idempotency_key_reused",
     "request_in_progress",

@@ -48,19 +48,24 @@ _HOSTNAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 )
-# Hop-by-hop (RFC 9110 7.6.1) and headers the gateway computes or owns itself:
-# a destination may neither set nor replay them.
-RESERVED_HEADERS = frozenset(
+# RFC 9110 7.6.1 plus the proxy-era names; never forwarded in either direction.
+HOP_BY_HOP = frozenset(
     {
         "connection",
-        "proxy-connection",
         "keep-alive",
+        "proxy-connection",
         "te",
         "trailer",
         "transfer-encoding",
         "upgrade",
         "proxy-authenticate",
         "proxy-authorization",
+    }
+)
+# Hop-by-hop and headers the gateway computes or owns itself: a destination may
+# neither set nor replay them.
+RESERVED_HEADERS = HOP_BY_HOP | frozenset(
+    {
         "host",
         "content-length",
         "idempotency-key",

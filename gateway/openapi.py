@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from leases.model import MAX_GENERATION, TTL_MAX, TTL_MIN
+from leases.model import LOST_REASONS, MAX_GENERATION, TTL_MAX, TTL_MIN
 
 from .errors import STATUS_BY_REASON
 
@@ -24,14 +24,7 @@ PROBLEM_JSON = "application/problem+json"
 
 # Reasons answered with their own status outside STATUS_BY_REASON's table.
 _REASONS = sorted((set(STATUS_BY_REASON) - {"duplicate"}) | {"request_timeout", "internal_error"})
-_LEASE_FAILURES = (
-    "lease_not_held",
-    "stale_generation",
-    "unknown_generation",
-    "job_completed",
-    "lease_expired",
-    "owner_mismatch",
-)
+_LEASE_FAILURES = LOST_REASONS
 
 
 def _ref(name: str) -> dict[str, str]:

@@ -12,22 +12,8 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from .config import DestinationConfig
+from .config import HOP_BY_HOP, DestinationConfig
 
-# RFC 9110 7.6.1 plus the proxy-era names; never forwarded in either direction.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-    }
-)
 # Set by the client library for the forwarded request itself.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 _NOT_RELAYED = HOP_BY_HOP | {"content-length"}

@@ -22,16 +22,7 @@ from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease
 from .store import Closing
 
-_LOST_REASONS = frozenset(
-    {
-        "lease_not_held",
-        "stale_generation",
-        "unknown_generation",
-        "job_completed",
-        "lease_expired",
-        "owner_mismatch",
-    }
-)
+_LOST_REASONS = frozenset(model.LOST_REASONS)
 
 
 class HTTPLeaseStore(Closing):

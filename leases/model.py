@@ -36,6 +36,18 @@ class Reason(StrEnum):
     OWNER_MISMATCH = "owner_mismatch"
 
 
+# What renew/complete/release (and a lease-mode fence) can be refused for, in
+# the contract's order (SPEC 2 step 6).
+LOST_REASONS: tuple[str, ...] = (
+    "lease_not_held",
+    "stale_generation",
+    "unknown_generation",
+    "job_completed",
+    "lease_expired",
+    "owner_mismatch",
+)
+
+
 class State(StrEnum):
     FREE = "free"
     ACTIVE = "active"
