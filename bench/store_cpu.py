@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             pass
     with asyncio.Runner(loop_factory=factory) as runner:
         report = runner.run(run(args.writes, args.concurrency))
-    print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()))
+    print(
+        "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+    )
     return 0
 
 

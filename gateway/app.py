@@ -216,4 +216,3 @@ def _tune_gc() -> None:
 def _address(runner: web.AppRunner) -> str:
     host, port = runner.addresses[0][:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-

@@ -58,9 +58,7 @@ async def test_failure_after_writing_undoes_only_its_own_rows(executor, where):
     results = await run_all(executor, fns)
     assert executor.batches == 1
     assert isinstance(results[bad], Refused)
-    assert [r for i, r in enumerate(results) if i != bad] == [
-        f"k{i}" for i in range(5) if i != bad
-    ]
+    assert [r for i, r in enumerate(results) if i != bad] == [f"k{i}" for i in range(5) if i != bad]
     assert await keys(executor) == {f"k{i}" for i in range(5) if i != bad}
 
 
