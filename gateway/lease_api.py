@@ -182,6 +182,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
             job_id=exc.job_id,
             owner=exc.owner,
             expires_in=exc.expires_in,
+            current_generation=exc.current_generation,
         )
         return _reject(request, op, rejection, facts)
     except JobCompleted as exc:

@@ -18,15 +18,27 @@ class LeaseError(Exception):
 
 
 class LeaseHeld(LeaseError):
-    """The job is claimed by someone else and its lease has not expired."""
+    """The job is claimed and its lease has not expired.
+
+    `current_generation` is the holder's generation: a worker whose claim
+    succeeded but whose answer was lost sees its own `owner` here and can go on
+    with that generation instead of idling until the lease runs out.
+    """
 
     reason = "lease_held"
 
-    def __init__(self, job_id: str, owner: str, expires_in: float) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        owner: str,
+        expires_in: float,
+        current_generation: int | None = None,
+    ) -> None:
         super().__init__(f"job {job_id!r} is held by {owner!r} for {expires_in:.3f}s more")
         self.job_id = job_id
         self.owner = owner
         self.expires_in = expires_in
+        self.current_generation = current_generation
 
 
 class JobCompleted(LeaseError):

@@ -95,8 +95,14 @@ class HTTPLeaseStore(Closing):
         if reason == "lease_held":
             expires_in = doc.get("expires_in")
             holder = doc.get("owner")
+            current = doc.get("current_generation")
             if isinstance(holder, str) and _is_number(expires_in):
-                raise LeaseHeld(job_id, holder, float(expires_in))
+                raise LeaseHeld(
+                    job_id,
+                    holder,
+                    float(expires_in),
+                    current if isinstance(current, int) and not isinstance(current, bool) else None,
+                )
         elif reason == "job_completed":
             raise JobCompleted(job_id)
         raise _unexpected(status, doc)

@@ -184,7 +184,9 @@ async def claim_tx(conn: Conn, job_id: str, owner: str, ttl: float, clock_offset
             raise JobCompleted(job_id)
         if refusal is not None:
             assert current is not None
-            raise LeaseHeld(job_id, current.owner, model.expires_in(current, now))
+            raise LeaseHeld(
+                job_id, current.owner, model.expires_in(current, now), current.generation
+            )
         row = model.claimed(current, job_id, owner, ttl, now)
         if current is not None:
             await update_lease(conn, row)

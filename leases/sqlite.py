@@ -278,7 +278,7 @@ def claim_tx(conn: sqlite3.Connection, job_id: str, owner: str, ttl: float, now:
         raise JobCompleted(job_id)
     if refusal is not None:
         assert current is not None
-        raise LeaseHeld(job_id, current.owner, model.expires_in(current, now))
+        raise LeaseHeld(job_id, current.owner, model.expires_in(current, now), current.generation)
     row = model.claimed(current, job_id, owner, ttl, now)
     _write_lease(conn, row)
     return Lease.from_row(row, now)

@@ -74,7 +74,27 @@ async def test_claim_of_a_held_job_raises_lease_held_with_owner_and_expires_in(
         assert info.value.reason == "lease_held"
         assert info.value.owner == "worker-a"
         assert info.value.expires_in == pytest.approx(TTL - 10, abs=0.5)
+        assert info.value.current_generation == 1
     assert (await store.get("job-1")).generation == 1
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+async def test_a_worker_whose_claim_answer_was_lost_can_go_on_with_its_generation(
+    lease_backend: LeaseBackend,
+) -> None:
+    """The claim committed but its answer never arrived: the retry's LeaseHeld names
+    this worker and the generation, so it can renew instead of idling a whole ttl."""
+    store = lease_backend.store
+    await store.claim("job-1", owner="worker-a", ttl=TTL)  # the answer is "lost"
+    with pytest.raises(LeaseHeld) as info:
+        await store.claim("job-1", owner="worker-a", ttl=TTL)
+    held = info.value
+    assert held.owner == "worker-a" and held.current_generation == 1
+    mine = Lease(held.job_id, held.owner, held.current_generation, "active", EPOCH, 0.0)
+    renewed = await store.renew(mine, ttl=TTL)
+    assert renewed.generation == 1 and renewed.owner == "worker-a"
 
 
 async def test_every_claim_bumps_the_generation_by_one(lease_backend: LeaseBackend) -> None:
