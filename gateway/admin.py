@@ -6,6 +6,10 @@ after checking the same token (HttpOnly, SameSite=Strict, path /admin, 12 hours,
 an HMAC of its expiry keyed by the token, so changing the token ends every
 session). Tokens are never accepted in a query string: URLs end up in logs and
 browser history. `/healthz`, `/readyz` and `/metrics` are open.
+
+This module holds the app factory, auth, the JSON API and health; the HTML page
+and its sign-in handlers are in `admin_page`, which builds on the query parsing
+and JSON shapes here (so this module imports it only where it is used).
 """
 
 from __future__ import annotations
@@ -13,24 +17,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
 import hashlib
 import hmac
-import html
 import ipaddress
 import re
-import string
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from importlib import resources
-from typing import Any
-from urllib.parse import quote, urlencode
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
-from multidict import MultiDict
 
 from leases.model import LOST_REASONS, MAX_GENERATION, expires_in
 
@@ -39,6 +37,9 @@ from .errors import STATUS_BY_REASON, Rejection, StoreUnavailable
 from .metrics import Metrics
 from .problem import invalid_request, problem_response
 from .store import JobState, RejectionQuery, Store, StoredRejection
+
+if TYPE_CHECKING:
+    from .admin_page import Page
 
 log = structlog.get_logger("sinkgate.admin")
 
@@ -88,6 +89,8 @@ def create_admin_app(
 ) -> web.Application:
     """The admin listener's app. `token=None` leaves /admin open (loopback only,
     see `admin_bind_allowed`). `clock` only times login sessions."""
+    from .admin_page import Page  # not at the top: admin_page imports this module
+
     auth = _Auth(token, clock)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     add_health_routes(app, store)
@@ -96,7 +99,7 @@ def create_admin_app(
         body, content_type = metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    page = _Page(store, auth)
+    page = Page(store, auth)
     api = _Api(store, page)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)
@@ -195,6 +198,8 @@ class _Auth:
             return await handler(request)
         log.warning("admin_unauthorized", path=path, remote=request.remote)
         if wants_html(request):
+            from .admin_page import login_page  # not at the top: see create_admin_app
+
             return login_page(request, status=401, message=None)
         response = problem_response(
             Rejection("unauthorized", "this route needs Authorization: Bearer <admin token>")
@@ -235,7 +240,7 @@ def _errors_middleware(metrics: Metrics) -> Any:
 
 
 class _Api:
-    def __init__(self, store: Store, page: _Page) -> None:
+    def __init__(self, store: Store, page: Page) -> None:
         self._store = store
         self.page = page
 
@@ -460,243 +465,3 @@ def key_view(record: KeyRecord, now: float) -> dict[str, Any]:
         "body_sha256": hashlib.sha256(record.body).hexdigest() if record.body else None,
         "body_omitted": record.body_omitted,
     }
-
-
-# --- the HTML page ---------------------------------------------------------------------------
-
-
-class Safe(str):
-    """Markup built here from escaped parts; `render` inserts it as it is."""
-
-
-def render(template: str, **values: object) -> str:
-    """Fill a `string.Template` from gateway/templates, escaping every value not `Safe`."""
-    return _template(template).substitute(
-        {k: v if isinstance(v, Safe) else html.escape(str(v)) for k, v in values.items()}
-    )
-
-
-@functools.cache
-def _template(name: str) -> string.Template:
-    return string.Template(resources.files("gateway").joinpath("templates", name).read_text())
-
-
-def html_response(
-    title: str, body: str, *, status: int = 200, logout: bool = False
-) -> web.Response:
-    page = render(
-        "admin_layout.html", title=title, body=Safe(body), logout=Safe(_LOGOUT if logout else "")
-    )
-    return web.Response(
-        status=status,
-        text=page,
-        content_type="text/html",
-        charset="utf-8",
-        headers={
-            "Content-Security-Policy": (
-                "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
-                "frame-ancestors 'none'; base-uri 'none'"
-            ),
-            "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "no-referrer",
-            "Cache-Control": "no-store",
-        },
-    )
-
-
-def login_page(request: web.Request, *, status: int, message: str | None) -> web.Response:
-    next_url = request.path_qs if request.method == "GET" else "/admin/"
-    body = render(
-        "admin_login.html",
-        next=_safe_next(next_url),
-        message=Safe(f'<p class="error">{html.escape(message)}</p>' if message else ""),
-    )
-    response = html_response("sign in", body, status=status)
-    if status == 401:
-        response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
-    return response
-
-
-def _safe_next(url: str) -> str:
-    """Only a path of this listener's page: no open redirect through the login form."""
-    if url.startswith(("/admin/", "/admin?")) and "\\" not in url and "//" not in url:
-        return url
-    return "/admin/"
-
-
-class _Page:
-    def __init__(self, store: Store, auth: _Auth) -> None:
-        self._store = store
-        self._auth = auth
-
-    async def redirect_to_page(self, request: web.Request) -> web.Response:
-        query = request.query_string
-        raise web.HTTPFound("/admin/" + (f"?{query}" if query else ""))
-
-    async def login_form(self, request: web.Request) -> web.Response:
-        if self._auth.open:
-            raise web.HTTPSeeOther("/admin/")
-        return login_page(request, status=200, message=None)
-
-    async def login(self, request: web.Request) -> web.Response:
-        form = await request.post()
-        token, next_url = form.get("token"), form.get("next")
-        target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
-        if self._auth.open:
-            raise web.HTTPSeeOther(target)
-        if not isinstance(token, str) or not token or not self._auth.check_token(token):
-            log.warning("admin_login_refused", remote=request.remote)
-            response = login_page(request, status=401, message="That token was not accepted.")
-            return response
-        response = web.HTTPSeeOther(target)
-        response.set_cookie(
-            SESSION_COOKIE,
-            self._auth.new_session(),
-            max_age=SESSION_TTL_S,
-            path="/admin",
-            httponly=True,
-            samesite="Strict",
-            secure=request.secure,
-        )
-        log.info("admin_login", remote=request.remote)
-        raise response
-
-    async def logout(self, request: web.Request) -> web.Response:
-        response = web.HTTPSeeOther("/admin/login")
-        response.del_cookie(SESSION_COOKIE, path="/admin")
-        raise response
-
-    async def listing(self, request: web.Request) -> web.Response:
-        params = MultiDict((k, v) for k, v in request.query.items() if k != "format")
-        error: str | None = None
-        rows: list[StoredRejection] = []
-        next_cursor: str | None = None
-        try:
-            query = parse_rejection_query(params)
-            rows, next_cursor = await fetch_page(self._store, query)
-        except Rejection as rejection:
-            if rejection.reason != "invalid_request":
-                raise
-            error = rejection.detail
-        shown = {k: params.get(k, "") for k in FILTERS if params.get(k)}
-        body = render(
-            "admin_rejections.html",
-            filters=Safe(_filter_form(shown)),
-            error=Safe(f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""),
-            count=f"{len(rows)} rejection{'s' * (len(rows) != 1)}",
-            rows=Safe("".join(_row(r) for r in rows) or _EMPTY_ROW),
-            pager=Safe(_pager(shown, next_cursor)),
-        )
-        return html_response(
-            "rejected writes", body, status=400 if error else 200, logout=not self._auth.open
-        )
-
-    async def detail(self, request: web.Request) -> web.Response:
-        found = await find_rejection(self._store, request.match_info["id"])
-        item = rejection_item(found)
-        fields = "".join(
-            f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(_text(v))}</code></td></tr>"
-            for k, v in item.items()
-        )
-        links = []
-        if found.record.job_id:
-            links.append(_link("/admin/jobs/" + _quote(found.record.job_id), "job state (JSON)"))
-        if found.record.destination and found.record.idempotency_key:
-            path = f"/admin/keys/{_quote(found.record.destination)}/"
-            path += _quote(found.record.idempotency_key)
-            links.append(_link(path, "idempotency record (JSON)"))
-        links.append(_link(f"/admin/rejections/{found.id}", "this rejection (JSON)"))
-        body = render(
-            "admin_rejection.html",
-            id=found.id,
-            reason=found.record.reason,
-            fields=Safe(fields),
-            links=Safe(" · ".join(links)),
-        )
-        return html_response(f"rejection {found.id}", body, logout=not self._auth.open)
-
-
-# The reason's family colours its label on the page.
-_KIND = {
-    **dict.fromkeys(
-        (
-            "stale_generation",
-            "unknown_generation",
-            "lease_expired",
-            "lease_not_held",
-            "job_completed",
-            "owner_mismatch",
-        ),
-        "fence",
-    ),
-    "older_generation_in_flight": "wait",
-    "request_in_progress": "wait",
-    "outcome_unknown": "key",
-    "idempotency_key_reused": "key",
-    "duplicate": "replay",
-}
-_EMPTY_ROW = '<tr><td colspan="9" class="empty">No rejected writes match these filters.</td></tr>'
-_LOGOUT = (
-    '<form method="post" action="/admin/logout" class="logout">'
-    '<button type="submit">Sign out</button></form>'
-)
-
-
-def _filter_form(shown: Mapping[str, str]) -> str:
-    options = ['<option value="">any reason</option>']
-    for reason in RECORDED_REASONS:
-        selected = " selected" if shown.get("reason") == reason else ""
-        options.append(f'<option value="{reason}"{selected}>{reason}</option>')
-    return render(
-        "admin_filters.html",
-        destination=shown.get("destination", ""),
-        job_id=shown.get("job_id", ""),
-        reasons=Safe("".join(options)),
-        since=shown.get("since", ""),
-        until=shown.get("until", ""),
-        limit=shown.get("limit", ""),
-    )
-
-
-def _row(row: StoredRejection) -> str:
-    r = row.record
-    current = r.current_generation if r.current_generation is not None else r.highest_generation
-    stale = r.generation is not None and current is not None and r.generation < current
-    when = rfc3339(row.at) or ""
-    job = _link("/admin/?job_id=" + _quote(r.job_id), r.job_id) if r.job_id else ""
-    cells = [
-        f'<time datetime="{html.escape(when)}">{html.escape(when[:19].replace("T", " "))}</time>',
-        f'<span class="reason {_KIND.get(r.reason, "other")}">{html.escape(r.reason)}</span>',
-        job,
-        f'<span class="{"stale" if stale else "gen"}">'
-        f"{_text(r.generation)} / {_text(current)}</span>",
-        html.escape(_text(r.destination)),
-        f"<code>{html.escape(_text(r.method))} {html.escape(_text(r.path))}</code>",
-        f"<code>{html.escape(_text(r.idempotency_key))}</code>",
-        html.escape(_text(r.remote)),
-        _link(f"/admin/rejections/{row.id}?format=html", f"#{row.id}"),
-    ]
-    tds = "".join(f"<td>{cell}</td>" for cell in cells)
-    return f'<tr class="rejection" data-reason="{html.escape(r.reason)}">{tds}</tr>'
-
-
-def _pager(shown: Mapping[str, str], next_cursor: str | None) -> str:
-    base = {k: v for k, v in shown.items() if k != "cursor"}
-    links = []
-    if "cursor" in shown:
-        links.append(_link("/admin/?" + urlencode(base), "« newest"))
-    if next_cursor is not None:
-        links.append(_link("/admin/?" + urlencode({**base, "cursor": next_cursor}), "older »"))
-    return " ".join(links)
-
-
-def _link(href: str, text: str) -> str:
-    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
-
-
-def _quote(text: str) -> str:
-    return quote(text, safe="")
-
-
-def _text(value: object) -> str:
-    return "—" if value is None else str(value)

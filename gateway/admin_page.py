@@ -1,0 +1,287 @@
+"""The admin listener's HTML page: the rejected-writes listing, one rejection, and
+the sign-in form that checks the admin token and sets the session cookie.
+
+Markup is filled from gateway/templates by `render`, which escapes every value
+that is not `Safe` (a fragment built here from escaped parts). The page reads
+rejections through the same parsing and shapes as the JSON API in `admin`.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import string
+from collections.abc import Mapping
+from importlib import resources
+from typing import TYPE_CHECKING
+from urllib.parse import quote, urlencode
+
+import structlog
+from aiohttp import web
+from multidict import MultiDict
+
+from .admin import (
+    FILTERS,
+    RECORDED_REASONS,
+    SESSION_COOKIE,
+    SESSION_TTL_S,
+    fetch_page,
+    find_rejection,
+    parse_rejection_query,
+    rejection_item,
+    rfc3339,
+)
+from .errors import Rejection
+from .store import Store, StoredRejection
+
+if TYPE_CHECKING:
+    from .admin import _Auth
+
+log = structlog.get_logger("sinkgate.admin")
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+class Safe(str):
+    """Markup built here from escaped parts; `render` inserts it as it is."""
+
+
+def render(template: str, **values: object) -> str:
+    """Fill a `string.Template` from gateway/templates, escaping every value not `Safe`."""
+    return _template(template).substitute(
+        {k: v if isinstance(v, Safe) else html.escape(str(v)) for k, v in values.items()}
+    )
+
+
+@functools.cache
+def _template(name: str) -> string.Template:
+    return string.Template(resources.files("gateway").joinpath("templates", name).read_text())
+
+
+def html_response(
+    title: str, body: str, *, status: int = 200, logout: bool = False
+) -> web.Response:
+    page = render(
+        "admin_layout.html", title=title, body=Safe(body), logout=Safe(_LOGOUT if logout else "")
+    )
+    return web.Response(
+        status=status,
+        text=page,
+        content_type="text/html",
+        charset="utf-8",
+        headers={
+            "Content-Security-Policy": (
+                "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+                "frame-ancestors 'none'; base-uri 'none'"
+            ),
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store",
+        },
+    )
+
+
+def login_page(request: web.Request, *, status: int, message: str | None) -> web.Response:
+    next_url = request.path_qs if request.method == "GET" else "/admin/"
+    body = render(
+        "admin_login.html",
+        next=_safe_next(next_url),
+        message=Safe(f'<p class="error">{html.escape(message)}</p>' if message else ""),
+    )
+    response = html_response("sign in", body, status=status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
+    return response
+
+
+def _safe_next(url: str) -> str:
+    """Only a path of this listener's page: no open redirect through the login form."""
+    if url.startswith(("/admin/", "/admin?")) and "\\" not in url and "//" not in url:
+        return url
+    return "/admin/"
+
+
+# --- the handlers ----------------------------------------------------------------------------
+
+
+class Page:
+    """The page's routes: the listing, one rejection, and sign-in/sign-out."""
+
+    def __init__(self, store: Store, auth: _Auth) -> None:
+        self._store = store
+        self._auth = auth
+
+    async def redirect_to_page(self, request: web.Request) -> web.Response:
+        query = request.query_string
+        raise web.HTTPFound("/admin/" + (f"?{query}" if query else ""))
+
+    async def login_form(self, request: web.Request) -> web.Response:
+        if self._auth.open:
+            raise web.HTTPSeeOther("/admin/")
+        return login_page(request, status=200, message=None)
+
+    async def login(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        token, next_url = form.get("token"), form.get("next")
+        target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
+        if self._auth.open:
+            raise web.HTTPSeeOther(target)
+        if not isinstance(token, str) or not token or not self._auth.check_token(token):
+            log.warning("admin_login_refused", remote=request.remote)
+            response = login_page(request, status=401, message="That token was not accepted.")
+            return response
+        response = web.HTTPSeeOther(target)
+        response.set_cookie(
+            SESSION_COOKIE,
+            self._auth.new_session(),
+            max_age=SESSION_TTL_S,
+            path="/admin",
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
+        log.info("admin_login", remote=request.remote)
+        raise response
+
+    async def logout(self, request: web.Request) -> web.Response:
+        response = web.HTTPSeeOther("/admin/login")
+        response.del_cookie(SESSION_COOKIE, path="/admin")
+        raise response
+
+    async def listing(self, request: web.Request) -> web.Response:
+        params = MultiDict((k, v) for k, v in request.query.items() if k != "format")
+        error: str | None = None
+        rows: list[StoredRejection] = []
+        next_cursor: str | None = None
+        try:
+            query = parse_rejection_query(params)
+            rows, next_cursor = await fetch_page(self._store, query)
+        except Rejection as rejection:
+            if rejection.reason != "invalid_request":
+                raise
+            error = rejection.detail
+        shown = {k: params.get(k, "") for k in FILTERS if params.get(k)}
+        body = render(
+            "admin_rejections.html",
+            filters=Safe(_filter_form(shown)),
+            error=Safe(f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""),
+            count=f"{len(rows)} rejection{'s' * (len(rows) != 1)}",
+            rows=Safe("".join(_row(r) for r in rows) or _EMPTY_ROW),
+            pager=Safe(_pager(shown, next_cursor)),
+        )
+        return html_response(
+            "rejected writes", body, status=400 if error else 200, logout=not self._auth.open
+        )
+
+    async def detail(self, request: web.Request) -> web.Response:
+        found = await find_rejection(self._store, request.match_info["id"])
+        item = rejection_item(found)
+        fields = "".join(
+            f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(_text(v))}</code></td></tr>"
+            for k, v in item.items()
+        )
+        links = []
+        if found.record.job_id:
+            links.append(_link("/admin/jobs/" + _quote(found.record.job_id), "job state (JSON)"))
+        if found.record.destination and found.record.idempotency_key:
+            path = f"/admin/keys/{_quote(found.record.destination)}/"
+            path += _quote(found.record.idempotency_key)
+            links.append(_link(path, "idempotency record (JSON)"))
+        links.append(_link(f"/admin/rejections/{found.id}", "this rejection (JSON)"))
+        body = render(
+            "admin_rejection.html",
+            id=found.id,
+            reason=found.record.reason,
+            fields=Safe(fields),
+            links=Safe(" · ".join(links)),
+        )
+        return html_response(f"rejection {found.id}", body, logout=not self._auth.open)
+
+
+# --- pieces of the listing -------------------------------------------------------------------
+
+# The reason's family colours its label on the page.
+_KIND = {
+    **dict.fromkeys(
+        (
+            "stale_generation",
+            "unknown_generation",
+            "lease_expired",
+            "lease_not_held",
+            "job_completed",
+            "owner_mismatch",
+        ),
+        "fence",
+    ),
+    "older_generation_in_flight": "wait",
+    "request_in_progress": "wait",
+    "outcome_unknown": "key",
+    "idempotency_key_reused": "key",
+    "duplicate": "replay",
+}
+_EMPTY_ROW = '<tr><td colspan="9" class="empty">No rejected writes match these filters.</td></tr>'
+_LOGOUT = (
+    '<form method="post" action="/admin/logout" class="logout">'
+    '<button type="submit">Sign out</button></form>'
+)
+
+
+def _filter_form(shown: Mapping[str, str]) -> str:
+    options = ['<option value="">any reason</option>']
+    for reason in RECORDED_REASONS:
+        selected = " selected" if shown.get("reason") == reason else ""
+        options.append(f'<option value="{reason}"{selected}>{reason}</option>')
+    return render(
+        "admin_filters.html",
+        destination=shown.get("destination", ""),
+        job_id=shown.get("job_id", ""),
+        reasons=Safe("".join(options)),
+        since=shown.get("since", ""),
+        until=shown.get("until", ""),
+        limit=shown.get("limit", ""),
+    )
+
+
+def _row(row: StoredRejection) -> str:
+    r = row.record
+    current = r.current_generation if r.current_generation is not None else r.highest_generation
+    stale = r.generation is not None and current is not None and r.generation < current
+    when = rfc3339(row.at) or ""
+    job = _link("/admin/?job_id=" + _quote(r.job_id), r.job_id) if r.job_id else ""
+    cells = [
+        f'<time datetime="{html.escape(when)}">{html.escape(when[:19].replace("T", " "))}</time>',
+        f'<span class="reason {_KIND.get(r.reason, "other")}">{html.escape(r.reason)}</span>',
+        job,
+        f'<span class="{"stale" if stale else "gen"}">'
+        f"{_text(r.generation)} / {_text(current)}</span>",
+        html.escape(_text(r.destination)),
+        f"<code>{html.escape(_text(r.method))} {html.escape(_text(r.path))}</code>",
+        f"<code>{html.escape(_text(r.idempotency_key))}</code>",
+        html.escape(_text(r.remote)),
+        _link(f"/admin/rejections/{row.id}?format=html", f"#{row.id}"),
+    ]
+    tds = "".join(f"<td>{cell}</td>" for cell in cells)
+    return f'<tr class="rejection" data-reason="{html.escape(r.reason)}">{tds}</tr>'
+
+
+def _pager(shown: Mapping[str, str], next_cursor: str | None) -> str:
+    base = {k: v for k, v in shown.items() if k != "cursor"}
+    links = []
+    if "cursor" in shown:
+        links.append(_link("/admin/?" + urlencode(base), "« newest"))
+    if next_cursor is not None:
+        links.append(_link("/admin/?" + urlencode({**base, "cursor": next_cursor}), "older »"))
+    return " ".join(links)
+
+
+def _link(href: str, text: str) -> str:
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
+def _quote(text: str) -> str:
+    return quote(text, safe="")
+
+
+def _text(value: object) -> str:
+    return "—" if value is None else str(value)
