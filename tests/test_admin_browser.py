@@ -200,9 +200,13 @@ def test_page_lists_rejections_and_a_filter_click_narrows_it(server, driver):
     selected = Select(driver.find_element(By.ID, "reason")).first_selected_option
     assert selected.get_attribute("value") == "stale_generation"  # the form keeps the filter
 
+    listing = driver.find_element(By.ID, "rejections")
     rows[0].find_element(By.CSS_SELECTOR, "a[href$='format=html']").click()
-    WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.TAG_NAME, "h2")))
-    assert "Rejection #10" in driver.find_element(By.TAG_NAME, "h2").text
+    # Wait for the detail page itself, not any h2 the listing may still show.
+    WebDriverWait(driver, 20).until(ec.staleness_of(listing))
+    WebDriverWait(driver, 20).until(
+        ec.text_to_be_present_in_element((By.TAG_NAME, "h2"), "Rejection #10")
+    )
     assert "inv-44-refund" in driver.page_source
 
 
