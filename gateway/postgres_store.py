@@ -23,6 +23,10 @@ A write decision is one short READ COMMITTED transaction on a pooled connection:
    rejection (a replay is logged as `duplicate`).
 5. `COMMIT` (durable).
 
+An outcome (and a rejection logged outside a decision) is one statement
+outside a transaction block: its own atomic, durable transaction, one round
+trip (see `_DURABLE`, `_OUTCOME_SQL`).
+
 The lease row is read, not locked: every read of the decision comes from one
 snapshot and the clock is read in the same statement, so the decision is the
 one SQLite would have taken at that instant; a claim committing meanwhile could
@@ -208,6 +212,46 @@ ON CONFLICT (job_id) DO UPDATE SET
 """
 
 
+# Durability of a single statement run outside a transaction block. Such a
+# statement is its own (implicit) transaction, committed by the server after the
+# statement has finished (at the extended protocol's Sync). `synchronous_commit`
+# is consulted only at that commit, and `set_config(..., is_local => true)` lasts
+# until the end of the current transaction, here the implicit one: so evaluating
+# this once, anywhere in the statement, makes its commit wait for the WAL flush
+# exactly as `require_durable_commit` does for a BEGIN ... COMMIT block (raised to
+# `on` only when the server or role has it `off`; stronger settings kept), and the
+# setting ends with the statement (no session state). The sub-select must be read
+# by the statement (`FROM (...) durable`): a plain SELECT CTE that nothing
+# references is never evaluated.
+_DURABLE = (
+    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
+)
+
+# An outcome: one statement, hence one round trip and one atomic transaction,
+# instead of BEGIN, durability setting, DELETE, UPDATE, COMMIT. No lock is needed
+# beyond the row locks the statement takes: the key's UPDATE/DELETE waits for a
+# decision holding the row FOR UPDATE and re-checks `attempt = $3` on the row
+# version that decision committed (READ COMMITTED), as the separate statements
+# did. $1 destination, $2 key (NULL: keyless), $3 attempt; returns the number of
+# key rows touched (0 or 1).
+_OUTCOME_SQL = """
+WITH gone AS (DELETE FROM attempts WHERE attempt = $3),
+touched AS ({}
+    WHERE destination = $1 AND key = $2 AND attempt = $3 RETURNING 1)
+SELECT (SELECT count(*) FROM touched) FROM ({}) durable
+"""
+_COMPLETED_SQL = _OUTCOME_SQL.format(
+    "UPDATE idempotency SET state = 'completed', status = $4, headers = $5, body = $6, "
+    f"body_omitted = $7, completed_at = {_NOW.format('$8')}, updated_at = {_NOW.format('$8')}",
+    _DURABLE,
+)
+_RELEASED_SQL = _OUTCOME_SQL.format("DELETE FROM idempotency", _DURABLE)
+_UNKNOWN_SQL = _OUTCOME_SQL.format(
+    f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}", _DURABLE
+)
+
+
 class PostgresStore(PostgresLeaseStore):
     """Gateway store on PostgreSQL; also the lease store the lease API uses.
 
@@ -284,15 +328,35 @@ class PostgresStore(PostgresLeaseStore):
 
     async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         offset = self._offset()
-        return await self._write_tx(lambda c: _outcome_tx(c, facts, attempt, outcome, offset))
+        if outcome.kind == "completed":
+            sql = _COMPLETED_SQL
+            args: tuple[Any, ...] = (
+                outcome.status,
+                json.dumps(outcome.headers),
+                outcome.body,
+                outcome.body_omitted,
+                offset,
+            )
+        elif outcome.kind == "released":
+            sql, args = _RELEASED_SQL, ()
+        elif outcome.kind == "unknown":
+            sql, args = _UNKNOWN_SQL, (offset,)
+        else:  # pragma: no cover - programming error
+            raise AssertionError(outcome.kind)
+        # A keyless write has only its attempt to delete: `key = NULL` matches no row.
+        held = await self._autocommit(
+            lambda c: c.fetchval(sql, facts.destination, facts.key, attempt, *args)
+        )
+        return facts.key is None or held == 1
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         offset = self._offset()
         values = rejection_values(record)
-        rejection_id: int = await self._write_tx(
+        rejection_id: int = await self._autocommit(
             lambda c: c.fetchval(
                 f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
-                f"VALUES ({_NOW.format('$1')}, {_placeholders(2, len(values))}) RETURNING id",
+                f"SELECT {_NOW.format('$1')}, {_placeholders(2, len(values))} "
+                f"FROM ({_DURABLE}) durable RETURNING id",
                 offset,
                 *values,
             )
@@ -305,6 +369,14 @@ class PostgresStore(PostgresLeaseStore):
         return await self._write_tx(
             lambda c: _purge_tx(c, completed_before, rejections_before, batch)
         )
+
+    async def _autocommit(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """`fn(conn)`: one statement that is its own (durable) transaction; see
+        `_DURABLE`."""
+        self._check_open()
+        with driver_errors("PostgreSQL gateway write failed"):
+            async with self._pool.acquire() as conn:
+                return await fn(conn)
 
     async def _write_tx(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """`fn(conn)` in one durable READ COMMITTED transaction (as the lease verbs)."""
@@ -419,39 +491,6 @@ async def _apply(
         *values,
     )
     return Verdict(decision, rejection_id=rejection_id)
-
-
-async def _outcome_tx(
-    conn: Conn, facts: WriteFacts, attempt: str, outcome: Outcome, offset: float
-) -> bool:
-    await conn.execute("DELETE FROM attempts WHERE attempt = $1", attempt)
-    if facts.key is None:
-        return True
-    where = " WHERE destination = $1 AND key = $2 AND attempt = $3"
-    ident = (facts.destination, facts.key, attempt)
-    if outcome.kind == "completed":
-        status = await conn.execute(
-            "UPDATE idempotency SET state = 'completed', status = $4, headers = $5, body = $6, "
-            f"body_omitted = $7, completed_at = {_NOW.format('$8')}, "
-            f"updated_at = {_NOW.format('$8')}" + where,
-            *ident,
-            outcome.status,
-            json.dumps(outcome.headers),
-            outcome.body,
-            outcome.body_omitted,
-            offset,
-        )
-    elif outcome.kind == "released":
-        status = await conn.execute("DELETE FROM idempotency" + where, *ident)
-    elif outcome.kind == "unknown":
-        status = await conn.execute(
-            f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}" + where,
-            *ident,
-            offset,
-        )
-    else:  # pragma: no cover - programming error
-        raise AssertionError(outcome.kind)
-    return _rowcount(status) == 1
 
 
 async def _purge_tx(
