@@ -7,7 +7,7 @@ the very lease table the lease API writes.
 
 A write decision is one short READ COMMITTED transaction on a pooled connection:
 
-1. `BEGIN`, sent with step 2 in one round trip (see `_begin_and_lock`)
+1. `BEGIN`
 2. one statement: `synchronous_commit` on for this transaction, then
    `pg_advisory_xact_lock` on the job, then on (destination, key). The job lock
    serialises the decisions of one job across replicas, which the generation
@@ -262,9 +262,6 @@ class PostgresStore(PostgresLeaseStore):
     def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
         super().__init__(pool, clock_offset=clock_offset)
         self._skew = 0.0  # server clock minus local clock, seconds
-        # The decision's locks are taken with keys computed here (see `_lock_key`),
-        # once `open` has checked that they are the server's own.
-        self._inline_locks = False
         self.clock = self._clock
 
     @classmethod
@@ -297,7 +294,6 @@ class PostgresStore(PostgresLeaseStore):
                     before = time.time()
                     server = await db_now(conn, 0.0)
                     store._skew = server - (before + time.time()) / 2
-                    store._inline_locks = await _server_agrees_on_lock_keys(conn)
         except BaseException:
             await store.close()
             raise
@@ -315,20 +311,18 @@ class PostgresStore(PostgresLeaseStore):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL write decision failed"):
-            async with self._pool.acquire() as conn:
-                begin_and_lock = _begin_and_lock(facts) if self._inline_locks else None
-                if begin_and_lock is None:
-                    async with conn.transaction(isolation="read_committed"):
-                        await conn.execute(_LOCK_SQL, facts.job_id, facts.destination, facts.key)
-                        verdict, now = await _decide_tx(conn, facts, context, offset)
-                else:
-                    try:
-                        await conn.execute(begin_and_lock)
-                        verdict, now = await _decide_tx(conn, facts, context, offset)
-                    except BaseException:
-                        await _abandon(conn)
-                        raise
-                    await conn.execute("COMMIT")
+            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+                await conn.execute(_LOCK_SQL, facts.job_id, facts.destination, facts.key)
+                row = await conn.fetchrow(
+                    _STATE_SQL,
+                    facts.job_id,
+                    facts.generation,
+                    facts.destination,
+                    facts.key,
+                    offset,
+                )
+                now: float = row["now"]
+                verdict = await _apply(conn, facts, context, _state(facts, row), now)
         self._observed(now, offset)
         return verdict
 
@@ -445,115 +439,6 @@ async def _init_schema(conn: Conn) -> None:
 
 
 # --- the write decision -------------------------------------------------------------------
-
-
-async def _decide_tx(
-    conn: Conn, facts: WriteFacts, context: WriteContext, offset: float
-) -> tuple[Verdict, float]:
-    """Steps 3 and 4 of a decision, in the caller's transaction, locks held."""
-    row = await conn.fetchrow(
-        _STATE_SQL, facts.job_id, facts.generation, facts.destination, facts.key, offset
-    )
-    now: float = row["now"]
-    return await _apply(conn, facts, context, _state(facts, row), now), now
-
-
-# Steps 1 and 2 of a decision in one round trip. A statement with parameters
-# cannot carry a BEGIN (the extended protocol takes one statement), and a job id
-# or key must never be spliced into SQL text; but the locks only need the two
-# 64-bit keys, which are computed here exactly as the server's
-# `hashtextextended(..., 0)` computes them (so replicas taking the locks either
-# way exclude each other), and only those integers replace the hash expressions
-# of `_LOCK_SQL`, the one definition of the lock statement. Sent as one simple
-# query: BEGIN opens the transaction block and the SELECT runs in it, so the
-# state read (a later statement) still takes its snapshot after both locks are
-# held. A NULL key skips the key lock, as in `_LOCK_SQL`.
-_JOB_LOCK_KEY_SQL = "hashtextextended('job:' || $1::text, 0)"
-_KEY_LOCK_KEY_SQL = "hashtextextended('key:' || $2::text || chr(10) || $3::text, 0)"
-assert _JOB_LOCK_KEY_SQL in _LOCK_SQL and _KEY_LOCK_KEY_SQL in _LOCK_SQL
-
-
-def _begin_and_lock(facts: WriteFacts) -> str | None:
-    """BEGIN and `_LOCK_SQL` for `facts` as parameterless SQL; None if `_LOCK_SQL`
-    needs its parameters for anything else than the lock keys."""
-    job = int(_lock_key("job:" + facts.job_id))
-    key = "NULL::bigint"
-    if facts.key is not None:
-        key = str(int(_lock_key("key:" + facts.destination + "\n" + facts.key)))
-    sql = _LOCK_SQL.replace(_JOB_LOCK_KEY_SQL, str(job)).replace(_KEY_LOCK_KEY_SQL, key)
-    return None if "$" in sql else "BEGIN ISOLATION LEVEL READ COMMITTED; " + sql
-
-
-async def _abandon(conn: Conn) -> None:
-    """Roll back a failed decision; a connection that cannot is not reused."""
-    try:
-        if not conn.is_closed():
-            await conn.execute("ROLLBACK")
-    except BaseException:
-        conn.terminate()
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _rot(x: int, k: int) -> int:
-    return ((x << k) | (x >> (32 - k))) & _M32
-
-
-def _lock_key(text: str) -> int:
-    """PostgreSQL's `hashtextextended(text, 0)` (`hash_bytes_extended`, Bob
-    Jenkins' lookup3, little-endian, seed 0) of `text` in UTF-8, as a signed
-    bigint. `open` compares it with the server's before it is used."""
-    data = text.encode()
-    a = b = c = (0x9E3779B9 + len(data) + 3923095) & _M32
-    i = 0
-    while len(data) - i >= 12:
-        a = (a + int.from_bytes(data[i : i + 4], "little")) & _M32
-        b = (b + int.from_bytes(data[i + 4 : i + 8], "little")) & _M32
-        c = (c + int.from_bytes(data[i + 8 : i + 12], "little")) & _M32
-        # mix(a, b, c)
-        a = ((a - c) & _M32) ^ _rot(c, 4)
-        c = (c + b) & _M32
-        b = ((b - a) & _M32) ^ _rot(a, 6)
-        a = (a + c) & _M32
-        c = ((c - b) & _M32) ^ _rot(b, 8)
-        b = (b + a) & _M32
-        a = ((a - c) & _M32) ^ _rot(c, 16)
-        c = (c + b) & _M32
-        b = ((b - a) & _M32) ^ _rot(a, 19)
-        a = (a + c) & _M32
-        c = ((c - b) & _M32) ^ _rot(b, 4)
-        b = (b + a) & _M32
-        i += 12
-    tail = data[i:]
-    a = (a + int.from_bytes(tail[0:4], "little")) & _M32
-    b = (b + int.from_bytes(tail[4:8], "little")) & _M32
-    c = (c + (int.from_bytes(tail[8:11], "little") << 8)) & _M32  # low byte: length
-    # final(a, b, c)
-    c = ((c ^ b) - _rot(b, 14)) & _M32
-    a = ((a ^ c) - _rot(c, 11)) & _M32
-    b = ((b ^ a) - _rot(a, 25)) & _M32
-    c = ((c ^ b) - _rot(b, 16)) & _M32
-    a = ((a ^ c) - _rot(c, 4)) & _M32
-    b = ((b ^ a) - _rot(a, 14)) & _M32
-    c = ((c ^ b) - _rot(b, 24)) & _M32
-    value = (b << 32) | c
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-# Every tail length (0 to 11 bytes past whole 12-byte blocks), multi-byte UTF-8.
-_LOCK_KEY_PROBES = ["job:" + "é€😀x"[: n % 4] + "k" * n for n in range(26)] + ["", "key:d\nk"]
-
-
-async def _server_agrees_on_lock_keys(conn: Conn) -> bool:
-    """Whether `_lock_key` gives the server's keys (it does not, for instance, on a
-    database whose encoding is not UTF-8); if not, decisions hash on the server."""
-    server = await conn.fetchval(
-        "SELECT array_agg(hashtextextended(s, 0) ORDER BY i) "
-        "FROM unnest($1::text[]) WITH ORDINALITY u(s, i)",
-        _LOCK_KEY_PROBES,
-    )
-    return list(server) == [_lock_key(p) for p in _LOCK_KEY_PROBES]
 
 
 def _state(facts: WriteFacts, row: Any) -> StoredState:
