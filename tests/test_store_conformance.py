@@ -488,6 +488,19 @@ async def _race(url: str, table: str, writes: list[WriteFacts]) -> list[str]:
             await r.close()
 
 
+async def _race_until(
+    table: str, writes: list[WriteFacts], violated: Callable[[list[str]], bool]
+) -> bool:
+    """With a protection switched off, whether some of a few races shows the
+    violation. Once released together the racers are not lock-stepped, so one
+    may commit before another reads; a single race proves nothing either way."""
+    for _ in range(5):
+        async with fresh_database() as url:
+            if violated(await _race(url, table, writes)):
+                return True
+    return False
+
+
 def _two_generations() -> list[WriteFacts]:
     return [write(generation=1, key="g1"), write(generation=2, key="g2")]
 
@@ -518,8 +531,7 @@ async def test_without_the_job_lock_two_generations_race_onto_the_wire(
     )
     assert without != postgres_store._LOCK_SQL
     monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
-    async with fresh_database() as url:
-        assert await _race(url, "attempts", _two_generations()) == ["forward", "forward"]
+    assert await _race_until("attempts", _two_generations(), lambda v: v == ["forward", "forward"])
 
 
 @pytest.mark.postgres
@@ -542,5 +554,6 @@ async def test_without_the_key_lock_one_key_of_several_jobs_is_forwarded_thrice(
     )
     assert without != postgres_store._LOCK_SQL
     monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
-    async with fresh_database() as url:
-        assert await _race(url, "idempotency", _one_key_three_jobs()) == ["forward"] * 3
+    assert await _race_until(
+        "idempotency", _one_key_three_jobs(), lambda v: v.count("forward") >= 2
+    )
