@@ -107,18 +107,6 @@ class HTTPLeaseStore(Closing):
             raise JobCompleted(job_id)
         raise _unexpected(status, doc)
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
-        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
-        it was claimed or last renewed with)."""
-        ttl = None if ttl is None else model.validate_ttl(ttl)
-        return await self._held("renew", lease, ttl)
-
-    async def complete(self, lease: Lease) -> Lease:
-        return await self._held("complete", lease, None)
-
-    async def release(self, lease: Lease) -> Lease:
-        return await self._held("release", lease, None)
-
     async def get(self, job_id: str) -> Lease | None:
         model.validate_ident(job_id, "job_id")
         status, doc = await self._call("GET", job_id, None, None)

@@ -296,17 +296,6 @@ class PostgresLeaseStore(Closing):
         offset = self._offset()
         return await self._write(lambda c: claim_tx(c, job_id, owner, ttl, offset))
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
-        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
-        it was claimed or last renewed with)."""
-        return await self._held("renew", lease, None if ttl is None else model.validate_ttl(ttl))
-
-    async def complete(self, lease: Lease) -> Lease:
-        return await self._held("complete", lease, None)
-
-    async def release(self, lease: Lease) -> Lease:
-        return await self._held("release", lease, None)
-
     async def get(self, job_id: str) -> Lease | None:
         model.validate_ident(job_id, "job_id")
         offset = self._offset()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Self, runtime_checkable
 
-from .model import Lease
+from .model import Lease, validate_ttl
 
 
 @runtime_checkable
@@ -23,7 +23,22 @@ class LeaseStore(Protocol):
 
 
 class Closing:
-    """Base of the backends: `async with store:` closes the store on exit."""
+    """Base of the backends: renew/complete/release through the backend's one
+    `_held` verb, and `async with store:` closing the store on exit."""
+
+    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+        raise NotImplementedError
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
+        it was claimed or last renewed with)."""
+        return await self._held("renew", lease, None if ttl is None else validate_ttl(ttl))
+
+    async def complete(self, lease: Lease) -> Lease:
+        return await self._held("complete", lease, None)
+
+    async def release(self, lease: Lease) -> Lease:
+        return await self._held("release", lease, None)
 
     async def close(self) -> None:
         raise NotImplementedError
