@@ -93,7 +93,7 @@ def create_admin_app(
 
     auth = _Auth(token, clock)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
-    add_health_routes(app, store)
+    add_health_routes(app, lambda: store)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body, content_type = metrics.render()
@@ -114,8 +114,12 @@ def create_admin_app(
     return app
 
 
-def add_health_routes(app: web.Application, store: Store) -> None:
-    """`/healthz` (the process answers) and `/readyz` (the store answers too)."""
+def add_health_routes(app: web.Application, store_of: Callable[[], Store]) -> None:
+    """`/healthz` (the process answers) and `/readyz` (the store answers too).
+
+    `store_of` is asked at each probe: the main app opens its store on startup,
+    after its routes are fixed.
+    """
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -123,7 +127,7 @@ def add_health_routes(app: web.Application, store: Store) -> None:
     async def readyz(request: web.Request) -> web.Response:
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                await store.ping()
+                await store_of().ping()
         except (StoreUnavailable, TimeoutError) as exc:
             return problem_response(
                 Rejection("store_unavailable", f"the store does not answer: {exc}")

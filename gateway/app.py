@@ -102,22 +102,12 @@ def create_app(
     app.router.add_route("*", "/to/{tail:.*}", _not_a_write)
     add_lease_routes(app, tokens=config.lease_tokens)
     add_openapi_route(app)
-    add_health_routes(app, _OpenedStore(app))  # type: ignore[arg-type]
+    add_health_routes(app, lambda: app[STORE])
     return app
 
 
 async def _not_a_write(request: web.Request) -> web.StreamResponse:
     raise web.HTTPNotFound()
-
-
-class _OpenedStore:
-    """Stands for the store the app opens on startup, for routes built before it."""
-
-    def __init__(self, app: web.Application) -> None:
-        self._app = app
-
-    async def ping(self) -> None:
-        await self._app[STORE].ping()
 
 
 async def _drain(writes: WriteGateway, grace: float) -> None:

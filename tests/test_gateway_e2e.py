@@ -571,3 +571,14 @@ async def test_unknown_destinations_share_one_metric_series(gw: Gateway) -> None
     text = gw.app[METRICS].render()[0].decode()
     assert 'sinkgate_writes_total{decision="rejected",destination="(unknown)"} 3.0' in text
     assert 'destination="a1"' not in text
+
+
+async def test_main_listener_health_and_readiness_follow_the_store(gw: Gateway) -> None:
+    async with gw.session.get(f"{gw.url}/healthz") as resp:
+        assert resp.status == 200
+    async with gw.session.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 200
+    await gw.store.close()
+    async with gw.session.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 503
+        assert resp.headers["Sinkgate-Rejected"] == "store_unavailable"
