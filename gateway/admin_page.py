@@ -14,7 +14,7 @@ import string
 from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 import structlog
 from aiohttp import web
@@ -31,12 +31,14 @@ from .admin import (
     rejection_item,
     rfc3339,
 )
+from .bodies import read_body
 from .errors import Rejection
 from .store import Store, StoredRejection
 
 if TYPE_CHECKING:
     from .admin import _Auth
 
+LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
 log = structlog.get_logger("sinkgate.admin")
 
 
@@ -122,8 +124,15 @@ class Page:
         return login_page(request, status=200, message=None)
 
     async def login(self, request: web.Request) -> web.Response:
-        form = await request.post()
-        token, next_url = form.get("token"), form.get("next")
+        # Bounded in size and time like every body the gateway reads: a sign-in
+        # form trickling in must not hold the connection open.
+        raw = await read_body(request, LOGIN_FORM_MAX)
+        try:
+            form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=10)
+        except ValueError:
+            raise Rejection("invalid_request", "the sign-in form has too many fields") from None
+        token = form.get("token", [None])[0]
+        next_url = form.get("next", [None])[0]
         target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
         if self._auth.open:
             raise web.HTTPSeeOther(target)

@@ -584,6 +584,23 @@ async def test_wrong_login_is_refused(client):
     assert (await client.get("/admin/")).status == 401
 
 
+async def test_oversized_or_crowded_login_forms_are_refused_without_a_cookie(client):
+    big = await client.post(
+        "/admin/login",
+        data=b"token=" + b"x" * 9000,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        allow_redirects=False,
+    )
+    assert big.status == 413 and "Set-Cookie" not in big.headers
+    crowded = await client.post(
+        "/admin/login",
+        data="&".join(f"f{i}=1" for i in range(20)),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        allow_redirects=False,
+    )
+    assert crowded.status == 400 and "Set-Cookie" not in crowded.headers
+
+
 async def test_session_cookie_expires(store, metrics, fake_clock, mixed):
     app = create_admin_app(store, metrics, token=TOKEN, clock=fake_clock)
     async with TestClient(TestServer(app)) as c:
