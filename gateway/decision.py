@@ -197,14 +197,22 @@ def retry_after(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
-def fingerprint(method: str, path: str, query: str, content_type: str, body: bytes) -> str:
-    """Hash of what makes two requests "the same" (not the fencing headers)."""
+def fingerprint(method: str, path: str, query: str, content_type: str, body_digest: bytes) -> str:
+    """Hash of what makes two requests "the same" (not the fencing headers).
+
+    `body_digest` is the body's SHA-256: the gateway hashes each body once and
+    uses the digest here and in the rejection log.
+    """
     digest = hashlib.sha256()
-    for part in (method.upper().encode(), path.encode(), query.encode(), content_type.encode()):
+    for part in (
+        method.upper().encode(),
+        path.encode(),
+        query.encode(),
+        content_type.encode(),
+        body_digest,
+    ):
         digest.update(len(part).to_bytes(8, "big"))
         digest.update(part)
-    digest.update(len(body).to_bytes(8, "big"))
-    digest.update(body)
     return digest.hexdigest()
 
 

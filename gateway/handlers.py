@@ -95,13 +95,12 @@ class WriteGateway:
         try:
             destination = self._destination(request, target)
             body = await self._read_body(request, destination)
+            body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log
             context = WriteContext(
-                remote=request.remote,
-                body_sha256=hashlib.sha256(body).hexdigest(),
-                body_bytes=len(body),
+                remote=request.remote, body_sha256=body_digest.hex(), body_bytes=len(body)
             )
             try:
-                facts = self._facts(request, target, destination, body)
+                facts = self._facts(request, target, destination, body_digest)
             except Rejection as rejection:
                 await self._record(request, rejection, destination.name, context)
                 raise
@@ -164,7 +163,7 @@ class WriteGateway:
         request: web.Request,
         target: Target,
         destination: DestinationConfig,
-        body: bytes,
+        body_digest: bytes,
     ) -> WriteFacts:
         job_id, generation, owner, key = _fencing_headers(request, destination)
         facts = WriteFacts(
@@ -181,7 +180,7 @@ class WriteGateway:
                 target.path,
                 target.query,
                 request.headers.get("Content-Type", ""),
-                body,
+                body_digest,
             ),
             fencing=destination.fencing,
             upstream_idempotent=destination.upstream_idempotent,
