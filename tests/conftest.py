@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import pytest
 
 from leases.sqlite import SQLiteLeaseStore
-from tests.harness import FakeClock
+from tests.harness import FakeClock, serving
 
 
 @dataclass
@@ -89,19 +89,10 @@ async def _http_backend(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Lease
     app[STORE] = server_store
     app[METRICS] = Metrics()
     add_lease_routes(app)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        store = await HTTPLeaseStore.open(f"http://{host}:{port}")
-        try:
+        async with serving(app, access_log=None) as url, await HTTPLeaseStore.open(url) as store:
             yield LeaseBackend("http", store, clock.advance)
-        finally:
-            await store.close()
     finally:
-        await runner.cleanup()
         await server_store.close()
 
 

@@ -114,21 +114,34 @@ class RecordingUpstream:
 
 
 @asynccontextmanager
+async def serving(app: web.Application, **runner_options: Any) -> AsyncIterator[str]:
+    """Serve `app` on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app, **{"shutdown_timeout": 1, **runner_options})
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def catch_all(handler: Any) -> web.Application:
+    """An app answering every method and path with `handler`."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    return app
+
+
+@asynccontextmanager
 async def recording_upstream() -> AsyncIterator[RecordingUpstream]:
     upstream = RecordingUpstream()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", upstream.handle)
-    runner = web.AppRunner(app, shutdown_timeout=1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    upstream.url = f"http://{host}:{port}"
-    try:
-        yield upstream
-    finally:
-        upstream.release.set()
-        await runner.cleanup()
+    async with serving(catch_all(upstream.handle)) as url:
+        upstream.url = url
+        try:
+            yield upstream
+        finally:
+            upstream.release.set()
 
 
 def free_port() -> int:
@@ -222,15 +235,8 @@ async def running_gateway(
         store = await PostgresStore.open(backend)
         gateway_clock = OffsetClock(store)
     app = create_app(config, store=store, clock=gateway_clock)
-    runner = web.AppRunner(app, shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    session = aiohttp.ClientSession()
     try:
-        yield Gateway(f"http://{host}:{port}", store, gateway_clock, session, app)
+        async with serving(app, shutdown_timeout=5) as url, aiohttp.ClientSession() as session:
+            yield Gateway(url, store, gateway_clock, session, app)
     finally:
-        await session.close()
-        await runner.cleanup()
         await store.close()

@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from .harness import free_port
+from .harness import catch_all, free_port, serving
 
 pytestmark = pytest.mark.slow
 
@@ -72,18 +72,12 @@ class Upstream:
 @asynccontextmanager
 async def upstream_server() -> AsyncIterator[Upstream]:
     upstream = Upstream()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", upstream.handle)
-    runner = web.AppRunner(app, shutdown_timeout=1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    upstream.url = f"http://{host}:{port}"
-    try:
-        yield upstream
-    finally:
-        upstream.release.set()
-        await runner.cleanup()
+    async with serving(catch_all(upstream.handle)) as url:
+        upstream.url = url
+        try:
+            yield upstream
+        finally:
+            upstream.release.set()
 
 
 # --- the gateway process ------------------------------------------------------------------
