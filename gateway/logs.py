@@ -1,16 +1,22 @@
 """structlog, configured once by the command line (STYLE habit 8).
 
 JSON lines on stderr when stderr is not a terminal, the console renderer when
-it is. Context bound with `structlog.contextvars.bind_contextvars` (per request)
-is merged first, so every line carries it. Standard-library records (aiohttp,
-asyncio) go through the same renderer, so stderr stays one format.
+it is. The gateway writes one JSON line per decision, so structlog's lines are
+rendered by orjson and written as bytes (structlog's performance recipe).
+Context bound with `structlog.contextvars.bind_contextvars` (per request) is
+merged first, so every line carries it. Standard-library records (aiohttp,
+asyncio) go through the same fields and the stdlib encoder, so stderr stays one
+format.
 """
 
 from __future__ import annotations
 
+import json as stdlib_json
 import logging
 import sys
+from typing import Any
 
+import orjson
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import Processor
@@ -35,19 +41,29 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Processor
+    logger_factory: Any
     if json:
         # Structured tracebacks, without frame locals: a local may hold a secret.
         transformer = ExceptionDictTransformer(show_locals=False)
         shared.append(structlog.processors.ExceptionRenderer(transformer))
-        renderer = structlog.processors.JSONRenderer()
+        renderer = structlog.processors.JSONRenderer()  # text, for the stdlib handler
+        structlog_renderer: Processor = structlog.processors.JSONRenderer(serializer=_dumps)
+        binary = getattr(sys.stderr, "buffer", None)
+        if binary is None:  # stderr replaced by a text-only stream
+            structlog_renderer = renderer
+            logger_factory = structlog.WriteLoggerFactory(file=sys.stderr)
+        else:
+            logger_factory = structlog.BytesLoggerFactory(file=binary)
     else:
         # Plain tracebacks: rich ones would print frame locals, which may hold secrets.
         renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+        structlog_renderer = renderer
+        logger_factory = structlog.WriteLoggerFactory(file=sys.stderr)
 
     structlog.configure(
-        processors=[*shared, renderer],
+        processors=[*shared, structlog_renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=logger_factory,
         cache_logger_on_first_use=True,
     )
 
@@ -61,3 +77,12 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level_no)
+
+
+def _dumps(event: dict[str, Any], **kw: Any) -> bytes:
+    """orjson, with the standard library's encoder for what orjson refuses (an
+    integer beyond 64 bits, a dict with non-string keys) so a line is never lost."""
+    try:
+        return orjson.dumps(event, **kw)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return stdlib_json.dumps(event, **kw).encode()
