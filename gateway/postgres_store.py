@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -88,6 +87,7 @@ from .store import (
     Verdict,
     WriteContext,
     key_record,
+    new_attempt_id,
     rejection_record,
     rejection_values,
 )
@@ -466,7 +466,7 @@ async def _apply(
     """Apply `decide`'s verdict exactly as `sqlite_store._decide_tx` does."""
     decision = decide(facts, state, now)
     if isinstance(decision, Forward):
-        attempt = uuid.uuid4().hex
+        attempt = new_attempt_id()
         # Only a forwarded write raises the job's mark (SPEC 2 step 6).
         await conn.execute(
             _FORWARD_SQL,

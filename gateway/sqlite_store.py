@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-import uuid
 from typing import Any
 
 from leases import sqlite as lease_sql
@@ -50,6 +49,7 @@ from .store import (
     Verdict,
     WriteContext,
     key_record,
+    new_attempt_id,
     rejection_record,
     rejection_values,
 )
@@ -203,7 +203,7 @@ def _decide_tx(
     state = _read_state(conn, facts, now)
     decision = decide(facts, state, now)
     if isinstance(decision, Forward):
-        attempt = uuid.uuid4().hex
+        attempt = new_attempt_id()
         _reserve(conn, facts, state.record, attempt, now)
         conn.execute(
             "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "

@@ -7,7 +7,9 @@ must read one and the same lease table). Backends: `sqlite_store.SQLiteStore`,
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,30 @@ from leases.model import Lease, LeaseRow
 from .decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
 
 Clock = Callable[[], float]
+
+
+class AttemptIds:
+    """Ids for forward attempts: 32 hex digits, unique across processes and restarts.
+
+    A random 64-bit prefix per process, then a counter. Cheaper than `uuid4()`
+    (which was 7 % of the SQLite thread's time under load), and consecutive ids
+    land next to each other in the attempts table's key index. A forked child
+    draws its own prefix, so parent and child never hand out the same id.
+    """
+
+    def __init__(self) -> None:
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter):016x}"
+
+
+new_attempt_id = AttemptIds()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,13 @@ from gateway.decision import (
 from gateway.postgres_store import PostgresStore
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import (
+    AttemptIds,
     Outcome,
     RejectionQuery,
     RejectionRecord,
     Verdict,
     WriteContext,
+    new_attempt_id,
 )
 from leases.errors import StoreUnavailable
 from tests.conftest import FakeClock
@@ -557,3 +560,29 @@ async def test_without_the_key_lock_one_key_of_several_jobs_is_forwarded_thrice(
     assert await _race_until(
         "idempotency", _one_key_three_jobs(), lambda v: v.count("forward") >= 2
     )
+
+
+# --- attempt ids -----------------------------------------------------------------------
+
+
+def test_attempt_ids_are_unique_32_hex_digits() -> None:
+    ids = [new_attempt_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_a_forked_child_hands_out_other_attempt_ids_than_its_parent() -> None:
+    ids = AttemptIds()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report the next id and leave at once
+        os.write(write, ids().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    parent = ids()
+    assert len(child) == 32
+    # Without the at-fork reseed both would be prefix + counter 1: the same id.
+    assert child[:16] != parent[:16]
