@@ -25,20 +25,31 @@ async def read_body(
 ) -> bytes:
     """The whole body, or `Rejection` body_too_large (413) / request_timeout (408)."""
     deadline_s = BODY_READ_TIMEOUT_S if deadline_s is None else deadline_s
-    too_large = Rejection("body_too_large", f"the body exceeds {limit} bytes", **members)
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise _too_large(limit, members)
+    content = request.content
+    if content.is_eof():
+        # The whole body is already buffered (the common case for small writes):
+        # nothing to wait for, so no deadline timer to set up and cancel.
+        body = await content.read()
+        if len(body) > limit:
+            raise _too_large(limit, members)
+        return body
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(deadline_s):
-            while chunk := await request.content.read(_READ_CHUNK):
+            while chunk := await content.read(_READ_CHUNK):
                 size += len(chunk)
                 if size > limit:  # enforced while reading, not after
-                    raise too_large
+                    raise _too_large(limit, members)
                 chunks.append(chunk)
     except TimeoutError:
         raise Rejection(
             "request_timeout", f"the body did not arrive within {deadline_s:g} s", **members
         ) from None
     return b"".join(chunks)
+
+
+def _too_large(limit: int, members: dict[str, Any]) -> Rejection:
+    return Rejection("body_too_large", f"the body exceeds {limit} bytes", **members)
