@@ -89,10 +89,10 @@ def cpu_seconds(pgid: int) -> float:
     return total
 
 
-def matching_cpu_seconds(needle: str) -> float:
-    """CPU of live processes whose command line contains `needle` (the PostgreSQL
+def matching_cpu_seconds(needle: str) -> dict[int, float]:
+    """CPU per live process whose command line contains `needle` (the PostgreSQL
     backends serving the bench database: `postgres: user db 127.0.0.1(port) ...`)."""
-    total = 0.0
+    found: dict[int, float] = {}
     data = needle.encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -106,8 +106,15 @@ def matching_cpu_seconds(needle: str) -> float:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
+        found[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return found
+
+
+def cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU the processes alive at the end used since `before`. A backend that exited
+    in between is left out (its CPU is lost with it) instead of making the sum
+    go negative, as a plain difference of totals did."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
 def main_thread_cpu_seconds(pid: int) -> float:
@@ -348,7 +355,7 @@ def run_load(
     cpu0, main0 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
     up0 = cpu_seconds(up_pgid) if up_pgid else 0.0
     db_needle = target.extra.get("db_process")
-    db0 = matching_cpu_seconds(db_needle) if db_needle else 0.0
+    db0 = matching_cpu_seconds(db_needle) if db_needle else {}
     tot0, idle0 = machine_ticks()
     wall0 = time.monotonic()
     proc = subprocess.run(
@@ -360,7 +367,8 @@ def run_load(
     )
     cpu1, main1 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
     up1 = cpu_seconds(up_pgid) if up_pgid else 0.0
-    db1 = matching_cpu_seconds(db_needle) if db_needle else 0.0
+    db1 = matching_cpu_seconds(db_needle) if db_needle else {}
+    db_cpu = cpu_since(db0, db1)
     tot1, idle1 = machine_ticks()
     wall = time.monotonic() - wall0
     if proc.returncode != 0:
@@ -376,8 +384,8 @@ def run_load(
         rss_mb=rss,
         main_thread_ms_per_req=(main1 - main0) * 1000 / total,
         upstream_cpu_s=up1 - up0,
-        db_cpu_s=db1 - db0,
-        db_ms_per_req=(db1 - db0) * 1000 / total,
+        db_cpu_s=db_cpu,
+        db_ms_per_req=db_cpu * 1000 / total,
         idle_pct=100.0 * (idle1 - idle0) / max(1, tot1 - tot0),
     )
     # cores busy with something else than the target, the upstream and the generator
