@@ -23,6 +23,7 @@ from .lease_api import add_lease_routes
 from .metrics import Metrics
 from .openapi import add_openapi_route
 from .problem import problem_response
+from .server import GatewayRunner
 from .store import Clock, Store, open_store
 from .upstream import Upstreams
 
@@ -33,7 +34,8 @@ WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # aiohttp server limits for both listeners. Oversized request lines, header
-# fields or header counts are refused by aiohttp itself (4xx, connection closed).
+# fields or header counts are refused by aiohttp's parser (4xx, connection
+# closed), answered as `invalid_request` problems by `GatewayRunner`.
 # `keepalive_timeout` is also the slowloris guard: aiohttp closes a connection
 # still waiting for a complete header block when it runs out (it starts at
 # connect and again after each answer), where its default would allow an hour.
@@ -140,7 +142,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             loop.add_signal_handler(signum, stop.set)
 
     app = create_app(config)
-    runner = web.AppRunner(
+    runner = GatewayRunner(
         app, shutdown_timeout=config.shutdown_grace, access_log=None, **SERVER_LIMITS
     )
     await runner.setup()
@@ -149,7 +151,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
     try:
         await web.TCPSite(runner, *config.listen).start()
         admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
-        admin_runner = web.AppRunner(admin_app, access_log=None, **SERVER_LIMITS)
+        admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, *config.admin_listen).start()
         from .janitor import run_janitor

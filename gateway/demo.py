@@ -34,6 +34,7 @@ from leases.writer import FencedWriter, GatewayRejected
 from .app import create_app
 from .config import Config, DestinationConfig
 from .logs import configure_logging
+from .server import GatewayRunner
 
 JOB = "job-42"
 PAUSE_S = 0.6
@@ -73,7 +74,7 @@ class Recorder:
 
 @asynccontextmanager
 async def _serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2)
+    runner = GatewayRunner(app, access_log=None, shutdown_timeout=2)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

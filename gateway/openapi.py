@@ -284,12 +284,13 @@ def _write_operation(method: str) -> dict[str, Any]:
     header = _fencing_header_params()
     gateway_refusals = {
         "400": _problem(
-            "fencing headers, key or path malformed",
+            "fencing headers, key or path malformed, or a request the HTTP parser refuses",
             "missing_fencing_token",
             "invalid_fencing_token",
             "missing_idempotency_key",
             "invalid_idempotency_key",
             "invalid_path",
+            "invalid_request",
         ),
         "401": _problem("worker token missing or wrong", "unauthorized"),
         "404": _problem("unknown destination", "unknown_destination"),

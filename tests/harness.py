@@ -1,7 +1,8 @@
 """End-to-end test harness: a real recording upstream and a real gateway on loopback.
 
-No patched internals: the gateway is `create_app` served by aiohttp on a free
-port, the upstream is an aiohttp server that records every request it received.
+No patched internals: the gateway is `create_app` served on a free port by the
+runner `serve` uses, the upstream is an aiohttp server that records every request
+it received.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gateway.app import create_app
 from gateway.config import Config, DestinationConfig
 from gateway.decision import Fencing
 from gateway.postgres_store import PostgresStore
+from gateway.server import GatewayRunner
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import Store
 
@@ -115,8 +117,9 @@ class RecordingUpstream:
 
 @asynccontextmanager
 async def serving(app: web.Application, **runner_options: Any) -> AsyncIterator[str]:
-    """Serve `app` on a free loopback port; yields its base URL."""
-    runner = web.AppRunner(app, **{"shutdown_timeout": 1, **runner_options})
+    """Serve `app` on a free loopback port, with the runner `serve` uses; yields its
+    base URL."""
+    runner = GatewayRunner(app, **{"shutdown_timeout": 1, **runner_options})
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()

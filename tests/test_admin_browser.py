@@ -26,6 +26,7 @@ from aiohttp import web
 
 from gateway.admin import create_admin_app
 from gateway.metrics import Metrics
+from gateway.server import GatewayRunner
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import RejectionRecord
 from tests.conftest import FakeClock
@@ -108,7 +109,7 @@ class AdminServer:
         url = "sqlite:///" + str(self._directory / "admin.db")
         self._store = await SQLiteStore.open(url, clock=clock)
         await seed(self._store, clock)
-        self._runner = web.AppRunner(create_admin_app(self._store, Metrics(), token=TOKEN))
+        self._runner = GatewayRunner(create_admin_app(self._store, Metrics(), token=TOKEN))
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
         host, port = self._runner.addresses[0][:2]

@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.admin_cli import add_arguments, main, to_rfc3339
 from gateway.metrics import Metrics
+from gateway.server import GatewayRunner
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import RejectionRecord
 
@@ -46,7 +47,7 @@ async def admin_url(tmp_path, fake_clock) -> AsyncIterator[str]:
     await store.record_rejection(record("idempotency_key_reused", "job-43", 3, 3, "pay-43"))
     fake_clock.advance(60)
     await store.record_rejection(record("lease_expired", "job-44\x1b[31m", 2, 2, "pay-44"))
-    runner = web.AppRunner(create_admin_app(store, Metrics(), token=TOKEN))
+    runner = GatewayRunner(create_admin_app(store, Metrics(), token=TOKEN))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

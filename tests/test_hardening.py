@@ -1,10 +1,11 @@
 """Limits, bad input and the security review's claims, against a real gateway.
 
-The gateway runs with the server limits `serve` uses (`app.SERVER_LIMITS`).
-Requests that aiohttp's client refuses to send (invalid UTF-8, control
-characters, oversized or trickling headers) go over raw sockets. Every test
-checks that nothing was forwarded and the store holds exactly what the contract
-says (a rejection-log row where SPEC 2 wants one; no lease, fence or key).
+The gateway runs with the runner and server limits `serve` uses
+(`GatewayRunner`, `app.SERVER_LIMITS`). Requests that aiohttp's client refuses
+to send (invalid UTF-8, control characters, oversized or trickling headers) go
+over raw sockets. Every test checks that nothing was forwarded and the store
+holds exactly what the contract says (a rejection-log row where SPEC 2 wants
+one; no lease, fence or key).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
+from aiohttp import http_exceptions, web
 from yarl import URL
 
 from gateway import bodies
@@ -27,6 +28,7 @@ from gateway.admin import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
 from gateway.appkeys import METRICS
 from gateway.decision import Fencing
+from gateway.server import GatewayRunner, parse_error_rejection
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import RejectionQuery
 
@@ -58,7 +60,7 @@ async def gateway_with_limits(
     clock = FakeClock()
     store = await SQLiteStore.open(config.store_url, clock=clock)
     app = create_app(config, store=store, clock=clock)
-    runner = web.AppRunner(app, shutdown_timeout=5, **{**SERVER_LIMITS, **limits})
+    runner = GatewayRunner(app, shutdown_timeout=5, **{**SERVER_LIMITS, **limits})
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
@@ -75,6 +77,20 @@ async def gateway_with_limits(
 async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
     async with gateway_with_limits(tmp_path, upstream) as gateway:
         yield gateway
+
+
+@asynccontextmanager
+async def admin_listener(gw: Gateway) -> AsyncIterator[str]:
+    """The admin app on `gw`'s store, served as `serve` serves it; yields its URL."""
+    admin = create_admin_app(gw.store, gw.app[METRICS], token=ADMIN_TOKEN)
+    runner = GatewayRunner(admin, **SERVER_LIMITS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -147,6 +163,39 @@ def assert_problem(response: bytes, status: int, reason: str) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(body)
     assert doc["reason"] == reason and doc["status"] == status
     return doc
+
+
+# Put into the bytes a parser refuses: its answer must not quote them back.
+LEAK = b"zz-leak-marker"
+
+
+def assert_parser_refusal(response: bytes, status: int) -> None:
+    """The gateway's own answer for a request aiohttp's parser refused: an
+    `invalid_request` problem with aiohttp's status and a short generic detail."""
+    doc = assert_problem(response, status, "invalid_request")
+    assert set(doc) == {"type", "title", "status", "detail", "reason"}
+    assert doc["type"] == "urn:sinkgate:problem:invalid_request"
+    assert doc["title"] == "Invalid request"
+    detail = doc["detail"]
+    assert detail.startswith("malformed HTTP request: ")
+    assert detail.isascii() and detail.isprintable() and len(detail) <= 200
+    assert LEAK not in response
+
+
+async def refused_by_the_parser(base_url: str, data: bytes) -> None:
+    """Send `data`, which aiohttp's parser refuses: a 400 `invalid_request`
+    problem, and the connection closed after it as aiohttp closes it."""
+    url = URL(base_url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        response = await asyncio.wait_for(read_response(reader), 10)
+        rest = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert_parser_refusal(response, 400)
+    assert rest == b"", "the connection stayed open after a parse error"
 
 
 # --- slow clients ---------------------------------------------------------------------------
@@ -227,13 +276,15 @@ async def test_slowloris_headers_are_cut_off_at_the_keepalive_deadline(
         ("long job id header", write_head("/to/pay/x", b"j" * 9000)),
     ],
 )
-async def test_oversized_headers_are_a_4xx_from_aiohttp_and_change_nothing(
+async def test_oversized_headers_are_a_4xx_problem_and_change_nothing(
     gw: Gateway, upstream: RecordingUpstream, what: str, request_bytes: bytes
 ) -> None:
+    """aiohttp's parser refuses them and picks the status; the gateway answers."""
     await gw.claim("job-1")
     before = await table_counts(gw.store)
     response = await raw_request(gw, request_bytes)
     assert 400 <= status_of(response) < 500, (what, response[:200])
+    assert_parser_refusal(response, status_of(response))
     assert upstream.received == []
     assert await table_counts(gw.store) == before
 
@@ -278,28 +329,43 @@ async def test_bad_bytes_in_fencing_job_are_400_and_only_logged(
     assert counts == {"leases": 0, "fences": 0, "idempotency": 0, "attempts": 0, "rejections": 1}
 
 
-@pytest.mark.parametrize("job", [b"j\x01b", b"j\x7fb", b"j\x00b"], ids=["control", "del", "nul"])
+CONTROLS = pytest.mark.parametrize(
+    "control", [b"\x01", b"\x7f", b"\x00"], ids=["control", "del", "nul"]
+)
+
+
+@CONTROLS
 async def test_control_characters_in_a_header_are_refused_by_the_parser(
-    gw: Gateway, upstream: RecordingUpstream, job: bytes
+    gw: Gateway, upstream: RecordingUpstream, control: bytes
 ) -> None:
     """aiohttp's parser refuses control characters in any header value (RFC 9110
-    5.5) with its own 400, before the gateway runs: nothing reaches the store."""
-    response = await raw_request(gw, write_head("/to/pay/x", job))
-    assert status_of(response) == 400
+    5.5) before the gateway runs; the answer is still the gateway's problem+json,
+    and nothing reaches the store."""
+    await refused_by_the_parser(gw.url, write_head("/to/pay/x", b"j" + control + LEAK))
     assert upstream.received == []
     assert sum((await table_counts(gw.store)).values()) == 0
 
 
-@pytest.mark.parametrize("key", [b"k\xffk", b"k\x00k", b"k\x7fk", b"k\xc3\xa9"])
+@CONTROLS
+async def test_a_control_character_in_the_idempotency_key_is_an_invalid_request_problem(
+    gw: Gateway, upstream: RecordingUpstream, control: bytes
+) -> None:
+    await gw.claim("job-1")
+    before = await table_counts(gw.store)
+    key = b"k" + control + LEAK
+    await refused_by_the_parser(gw.url, write_head("/to/pay/x", b"job-1", key=key))
+    assert upstream.received == []
+    assert await gw.store.list_rejections(RejectionQuery()) == []
+    assert await table_counts(gw.store) == before
+
+
+@pytest.mark.parametrize("key", [b"k\xffk", b"k\xc3\xa9"], ids=["invalid-utf8", "non-ascii"])
 async def test_bad_bytes_in_the_idempotency_key_are_400(
     gw: Gateway, upstream: RecordingUpstream, key: bytes
 ) -> None:
     await gw.claim("job-1")
     response = await raw_request(gw, write_head("/to/pay/x", b"job-1", key=key))
-    if any(c < 0x20 or c == 0x7F for c in key):  # refused by aiohttp's parser itself
-        assert status_of(response) == 400
-    else:
-        assert_problem(response, 400, "invalid_idempotency_key")
+    assert_problem(response, 400, "invalid_idempotency_key")
     assert upstream.received == []
     assert (await table_counts(gw.store))["idempotency"] == 0
 
@@ -327,6 +393,75 @@ async def test_raw_invalid_utf8_in_a_lease_path_is_a_4xx(gw: Gateway) -> None:
     response = await raw_request(gw, request)
     assert 400 <= status_of(response) < 500, response[:200]
     assert (await table_counts(gw.store))["leases"] == 0
+
+
+async def test_a_control_character_in_a_lease_api_header_is_an_invalid_request_problem(
+    gw: Gateway,
+) -> None:
+    request = (
+        b"POST /leases/job-1/claim HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"X-Request-Id: r\x01" + LEAK + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 25\r\n\r\n"
+        b'{"owner": "a", "ttl": 10}'
+    )
+    await refused_by_the_parser(gw.url, request)
+    assert await gw.store.get("job-1") is None
+    assert sum((await table_counts(gw.store)).values()) == 0
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        b"POST /to/pay/x HTTP/1.1 " + LEAK,
+        b"POST /leases/job-1/claim HTXP/1.1",
+        b"P(ST /to/pay/" + LEAK + b" HTTP/1.1",
+        b"POST /to/pay/x\x01" + LEAK + b" HTTP/1.1",
+    ],
+    ids=["trailing-token", "bad-version", "bad-method", "control-in-target"],
+)
+async def test_a_malformed_request_line_is_an_invalid_request_problem(
+    gw: Gateway, upstream: RecordingUpstream, request_line: bytes
+) -> None:
+    await gw.claim("job-1")
+    before = await table_counts(gw.store)
+    request = (
+        request_line + b"\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-line\r\n\r\n{}"
+    )
+    await refused_by_the_parser(gw.url, request)
+    assert upstream.received == []
+    assert await table_counts(gw.store) == before
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        http_exceptions.InvalidHeader(b"X-Key: " + LEAK),
+        http_exceptions.LineTooLong(LEAK * 20, 8190),
+        http_exceptions.BadStatusLine(LEAK.decode()),
+        http_exceptions.BadHttpMethod(LEAK.decode()),
+        http_exceptions.InvalidURLError(LEAK.decode()),
+        http_exceptions.TransferEncodingError(LEAK.decode()),
+        http_exceptions.BadHttpMessage("Invalid header value char:\n\n  " + repr(LEAK)),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_a_parse_errors_detail_quotes_none_of_the_request(
+    error: http_exceptions.HttpProcessingError,
+) -> None:
+    """aiohttp's messages quote the offending bytes; the problem's detail does not."""
+    rejection = parse_error_rejection(400, error)
+    assert rejection.reason == "invalid_request" and rejection.status == 400
+    assert rejection.detail.startswith("malformed HTTP request: ")
+    assert LEAK.decode() not in rejection.detail
+
+
+def test_a_parse_errors_detail_is_short_printable_ascii() -> None:
+    error = http_exceptions.BadHttpMessage("Odd \x01\x1b[31m\u00e9 " + "x" * 500)
+    rejection = parse_error_rejection(431, error)
+    assert rejection.status == 431
+    assert rejection.detail.isascii() and rejection.detail.isprintable()
+    assert len(rejection.detail) <= 200
 
 
 # --- overload -------------------------------------------------------------------------------
@@ -461,24 +596,34 @@ async def test_the_admin_api_is_not_on_the_main_listener_and_needs_its_token(
 ) -> None:
     async with gw.session.get(f"{gw.url}/admin/rejections") as resp:
         assert resp.status == 404
-    admin = create_admin_app(gw.store, gw.app[METRICS], token=ADMIN_TOKEN)
-    runner = web.AppRunner(admin, **SERVER_LIMITS)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
+    async with admin_listener(gw) as admin:
         for headers in ({}, {"Authorization": f"Bearer {WORKER_TOKEN}"}):
-            async with gw.session.get(
-                f"http://{host}:{port}/admin/rejections", headers=headers
-            ) as resp:
+            async with gw.session.get(f"{admin}/admin/rejections", headers=headers) as resp:
                 assert resp.status == 401
         async with gw.session.get(
-            f"http://{host}:{port}/admin/rejections",
-            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            f"{admin}/admin/rejections", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
         ) as resp:
             assert resp.status == 200
-    finally:
-        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /admin/rejections HTTP/1.1", b"GET /admin/rejections HTXP/1.1"],
+    ids=["control-in-token", "bad-version"],
+)
+async def test_a_parse_error_on_the_admin_listener_is_an_invalid_request_problem(
+    gw: Gateway, request_line: bytes
+) -> None:
+    """The admin listener is served by the same runner: a control character in its
+    token, or a malformed request line, gets the same answer as on the main one."""
+    request = (
+        request_line + b"\r\nHost: admin\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\x01" + LEAK + b"\r\n\r\n"
+    )
+    async with admin_listener(gw) as admin:
+        await refused_by_the_parser(admin, request)
+    assert await gw.store.list_rejections(RejectionQuery()) == []
+    assert sum((await table_counts(gw.store)).values()) == 0
 
 
 async def test_in_monotonic_mode_any_authorised_worker_can_raise_any_jobs_mark(

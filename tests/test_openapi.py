@@ -32,6 +32,7 @@ from schemathesis.checks import positive_data_acceptance
 from gateway.admin import create_admin_app
 from gateway.appkeys import METRICS
 from gateway.openapi import build_document
+from gateway.server import GatewayRunner
 
 from .harness import (
     destination,
@@ -65,7 +66,7 @@ async def _servers(tmp_path: Path) -> AsyncIterator[Live]:
             await gateway.write("/to/pay/x", job="job-1", generation=1, key="k-1")
             await gateway.write("/to/pay/x", job="job-1", generation=9, key="k-2")
             admin = create_admin_app(gateway.store, gateway.app[METRICS], token=ADMIN_TOKEN)
-            runner = web.AppRunner(admin)
+            runner = GatewayRunner(admin)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             host, port = runner.addresses[0][:2]

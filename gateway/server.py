@@ -1,0 +1,116 @@
+"""The aiohttp runner every listener of the gateway is served with.
+
+aiohttp's HTTP parser refuses some requests before any application code runs (a
+control character in a header, a malformed request line, a line over the
+limits) and answers them itself, in plain text. SPEC 2 wants every error answer
+the gateway makes to be problem+json with `Sinkgate-Rejected`, and aiohttp has
+no public hook for those answers (aio-libs/aiohttp#3287). So this module, and
+only this one, reaches into aiohttp's server: `GatewayRunner` builds a `Server`
+whose connections use `_ProblemRequestHandler`, whose `handle_error` turns a
+parse error into an `invalid_request` problem. What it relies on: aiohttp
+answers a parse error through `RequestHandler.handle_error(request, 400,
+<HttpProcessingError>)`, `Server.__call__` is the connection factory (built
+from the server's `_loop` and `_kwargs`), and `AppRunner._make_server` makes
+the `Server`. pyproject.toml bounds aiohttp to the versions this is checked
+against; tests/test_hardening.py checks the answers on both listeners.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+    PayloadEncodingError,
+)
+
+from .errors import Rejection
+from .problem import invalid_request, problem_response
+
+# Parser errors whose message quotes the request's own bytes: named by class
+# instead, so no answer echoes what the client sent. Subclasses come first.
+_ERROR_NAMES: tuple[tuple[type[HttpProcessingError], str], ...] = (
+    (LineTooLong, "line too long"),
+    (InvalidHeader, "invalid header"),
+    (BadHttpMethod, "invalid method"),
+    (BadStatusLine, "invalid request line"),
+    (InvalidURLError, "invalid request target"),
+    (PayloadEncodingError, "invalid body framing"),
+)
+
+_DETAIL_LIMIT = 200
+
+
+def parse_error_rejection(status: int, exc: HttpProcessingError) -> Rejection:
+    """The `invalid_request` answer for a request aiohttp's parser refused with
+    `status`; the detail names what was wrong without quoting the request."""
+    detail = f"malformed HTTP request: {_error_name(exc)}"
+    return invalid_request(_printable(detail)[:_DETAIL_LIMIT], status=status)
+
+
+def _error_name(exc: HttpProcessingError) -> str:
+    """Other parser errors carry a fixed description on their first line (the C
+    parser's is llhttp's own reason, with the quoted bytes below it); at most a
+    header name from aiohttp's list of singletons, lower-cased here."""
+    for error_class, name in _ERROR_NAMES:
+        if isinstance(exc, error_class):
+            return name
+    first_line = exc.message.split("\n", 1)[0].rstrip(":").strip()
+    return first_line.lower() or "unreadable"
+
+
+def _printable(text: str) -> str:
+    return "".join(c for c in text if " " <= c <= "~")
+
+
+class _ProblemRequestHandler(web.RequestHandler):
+    """aiohttp's connection protocol, answering parse errors as problem+json."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp calls this with the parser's exception and a 4xx for a request
+        it could not parse, and with 500/504 for a handler that failed. Its own
+        answer is built first for its logging and its already-sent check; a parse
+        error's is then replaced, closing the connection as aiohttp's does."""
+        answer = super().handle_error(request, status, exc, message)
+        if status >= 500 or not isinstance(exc, HttpProcessingError):
+            return answer
+        problem = problem_response(parse_error_rejection(answer.status, exc))
+        problem.force_close()
+        return problem
+
+
+class _ProblemServer(web.Server):
+    """aiohttp's `Server`, making `_ProblemRequestHandler` connections; the same
+    construction as `Server.__call__`."""
+
+    def __call__(self) -> web.RequestHandler:
+        return _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """`web.AppRunner` whose listener answers aiohttp's own parse errors as
+    problem+json. Takes the same options."""
+
+    async def _make_server(self) -> web.Server:
+        """aiohttp's own `Server` first (it starts and freezes the app and folds in
+        the runner's options), then ours from the same arguments."""
+        made = await super()._make_server()
+        return _ProblemServer(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            loop=made._loop,
+            **made._kwargs,
+        )
