@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from leases.errors import LeaseError
+
 from .config import Config, format_duration, format_size, load_config, redact_url
 from .errors import ConfigError, GatewayError
 from .logs import LEVELS, configure_logging
@@ -133,9 +135,13 @@ def _serve(args: argparse.Namespace) -> int:
         # The app stops gracefully on SIGINT itself; this is an interrupt
         # before its handlers were in place, which SPEC 6 also answers with 0.
         return 0
+    except LeaseError as exc:
+        # The store could not be opened (unreachable, refused, unusable file).
+        _error(f"store {redact_url(config.store_url)}: {exc}")
+        return 1
     except (GatewayError, OSError) as exc:
-        # Start-up failures (address in use, store unreachable, a refusal by
-        # the app): one line, not a traceback.
+        # Other start-up failures (address in use, a refusal by the app): one
+        # line, not a traceback.
         _error(str(exc))
         return 1
     return 0

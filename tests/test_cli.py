@@ -193,6 +193,20 @@ def test_serve_with_a_bad_config_exits_1_before_starting(
     assert capsys.readouterr().err.startswith("sinkgate: gateway.toml: server.listen: expected")
 
 
+def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -> None:
+    """A store that cannot be opened at start-up is a one-line error, not a traceback."""
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text(
+        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+        '[store]\nurl = "postgresql://postgres@127.0.0.1:1/nothing-listens-here"\n'
+    )
+    result = sinkgate("serve", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sinkgate: ") and "127.0.0.1:1" in last, result.stderr
+
+
 def test_serve_runs_the_app_with_the_loaded_config(
     monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:
