@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from leases.errors import StoreUnavailable
 from leases.model import MAX_GENERATION
@@ -309,7 +309,7 @@ class WriteGateway:
         context: WriteContext | None,
     ) -> None:
         """Log a rejection of steps 3 and 5 before its answer leaves."""
-        job_id = request.headers.get("Fencing-Job")
+        job_id = field_value(request.headers, "Fencing-Job")
         record = RejectionRecord(
             reason=rejection.reason,
             detail=rejection.detail,
@@ -331,10 +331,10 @@ def _fencing_headers(
     request: web.Request, destination: DestinationConfig
 ) -> tuple[str, int, str | None, str | None]:
     headers = request.headers
-    job_id = headers.get("Fencing-Job", "")
-    token = headers.get("Fencing-Token", "")
-    owner = headers.get("Fencing-Owner", "") or None
-    key = headers.get("Idempotency-Key", "")
+    job_id = field_value(headers, "Fencing-Job")
+    token = field_value(headers, "Fencing-Token")
+    owner = field_value(headers, "Fencing-Owner") or None
+    key = field_value(headers, "Idempotency-Key")
     members: dict[str, Any] = {"destination": destination.name}
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
@@ -376,6 +376,17 @@ def _fencing_headers(
             **members,
         )
     return job_id, generation, owner, key
+
+
+def field_value(headers: CIMultiDictProxy[str], name: str) -> str:
+    """The header's field value; "" if absent. Repeated lines are one value joined
+    with ", " (RFC 9110 5.3), which no fencing header or key may contain: a
+    request that repeats one is refused, never checked on its first copy while
+    the upstream receives every copy."""
+    values = headers.getall(name, ())
+    if len(values) == 1:
+        return values[0]
+    return ", ".join(values)
 
 
 def _ident(value: str) -> bool:

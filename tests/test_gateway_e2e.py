@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from multidict import CIMultiDict
 
 from gateway import decision as decision_module
 from gateway.decision import Fencing
@@ -174,6 +175,38 @@ async def test_fencing_headers_missing_or_malformed_are_400_and_recorded(
     assert upstream.received == []
     (logged,) = await gw.store.list_rejections(RejectionQuery())
     assert logged.id == doc["rejection_id"] and logged.record.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("name", "second", "reason"),
+    [
+        ("Fencing-Token", "99", "invalid_fencing_token"),
+        ("Fencing-Job", "job-2", "invalid_fencing_token"),
+        ("Fencing-Owner", "worker-b", "invalid_fencing_token"),
+        ("Idempotency-Key", "key-2", "invalid_idempotency_key"),
+    ],
+)
+async def test_a_repeated_fencing_header_or_key_is_400_and_nothing_is_forwarded(
+    gw: Gateway, upstream: RecordingUpstream, name: str, second: str, reason: str
+) -> None:
+    """Two lines of one header are one value joined by ", " (RFC 9110 5.3). Checking
+    only the first line while the upstream received both would let the upstream
+    fence or deduplicate on a value the gateway never checked."""
+    await gw.claim("job-1")
+    await gw.claim("job-2")
+    headers = CIMultiDict(
+        [
+            ("Fencing-Job", "job-1"),
+            ("Fencing-Token", "1"),
+            ("Fencing-Owner", "worker-a"),
+            ("Idempotency-Key", "key-1"),
+            (name, second),
+        ]
+    )
+    async with gw.session.post(f"{gw.url}/to/pay/x", data=b"{}", headers=headers) as resp:
+        result = resp.status, dict(resp.headers), await resp.read()
+    assert_rejected(result, 400, reason)
+    assert upstream.received == []
 
 
 async def test_largest_generation_is_a_valid_token(gw: Gateway) -> None:
