@@ -35,7 +35,7 @@ from leases.model import LOST_REASONS, MAX_GENERATION, expires_in
 from .decision import KeyRecord
 from .errors import STATUS_BY_REASON, Rejection, StoreUnavailable
 from .metrics import Metrics
-from .problem import invalid_request, problem_response
+from .problem import invalid_request, problem_response, router_refusal
 from .store import JobState, RejectionQuery, Store, StoredRejection
 
 if TYPE_CHECKING:
@@ -228,14 +228,11 @@ def _errors_middleware(metrics: Metrics) -> Any:
             metrics.store_errors.labels(op="admin").inc()
             log.warning("admin_store_unavailable", path=request.path, error=str(exc))
             return problem_response(Rejection("store_unavailable", str(exc)))
-        except web.HTTPNotFound:
-            return problem_response(Rejection("not_found", f"no route {request.path}"))
-        except web.HTTPMethodNotAllowed as exc:
-            response = problem_response(
-                Rejection("method_not_allowed", f"{request.method} is not allowed here")
-            )
-            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
-            return response
+        except web.HTTPException as exc:
+            refusal = router_refusal(request, exc)
+            if refusal is None:
+                raise
+            return refusal
 
     return errors
 

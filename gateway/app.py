@@ -22,7 +22,7 @@ from .handlers import WriteGateway, parse_target
 from .lease_api import add_lease_routes
 from .metrics import Metrics
 from .openapi import add_openapi_route
-from .problem import problem_response
+from .problem import problem_response, router_refusal
 from .server import GatewayRunner
 from .store import Clock, Store, open_store
 from .upstream import Upstreams
@@ -55,8 +55,11 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
         return await request.app[WRITES].handle(request, target)
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        refusal = router_refusal(request, exc)
+        if refusal is None:
+            raise
+        return refusal
     except Rejection as rejection:
         return problem_response(rejection)
     except Exception:

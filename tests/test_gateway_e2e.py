@@ -209,6 +209,27 @@ async def test_a_repeated_fencing_header_or_key_is_400_and_nothing_is_forwarded(
     assert upstream.received == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status", "reason", "allow"),
+    [
+        ("PUT", "/leases/job-1", 405, "method_not_allowed", "GET, HEAD"),
+        ("GET", "/leases/job-1/", 404, "not_found", None),
+        ("POST", "/leases/job-1/claim/", 404, "not_found", None),
+        ("GET", "/leases", 404, "not_found", None),
+        ("GET", "/nothing-here", 404, "not_found", None),
+    ],
+)
+async def test_routes_the_main_listener_does_not_have_are_problems_too(
+    gw: Gateway, method: str, path: str, status: int, reason: str, allow: str | None
+) -> None:
+    """SPEC 2: every error the gateway makes itself is problem+json, also the
+    router's own 404 and 405 around the lease API."""
+    async with gw.session.request(method, f"{gw.url}{path}", json={"owner": "w"}) as resp:
+        result = resp.status, dict(resp.headers), await resp.read()
+    assert_rejected(result, status, reason)
+    assert result[1].get("Allow") == allow
+
+
 async def test_largest_generation_is_a_valid_token(gw: Gateway) -> None:
     assert_rejected(await gw.write("/to/pay/x", generation=str(2**63 - 1)), 409, "lease_not_held")
 
