@@ -36,6 +36,7 @@ log = structlog.get_logger("gateway.write")
 
 _VISIBLE = re.compile(r"[\x21-\x7e]+")
 _TOKEN = re.compile(r"[1-9][0-9]{0,18}")
+_ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +46,22 @@ class Target:
     query: str
 
 
+def origin_form(raw_target: str) -> str:
+    """The request target in origin-form. An absolute-form target (RFC 9112
+    3.2.2, `POST http://host/to/...`) loses its scheme and authority, and the
+    rest stays raw: the destination's upstream is used whatever host it names."""
+    if raw_target.startswith("/"):
+        return raw_target
+    match = _ABSOLUTE_FORM.match(raw_target)
+    if match is None:
+        return raw_target
+    rest = raw_target[match.end() :]
+    return rest if rest.startswith("/") else "/" + rest
+
+
 def parse_target(raw_path: str) -> Target | None:
     """Split a raw `/to/{destination}{path}?{query}`; None if not a write route."""
-    target, _, query = raw_path.partition("?")
+    target, _, query = origin_form(raw_path).partition("?")
     if target != "/to" and not target.startswith("/to/"):
         return None
     rest = target[4:]

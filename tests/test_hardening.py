@@ -28,6 +28,7 @@ from gateway.admin import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
 from gateway.appkeys import METRICS
 from gateway.decision import Fencing
+from gateway.handlers import origin_form
 from gateway.server import GatewayRunner, parse_error_rejection
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import RejectionQuery
@@ -581,14 +582,44 @@ async def test_no_request_can_point_the_gateway_at_another_host(
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-host\r\n\r\n{}"
     )
     response = await raw_request(gw, request)
-    status = status_of(response)
-    assert status < 500
-    if status == 201:
-        (seen,) = upstream.received
-        assert seen.raw_path == "/api/x"
-        assert seen.headers["Host"] == URL(upstream.url).raw_authority
-    else:
-        assert upstream.received == []
+    assert status_of(response) == 201, response[:300]
+    (seen,) = upstream.received
+    assert seen.raw_path == "/api/x"
+    assert seen.headers["Host"] == URL(upstream.url).raw_authority
+
+
+async def test_an_absolute_form_target_keeps_its_raw_path_and_its_checks(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """The path checks see the absolute-form target's path as sent: percent-encoding
+    and query kept on the way through, `..` above the base still refused."""
+    await gw.claim("job-1")
+    head = (
+        b"\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: "
+    )
+    sent = b"POST https://evil.invalid:8443/to/pay/a%2Fb?q=1 HTTP/1.1" + head + b"k-abs\r\n\r\n{}"
+    assert status_of(await raw_request(gw, sent)) == 201
+    (seen,) = upstream.received
+    assert seen.raw_path == "/api/a%2Fb?q=1"
+    climbing = b"POST http://evil.invalid/to/pay/../../x HTTP/1.1" + head + b"k-up\r\n\r\n{}"
+    assert_problem(await raw_request(gw, climbing), 400, "invalid_path")
+    assert len(upstream.received) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "origin"),
+    [
+        ("/to/pay/x?q=1", "/to/pay/x?q=1"),
+        ("http://h/to/pay/x?q=1", "/to/pay/x?q=1"),
+        ("HTTPS://user@h:1/to/pay/%2e%2e", "/to/pay/%2e%2e"),
+        ("http://h", "/"),
+        ("http://h?q", "/?q"),
+        ("*", "*"),
+    ],
+)
+def test_origin_form_drops_only_scheme_and_authority(raw: str, origin: str) -> None:
+    assert origin_form(raw) == origin
 
 
 async def test_the_admin_api_is_not_on_the_main_listener_and_needs_its_token(
