@@ -499,7 +499,8 @@ def load_destination(
     if fencing not in {f.value for f in Fencing}:
         raise t.error("fencing", f'expected "lease" or "monotonic", got {show(fencing)}')
     timeout = t.duration("timeout", 10.0)
-    connect_timeout = t.duration("connect_timeout", 2.0)
+    # The 2 s default never exceeds a shorter timeout; only an explicit value can.
+    connect_timeout = t.duration("connect_timeout", min(2.0, timeout))
     if connect_timeout > timeout:
         raise t.error("connect_timeout", f"must not exceed timeout ({format_duration(timeout)})")
     return DestinationConfig(

@@ -448,6 +448,16 @@ def test_gateway_file_errors_name_file_and_key(tmp_path: Path, gateway: str, mes
     assert config_error(write_config(tmp_path, gateway)).startswith(message)
 
 
+@pytest.mark.parametrize(("timeout", "expected"), [("1s", 1.0), ("1500ms", 1.5), ("10s", 2.0)])
+def test_the_connect_timeout_default_never_exceeds_a_shorter_timeout(
+    tmp_path: Path, timeout: str, expected: float
+) -> None:
+    """Only an explicit connect_timeout above timeout is an error: a destination
+    that sets a short timeout alone must load."""
+    path = write_config(tmp_path, pay=UPSTREAM + f'timeout = "{timeout}"\n')
+    assert load_config(path, environ={}).destinations["pay"].connect_timeout == expected
+
+
 @pytest.mark.parametrize(
     ("destination", "message"),
     [
