@@ -18,6 +18,7 @@ from .config import HOP_BY_HOP, DestinationConfig
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 _NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 FENCING_HEADERS = ("Fencing-Job", "Fencing-Token", "Fencing-Owner")
+_FENCING_LOWER = frozenset(h.lower() for h in FENCING_HEADERS)
 
 
 class SendFailure(StrEnum):
@@ -58,10 +59,12 @@ def forward_headers(
     """End-to-end headers of the worker's request, cleaned and completed."""
     drop = _NOT_FORWARDED | _connection_tokens(incoming)
     if not destination.forward_fencing_headers:
-        drop = drop | {h.lower() for h in FENCING_HEADERS}
+        drop = drop | _FENCING_LOWER
     out: CIMultiDict[str] = CIMultiDict(
-        (name, value) for name, value in incoming.items() if name.lower() not in drop
-    )
+        (name, value)
+        for name, value in incoming.items()
+        if name.lower() not in drop and (value or name.lower() not in _FENCING_LOWER)
+    )  # an empty fencing header counts as missing (SPEC 2): not passed on either
     for name, value in destination.upstream_headers:
         out[name] = value  # replaces any the worker sent under the same name
     return out
@@ -86,7 +89,9 @@ class Upstreams:
             name: aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=dest.max_in_flight, ttl_dns_cache=60),
                 auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Content-Type"),
+                # Forward what the worker sent, not the client library's defaults
+                # (an Accept-Encoding it never sent would get it a gzip answer).
+                skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 timeout=aiohttp.ClientTimeout(
                     total=dest.timeout, sock_connect=dest.connect_timeout

@@ -607,6 +607,25 @@ async def test_an_absolute_form_target_keeps_its_raw_path_and_its_checks(
     assert len(upstream.received) == 1
 
 
+async def test_the_upstream_gets_the_workers_headers_not_client_defaults(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """No Accept or Accept-Encoding the worker did not send (an Accept-Encoding would
+    get it a compressed answer it never asked for, stored for replay as such), and
+    an empty fencing header, which counts as missing, is not passed on."""
+    await gw.claim("job-1")
+    request = (
+        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nFencing-Owner: \r\n"
+        b"Idempotency-Key: k-defaults\r\nX-Worker: w1\r\n\r\n{}"
+    )
+    assert status_of(await raw_request(gw, request)) == 201
+    (seen,) = upstream.received
+    names = {name.lower() for name in seen.headers}
+    assert {"accept", "accept-encoding", "fencing-owner"}.isdisjoint(names), seen.headers
+    assert (seen.headers["Fencing-Job"], seen.headers["X-Worker"]) == ("job-1", "w1")
+
+
 @pytest.mark.parametrize(
     ("raw", "origin"),
     [
