@@ -48,6 +48,9 @@ TITLE_BY_REASON: dict[str, str] = {
     reason: reason.replace("_", " ").capitalize() for reason in STATUS_BY_REASON
 }
 
+# The challenge a 401 carries (RFC 9110 11.6.1): worker and lease API tokens.
+WORKER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sinkgate"'}
+
 # A URN: stable and ours, and never mistaken for a page someone should fetch.
 PROBLEM_TYPE_BASE = "urn:sinkgate:problem:"
 
@@ -70,6 +73,7 @@ class Rejection(GatewayError):
         *,
         status: int | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
         **members: Any,
     ) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -77,6 +81,7 @@ class Rejection(GatewayError):
         self.detail = detail
         self.status = status if status is not None else STATUS_BY_REASON[reason]
         self.retry_after = retry_after
+        self.headers = headers or {}  # ones HTTP requires with the status (Allow, ...)
         self.members = {k: v for k, v in members.items() if v is not None}
 
     def problem(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .auth import bearer_matches
 from .bodies import read_body
 from .config import Config, DestinationConfig
 from .decision import Forward, Reject, Replay, WriteFacts, fingerprint
-from .errors import Rejection
+from .errors import WORKER_CHALLENGE, Rejection
 from .metrics import Metrics
 from .problem import problem_response
 from .store import Outcome, RejectionRecord, Store, WriteContext
@@ -146,6 +146,7 @@ class WriteGateway:
             raise Rejection(
                 "method_not_allowed",
                 f"{request.method} is not allowed for {destination.name}",
+                headers={"Allow": ", ".join(sorted(destination.methods))},
                 destination=destination.name,
             )
         if path_escapes(target.path):
@@ -163,7 +164,10 @@ class WriteGateway:
         if bearer_matches(request.headers.get("Authorization", ""), tokens):
             return
         rejection = Rejection(
-            "unauthorized", "missing or wrong worker token", destination=destination.name
+            "unauthorized",
+            "missing or wrong worker token",
+            headers=WORKER_CHALLENGE,
+            destination=destination.name,
         )
         await self._record(request, rejection, destination.name, None)
         raise rejection

@@ -25,7 +25,7 @@ from leases.model import Lease
 from .appkeys import METRICS, STORE
 from .auth import bearer_matches
 from .bodies import read_body
-from .errors import Rejection
+from .errors import WORKER_CHALLENGE, Rejection
 from .problem import invalid_request, problem_response
 from .store import Store
 
@@ -86,7 +86,9 @@ def lease_json(lease: Lease, now: float) -> dict[str, Any]:
 def _authorize(request: web.Request) -> None:
     tokens = request.app.get(LEASE_TOKENS)
     if tokens and not bearer_matches(request.headers.get("Authorization", ""), tokens):
-        raise Rejection("unauthorized", "missing or wrong lease API token")
+        raise Rejection(
+            "unauthorized", "missing or wrong lease API token", headers=WORKER_CHALLENGE
+        )
 
 
 async def _get(request: web.Request) -> web.StreamResponse:

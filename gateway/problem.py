@@ -14,7 +14,7 @@ PROBLEM_JSON = "application/problem+json"
 
 def problem_response(rejection: Rejection) -> web.Response:
     """The answer for `rejection`, with `Sinkgate-Rejected` and `Retry-After` headers."""
-    headers = {"Sinkgate-Rejected": rejection.reason}
+    headers = {**rejection.headers, "Sinkgate-Rejected": rejection.reason}
     if rejection.retry_after is not None:
         headers["Retry-After"] = str(rejection.retry_after)
     return web.Response(

@@ -94,9 +94,9 @@ async def test_unknown_destination_is_404(gw: Gateway, upstream: RecordingUpstre
 
 async def test_method_outside_the_destinations_methods_is_405(gw: Gateway) -> None:
     await gw.claim("job-1")
-    assert_rejected(
-        await gw.write("/to/small/x", method="DELETE", body=b""), 405, "method_not_allowed"
-    )
+    refused = await gw.write("/to/small/x", method="DELETE", body=b"")
+    assert_rejected(refused, 405, "method_not_allowed")
+    assert refused[1]["Allow"] == "POST, PUT"  # RFC 9110 15.5.6: a 405 lists what is allowed
 
 
 async def test_worker_token_missing_or_wrong_is_401_and_recorded(
