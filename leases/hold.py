@@ -7,13 +7,20 @@ worker's own monotonic deadline, started *before* the claim request was sent,
 passing without a successful renewal. Either way the body is cancelled and
 `LeaseLost` leaves the `async with` - before the store could hand the job to
 anybody else, since the store's lease always ends after the local deadline.
+
+A cancellation from outside (the worker shutting down) is not a lost lease: the
+lease is released at once, so the job does not stay blocked for up to a ttl, and
+the `CancelledError` goes on. The store calls of an exit run in a task of their
+own, so a cancellation cannot cut one off halfway; once one has arrived they get
+`cancel_timeout` seconds, so a dead store cannot hang a shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -27,6 +34,9 @@ from .store import LeaseStore
 log = structlog.get_logger("leases.hold")
 
 OnExit = Literal["complete", "release", "keep"]
+
+# Exit tasks given up on after `cancel_timeout`, kept referenced until they end.
+_abandoned: set[asyncio.Task[None]] = set()
 
 
 class Hold:
@@ -83,6 +93,7 @@ async def hold(
     on_exit: OnExit = "complete",
     renew_fraction: float = 1 / 3,
     safety_margin: float = 0.05,
+    cancel_timeout: float = 2.0,
     monotonic: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[HeldLease]:
     """Claim `job_id`, yield the `Lease` (a `HeldLease`), renew it in the background.
@@ -91,6 +102,12 @@ async def hold(
     marks the job done), "release" (frees it for another claim) or "keep" (leave
     it to expire). An exception from the body releases the lease, so another
     worker can take over at once; `LeaseLost` from the body is re-raised.
+
+    Cancelling the body's task from outside (e.g. a worker shutting down) releases
+    the lease too, then re-raises the `CancelledError`. A cancellation that arrives
+    while the exit's store call is in flight lets that call finish. Either way the
+    store call gets at most `cancel_timeout` seconds after the cancellation, and
+    its failure is logged (`lease_exit_failed`) instead of raised.
 
     `safety_margin` (fraction of the ttl) makes the local deadline fire a little
     before the lease can possibly end in the store, which absorbs a worker clock
@@ -104,6 +121,12 @@ async def hold(
         raise ValueError("renew_fraction must be between 0 and 1")
     if not 0 <= safety_margin < renew_fraction:
         raise ValueError("safety_margin must be between 0 and renew_fraction")
+    if (
+        isinstance(cancel_timeout, bool)
+        or not isinstance(cancel_timeout, int | float)
+        or not (math.isfinite(cancel_timeout) and cancel_timeout > 0)
+    ):
+        raise ValueError("cancel_timeout must be a positive number of seconds")
     owner = default_owner() if owner is None else owner
     started = monotonic()
     lease = await store.claim(job_id, owner=owner, ttl=ttl)
@@ -146,21 +169,24 @@ async def hold(
     try:
         yield _held(lease, state)
     except asyncio.CancelledError:
-        if cancelled_by_us and body.uncancel() == 0:
-            assert state.lost is not None
-            raise state.lost from None
+        if cancelled_by_us:
+            if body.uncancel() == 0:
+                assert state.lost is not None
+                raise state.lost from None
+            raise  # cancelled from outside as well, but the lease is gone: nothing to give
+        # Cancelled from outside: give the lease back now rather than at its expiry.
+        work = _release(store, state, renewer)
+        await _settle(renewer, work, state, "release", cancel_timeout, cancelled=True)
         raise
     except LeaseLost:
         raise
     except BaseException:
-        await _stop(renewer)
-        await _finish(store, state, "release")
+        work = _wind_up(store, state, renewer, "release")
+        await _settle(renewer, work, state, "release", cancel_timeout, cancelled=False)
         raise
     else:
-        await _stop(renewer)
-        if state.lost is not None:
-            raise state.lost
-        await _finish(store, state, on_exit)
+        work = _wind_up(store, state, renewer, on_exit, raise_lost=True)
+        await _settle(renewer, work, state, on_exit, cancel_timeout, cancelled=False)
     finally:
         await _stop(renewer)
 
@@ -169,6 +195,100 @@ async def _stop(task: asyncio.Task[None]) -> None:
     if not task.done():
         task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def _release(store: LeaseStore, state: Hold, renewer: asyncio.Task[None]) -> None:
+    """After an outside cancellation: stop renewing, then release unless lost.
+
+    The renewal in flight is cancelled and awaited first, so the release is never
+    overtaken by it; a renewal the store applied but never answered leaves an older
+    `state.lease` of the same generation, which releases just as well.
+    """
+    await _stop(renewer)
+    if state.lost is None:
+        state.lease = await store.release(state.lease)
+
+
+async def _wind_up(
+    store: LeaseStore,
+    state: Hold,
+    renewer: asyncio.Task[None],
+    on_exit: OnExit,
+    *,
+    raise_lost: bool = False,
+) -> None:
+    """Stop renewing, then apply `on_exit` (or raise `LeaseLost`, if asked, when lost)."""
+    await _stop(renewer)
+    if raise_lost and state.lost is not None:
+        raise state.lost
+    await _finish(store, state, on_exit)
+
+
+async def _settle(
+    renewer: asyncio.Task[None],
+    work: Coroutine[object, object, None],
+    state: Hold,
+    action: OnExit,
+    limit: float,
+    *,
+    cancelled: bool,
+) -> None:
+    """Run an exit's store calls (`work`) in a task of their own, out of reach of a
+    cancellation of the body's task.
+
+    Until a cancellation has arrived (`cancelled`, or one meanwhile) `work` takes as
+    long as it takes and its outcome, an error included, is the caller's. From then
+    on it gets `limit` seconds and then is given up on; further
+    cancellations are absorbed, a failure is logged and not raised, and the
+    cancellation is the outcome: raised here if it arrived here, else left to the
+    caller, who is handling it.
+    """
+    # Synchronously, before anything can yield: a watchdog still running could
+    # otherwise cancel the body's task once more and pass as an outside cancellation.
+    renewer.cancel()
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(work, name=f"lease-exit:{state.job_id}")
+    deadline = loop.time() + limit if cancelled else None
+    arrived: asyncio.CancelledError | None = None
+    while not task.done():
+        remaining = None if deadline is None else deadline - loop.time()
+        if remaining is not None and remaining <= 0:
+            break
+        try:
+            await asyncio.wait((task,), timeout=remaining)
+        except asyncio.CancelledError as exc:
+            if not cancelled and arrived is None:
+                arrived = exc
+                deadline = loop.time() + limit
+    if not cancelled and arrived is None:
+        task.result()  # no cancellation: the exit's outcome, as if run inline
+        return
+    reason: str | None = None
+    if not task.done():
+        task.cancel()
+        _abandoned.add(task)
+        task.add_done_callback(_forget)
+        reason = "timeout"
+    elif not task.cancelled() and (error := task.exception()) is not None:
+        reason = getattr(error, "reason", type(error).__name__)
+    if reason is not None:
+        lease = state.lease
+        log.warning(
+            "lease_exit_failed",
+            job_id=lease.job_id,
+            generation=lease.generation,
+            owner=lease.owner,
+            action=action,
+            reason=reason,
+        )
+    if arrived is not None:
+        raise arrived
+
+
+def _forget(task: asyncio.Task[None]) -> None:
+    _abandoned.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: an abandoned exit's late failure is not news
 
 
 async def _finish(store: LeaseStore, state: Hold, on_exit: OnExit) -> None:

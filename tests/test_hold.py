@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from leases import Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
 from leases.sqlite import SQLiteLeaseStore
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, LeaseBackend
 
 TTL = 0.3
 INTERVAL = TTL / 3  # hold's default renew_fraction
@@ -186,6 +186,8 @@ async def test_bad_arguments_raise_value_error_before_claiming(store: SpyStore) 
         {"renew_fraction": 1.0},
         {"renew_fraction": 0.0},
         {"safety_margin": 0.5},
+        {"cancel_timeout": 0},
+        {"cancel_timeout": float("inf")},
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
@@ -362,3 +364,304 @@ async def test_without_hold_a_paused_worker_writes_a_stale_effect(
             await worker_a_body(a, effects_on, guarded=True)
     assert info.value.reason == "stale_generation"
     assert effects_on == [("worker-b", 2)]
+
+
+# --- cancelled from outside -------------------------------------------------------------------
+
+
+class GatedStore(SpyStore):
+    """A SpyStore that records its lease calls in order, can hold an applied
+    renewal's answer, can hold, hang or fail complete/release, and can run a hook
+    the moment a renewal is refused."""
+
+    def __init__(self, inner: SQLiteLeaseStore) -> None:
+        super().__init__(inner)
+        self.calls: list[str] = []
+        self.hold_renewal_answers: asyncio.Event | None = None  # answered once set
+        self.renewal_applied = asyncio.Event()
+        self.on_refused: Callable[[], object] | None = None
+        self.exit_gate: asyncio.Event | None = None  # complete/release wait for it
+        self.exit_started = asyncio.Event()
+        self.fail_exits: Exception | None = None
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        try:
+            renewed = await super().renew(lease, ttl=ttl)
+        except LeaseLost:
+            if self.on_refused is not None:
+                self.on_refused()
+            raise
+        if self.hold_renewal_answers is not None:
+            self.calls.append("renew applied")
+            self.renewal_applied.set()
+            try:
+                await self.hold_renewal_answers.wait()
+            except asyncio.CancelledError:
+                self.calls.append("renew cancelled")
+                raise
+        return renewed
+
+    async def complete(self, lease: Lease) -> Lease:
+        return await self._exit("complete", lease)
+
+    async def release(self, lease: Lease) -> Lease:
+        return await self._exit("release", lease)
+
+    async def _exit(self, op: str, lease: Lease) -> Lease:
+        self.calls.append(op)
+        self.exit_started.set()
+        if self.exit_gate is not None:
+            await self.exit_gate.wait()
+        if self.fail_exits is not None:
+            raise self.fail_exits
+        result: Lease = await getattr(self.inner, op)(lease)
+        return result
+
+
+@pytest.fixture
+async def gated(tmp_path: Path, fake_clock: FakeClock) -> AsyncIterator[GatedStore]:
+    inner = await SQLiteLeaseStore.open(tmp_path / "leases.db", clock=fake_clock)
+    try:
+        yield GatedStore(inner)
+    finally:
+        await inner.close()
+
+
+async def holding_task(
+    store: Any, *, body_returns: bool = False, **kwargs: Any
+) -> tuple[asyncio.Task[None], list[BaseException]]:
+    """Start a worker task holding job-1 as worker-a; return once its body runs,
+    with the list that what leaves its `async with` is recorded in. The body waits
+    (for a cancellation) unless `body_returns`."""
+    entered = asyncio.Event()
+    caught: list[BaseException] = []
+
+    async def worker() -> None:
+        try:
+            async with hold(store, "job-1", owner="worker-a", **{"ttl": TTL, **kwargs}):
+                entered.set()
+                if not body_returns:
+                    await asyncio.sleep(PATIENCE * 10)
+        except BaseException as exc:
+            caught.append(exc)
+            raise
+
+    task = asyncio.create_task(worker())
+    async with asyncio.timeout(PATIENCE):
+        await entered.wait()
+    return task, caught
+
+
+async def ends_cancelled(task: asyncio.Task[None], caught: list[BaseException]) -> None:
+    """The task ends, in bounded time, cancelled: CancelledError left the `async with`."""
+    async with asyncio.timeout(PATIENCE):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert task.cancelled()
+    assert len(caught) == 1 and type(caught[0]) is asyncio.CancelledError
+    assert renewal_tasks() == []
+
+
+async def test_outside_cancellation_releases_the_lease_at_once(
+    lease_backend: LeaseBackend, worker_clock: FakeClock
+) -> None:
+    """A worker shutting down cancels its task: the lease is released before the
+    CancelledError leaves the `async with`, so another owner claims the job right
+    away - no clock moved, no waiting for expiry - with the generation bumped."""
+    store = lease_backend.store
+    task, caught = await holding_task(store, monotonic=worker_clock)
+    task.cancel()
+    await ends_cancelled(task, caught)
+    released = await store.get("job-1")
+    assert (released.state, released.generation, released.owner) == ("free", 1, "worker-a")
+    taken = await store.claim("job-1", owner="worker-b", ttl=TTL)
+    assert (taken.generation, taken.owner) == (2, "worker-b")
+
+
+async def test_outside_cancellation_keeps_the_cancel_bookkeeping(
+    store: SpyStore, worker_clock: FakeClock
+) -> None:
+    """hold() neither swallows nor uncancels a cancellation it did not make: an
+    enclosing asyncio.timeout still sees its own, turns it into TimeoutError, and
+    leaves the task with no cancellation pending; the lease was released."""
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as scope:
+            async with hold(store, "job-1", owner="worker-a", ttl=TTL, monotonic=worker_clock):
+                scope.reschedule(asyncio.get_running_loop().time())
+                await asyncio.sleep(PATIENCE * 10)
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    assert (await store.get("job-1")).state == "free"
+    assert renewal_tasks() == []
+
+
+@pytest.mark.parametrize(
+    ("body_returns", "failure", "action", "reason"),
+    [
+        pytest.param(False, None, "release", "timeout", id="release-hangs"),
+        pytest.param(
+            False,
+            StoreUnavailable("unreachable"),
+            "release",
+            "store_unavailable",
+            id="release-fails",
+        ),
+        # cancelled while the on_exit complete is in flight; it never answers
+        pytest.param(True, None, "complete", "timeout", id="complete-hangs"),
+    ],
+)
+async def test_dead_store_at_cancellation_is_bounded_and_still_cancels(
+    gated: GatedStore,
+    worker_clock: FakeClock,
+    body_returns: bool,
+    failure: Exception | None,
+    action: str,
+    reason: str,
+) -> None:
+    """A store that hangs or fails when the lease is given back after a cancellation
+    cannot hold the worker up past `cancel_timeout` (nor swallow the cancellation):
+    the failure is logged, CancelledError propagates, the lease is left to expire."""
+    gated.exit_gate = asyncio.Event() if failure is None else None  # never set: hangs
+    gated.fail_exits = failure
+    with capture_logs() as logs:
+        task, caught = await holding_task(
+            gated, body_returns=body_returns, cancel_timeout=0.2, monotonic=worker_clock
+        )
+        if body_returns:  # cancelled while the exit's store call is in flight
+            async with asyncio.timeout(PATIENCE):
+                await gated.exit_started.wait()
+        task.cancel()
+        started = time.monotonic()
+        await ends_cancelled(task, caught)
+    assert time.monotonic() - started < PATIENCE
+    assert gated.calls == [action]
+    failed = [e for e in logs if e["event"] == "lease_exit_failed"]
+    assert len(failed) == 1 and failed[0]["log_level"] == "warning"
+    assert (failed[0]["action"], failed[0]["reason"]) == (action, reason)
+    assert (failed[0]["job_id"], failed[0]["generation"], failed[0]["owner"]) == (
+        "job-1",
+        1,
+        "worker-a",
+    )
+    assert (await gated.get("job-1")).state == "active"
+
+
+async def test_cancellation_during_a_renewal_in_flight_releases_after_it(
+    gated: GatedStore, worker_clock: FakeClock
+) -> None:
+    """The store applied a renewal whose answer has not come back when the task is
+    cancelled: the renewal is cancelled first, then the release (with the lease
+    as last known, same generation) goes through."""
+    gated.hold_renewal_answers = asyncio.Event()  # never set
+    # a renewal every 0.3 s whose own timeout (the local deadline) is ~30 s away
+    task, caught = await holding_task(
+        gated, ttl=30.0, renew_fraction=0.01, safety_margin=0.005, monotonic=worker_clock
+    )
+    async with asyncio.timeout(PATIENCE):
+        await gated.renewal_applied.wait()
+    task.cancel()
+    await ends_cancelled(task, caught)
+    assert gated.calls == ["renew applied", "renew cancelled", "release"]
+    assert (await gated.get("job-1")).state == "free"
+    assert (await gated.claim("job-1", owner="worker-b", ttl=TTL)).generation == 2
+
+
+async def test_cancellation_after_a_takeover_leaves_the_new_owner_alone(
+    gated: GatedStore, fake_clock: FakeClock, worker_clock: FakeClock
+) -> None:
+    """Renewals stop answering, the lease runs out by the store's clock and
+    worker-b takes the job over; then worker-a is cancelled before its watchdog
+    noticed. Its release is refused (stale generation), logged, and
+    CancelledError still propagates; worker-b keeps the job."""
+    task, caught = await holding_task(gated, monotonic=worker_clock)
+    gated.hang_renewals = True
+    await gated.wait_renewals(gated.renewals + 1)  # no renewal that applies is in flight
+    fake_clock.advance(TTL + 1)
+    await gated.claim("job-1", owner="worker-b", ttl=60.0)
+    with capture_logs() as logs:
+        task.cancel()
+        await ends_cancelled(task, caught)
+    assert gated.calls == ["release"]
+    failed = [e for e in logs if e["event"] == "lease_exit_failed"]
+    assert [(e["action"], e["reason"]) for e in failed] == [("release", "stale_generation")]
+    current = await gated.get("job-1")
+    assert (current.owner, current.generation, current.state) == ("worker-b", 2, "active")
+
+
+@pytest.mark.parametrize(("on_exit", "state"), [("complete", "done"), ("release", "free")])
+async def test_cancellation_during_on_exit_lets_the_exit_call_finish(
+    gated: GatedStore, worker_clock: FakeClock, on_exit: str, state: str
+) -> None:
+    """The body returned and the on_exit call is in flight when the task is
+    cancelled: that call is not cut off halfway but finishes, then CancelledError
+    propagates."""
+    gated.exit_gate = asyncio.Event()
+    task, caught = await holding_task(
+        gated,
+        body_returns=True,
+        on_exit=on_exit,
+        cancel_timeout=PATIENCE,
+        monotonic=worker_clock,
+    )
+    async with asyncio.timeout(PATIENCE):
+        await gated.exit_started.wait()
+    task.cancel()
+    gated.exit_gate.set()
+    await ends_cancelled(task, caught)
+    assert gated.calls == [on_exit]
+    assert (await gated.get("job-1")).state == state
+
+
+async def test_further_cancellations_do_not_cut_the_release_short(
+    gated: GatedStore, worker_clock: FakeClock
+) -> None:
+    """Cancelled again (twice) while its release is in flight: the release still
+    completes, once, and one CancelledError leaves the `async with`."""
+    gated.exit_gate = asyncio.Event()
+    task, caught = await holding_task(gated, cancel_timeout=PATIENCE, monotonic=worker_clock)
+    task.cancel()
+    async with asyncio.timeout(PATIENCE):
+        await gated.exit_started.wait()
+    for _ in range(2):
+        task.cancel()
+        await asyncio.sleep(0)  # delivered to the waiting worker
+    assert not task.done()
+    gated.exit_gate.set()
+    await ends_cancelled(task, caught)
+    assert gated.calls == ["release"]
+    assert (await gated.get("job-1")).state == "free"
+
+
+async def test_lease_lost_as_the_task_is_cancelled_gives_nothing_back(
+    gated: GatedStore, worker_clock: FakeClock
+) -> None:
+    """The outside cancellation lands at the very moment the watchdog finds the
+    lease gone (here: completed by someone else): as before, CancelledError
+    propagates and nothing is released or completed - there is nothing to give."""
+    task, caught = await holding_task(gated, monotonic=worker_clock)
+    lease = await gated.get("job-1")
+    gated.on_refused = task.cancel  # the shutdown's cancel, in the same instant
+    with capture_logs() as logs:
+        await gated.inner.complete(lease)
+        await ends_cancelled(task, caught)
+    assert gated.calls == []
+    assert [e["reason"] for e in logs if e["event"] == "lease_lost"] == ["job_completed"]
+    assert [e for e in logs if e["event"] == "lease_exit_failed"] == []
+    assert (await gated.get("job-1")).state == "done"
+
+
+async def test_lost_lease_still_raises_lease_lost_and_gives_nothing_back(
+    gated: GatedStore, worker_clock: FakeClock
+) -> None:
+    """The cancellation hold() makes itself when the lease is lost is unchanged:
+    LeaseLost (not CancelledError) leaves the `async with`, nothing is released,
+    and the task has no cancellation left pending."""
+    with pytest.raises(LeaseLost) as info:
+        async with hold(gated, "job-1", owner="worker-a", ttl=TTL, monotonic=worker_clock) as a:
+            await gated.inner.complete(a)
+            await asyncio.sleep(PATIENCE * 10)
+    assert info.value.reason == "job_completed"
+    assert gated.calls == []
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    assert renewal_tasks() == []
