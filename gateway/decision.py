@@ -201,8 +201,12 @@ def fingerprint(method: str, path: str, query: str, content_type: str, body_dige
     """Hash of what makes two requests "the same" (not the fencing headers).
 
     `body_digest` is the body's SHA-256: the gateway hashes each body once and
-    uses the digest here and in the rejection log.
+    uses the digest here and in the rejection log. The media type is compared
+    case-insensitively (RFC 9110 8.3.1), its parameters as sent; a value already
+    in lower case hashes as it always did.
     """
+    media_type, semicolon, parameters = content_type.partition(";")
+    content_type = media_type.strip().lower() + semicolon + parameters
     digest = hashlib.sha256()
     for part in (
         method.upper().encode(),

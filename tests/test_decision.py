@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -163,3 +164,21 @@ def test_reservation_outlives_the_forward_timeout_by_the_grace() -> None:
 def test_fingerprint_differs_when_the_request_differs(a: tuple, b: tuple) -> None:
     assert fingerprint(*a) != fingerprint(*b)
     assert fingerprint(*a) == fingerprint(*a)
+
+
+def test_fingerprint_ignores_the_media_types_case_only() -> None:
+    base = fingerprint("POST", "/x", "", "text/plain; charset=utf-8", b"1")
+    assert fingerprint("POST", "/x", "", "Text/PLAIN; charset=utf-8", b"1") == base
+    assert fingerprint("POST", "/x", "", "text/plain; charset=UTF-8", b"1") != base
+    assert fingerprint("POST", "/x", "", "text/html; charset=utf-8", b"1") != base
+
+
+def test_fingerprint_of_a_lower_case_media_type_is_what_it_always_was() -> None:
+    """Keys stored before the media type was case-folded must still match."""
+    digest = hashlib.sha256()
+    for part in (b"POST", b"/x", b"", b"application/json; charset=utf-8", b"1"):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    assert fingerprint("POST", "/x", "", "application/json; charset=utf-8", b"1") == (
+        digest.hexdigest()
+    )

@@ -382,6 +382,16 @@ async def test_a_second_worker_redoing_the_job_gets_the_first_result(
     assert len(upstream.received) == 1
 
 
+async def test_same_key_with_the_media_type_in_other_case_is_a_replay(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    first = await gw.write("/to/pay/x", headers={"Content-Type": "application/json"})
+    again = await gw.write("/to/pay/x", headers={"Content-Type": "Application/JSON"})
+    assert again[1]["Idempotent-Replayed"] == "true" and again[2] == first[2]
+    assert len(upstream.received) == 1
+
+
 async def test_same_key_other_payload_is_422(gw: Gateway, upstream: RecordingUpstream) -> None:
     await gw.claim("job-1")
     await gw.write("/to/pay/x")
