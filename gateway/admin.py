@@ -115,7 +115,8 @@ def create_admin_app(
 
 
 def add_health_routes(app: web.Application, store_of: Callable[[], Store]) -> None:
-    """`/healthz` (the process answers) and `/readyz` (the store answers too).
+    """`/healthz` (the process answers) and `/readyz` (the store can take a write
+    within `READY_TIMEOUT_S`).
 
     `store_of` is asked at each probe: the main app opens its store on startup,
     after its routes are fixed.

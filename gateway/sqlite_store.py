@@ -179,7 +179,15 @@ class SQLiteStore(SQLiteLeaseStore):
         )
 
     async def ping(self) -> None:
-        await self._executor.read(lambda c: c.execute("SELECT 1").fetchone())
+        """Ready means a write can commit: an empty operation rides the next group
+        commit, so it waits for SQLite's write lock like a decision would (and,
+        changing nothing, costs no fsync). A read alone answers under WAL even while
+        another process holds the write lock and every write is failing."""
+        await self._executor.run(_nothing)
+
+
+def _nothing(conn: sqlite3.Connection) -> None:
+    return None
 
 
 def _init_schema(conn: sqlite3.Connection) -> None:

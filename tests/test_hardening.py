@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,15 +24,16 @@ import pytest
 from aiohttp import http_exceptions, web
 from yarl import URL
 
-from gateway import bodies
+from gateway import admin, bodies
 from gateway.admin import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
-from gateway.appkeys import METRICS
+from gateway.appkeys import CONFIG, METRICS
 from gateway.decision import Fencing
 from gateway.handlers import origin_form
 from gateway.server import GatewayRunner, parse_error_rejection
 from gateway.sqlite_store import SQLiteStore
 from gateway.store import RejectionQuery
+from leases.sqlite import sqlite_path
 
 from .harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
 from .harness import recording_upstream as _recording_upstream
@@ -687,3 +689,29 @@ async def test_in_monotonic_mode_any_authorised_worker_can_raise_any_jobs_mark(
     assert (await gw.write("/to/mono/x", job="victim", generation=2**62, key="evil"))[0] == 201
     status, headers, _ = await gw.write("/to/mono/x", job="victim", generation=4, key="v2")
     assert status == 409 and headers["Sinkgate-Rejected"] == "stale_generation"
+
+
+async def test_readyz_fails_while_another_process_holds_the_sqlite_write_lock(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under WAL a read answers even while every write waits for the lock: ready
+    must mean a write can commit, or a load balancer keeps sending writes here."""
+    monkeypatch.setattr(admin, "READY_TIMEOUT_S", 0.3)
+
+    async def ready() -> int:
+        async with gw.session.get(f"{gw.url}/readyz") as resp:
+            return resp.status
+
+    assert await ready() == 200
+    other = sqlite3.connect(sqlite_path(gw.app[CONFIG].store_url), isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process's writer, stuck
+        assert await ready() == 503
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    for _ in range(100):  # the probe's own write drains once the lock is free
+        if await ready() == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert await ready() == 200
