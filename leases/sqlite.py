@@ -94,19 +94,17 @@ class SQLiteExecutor:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         opened: list[aiosqlite.Connection] = []
         try:
-            writer = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            writer = await _connect(path)
             opened.append(writer)
             # WAL + synchronous=FULL: a commit is on disk before run() returns, so a
             # reservation is durable before the gateway forwards.
             await writer.execute("PRAGMA journal_mode=WAL")
             await writer.execute("PRAGMA synchronous=FULL")
             await writer.execute("PRAGMA foreign_keys=ON")
-            reader = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            reader = await _connect(path)
             opened.append(reader)
             await reader.execute("PRAGMA query_only=ON")
         except sqlite3.Error as exc:
-            # A connection left open keeps its (non-daemon) worker thread alive, and
-            # with it the whole process at exit.
             for conn in opened:
                 await conn.close()
             raise StoreUnavailable(f"cannot open SQLite database {path}: {exc}") from exc
@@ -175,13 +173,28 @@ class SQLiteExecutor:
         await self._writer.close()
 
 
+async def _connect(path: str) -> aiosqlite.Connection:
+    """An aiosqlite connection whose worker thread does not keep the process alive.
+
+    aiosqlite's thread is not a daemon, so a store its program never closed (an
+    exception escaping before `close()`) hung the process at exit, waiting for
+    that thread. As a daemon it ends with the process; an unfinished batch is then
+    a crash, which SQLite's WAL and the gateway's reservations already survive.
+    Set before `await` starts the thread (`_thread` is aiosqlite's internal,
+    pinned like those `in_thread` uses).
+    """
+    conn = aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+    conn._thread.daemon = True
+    return await conn
+
+
 async def in_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
     """Run `fn(sqlite3_connection, *args)` in `conn`'s worker thread, in one hop.
 
     aiosqlite's own API makes one thread hop per statement; a whole batch in one
     hop is what makes group commit cheap. `_execute`/`_conn` are aiosqlite's
-    internals, pinned by the version bound in pyproject.toml; this is the one
-    place that touches them.
+    internals, pinned by the version bound in pyproject.toml; this and
+    `_connect` are the only places that touch aiosqlite's internals.
     """
     result: T = await conn._execute(fn, conn._conn, *args)  # type: ignore[no-untyped-call]
     return result

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Callable
 from typing import Protocol, Self, runtime_checkable
 
 from .model import Lease, validate_ttl
@@ -67,12 +69,21 @@ async def open_store(url: str, **options: object) -> LeaseStore:
     if scheme in ("postgresql", "postgres"):
         from .postgres import PostgresLeaseStore
 
+        _no_options(_unknown(PostgresLeaseStore.open, options))
         return await PostgresLeaseStore.open(url, **options)  # type: ignore[arg-type]
     if scheme in ("http", "https"):
         from .http import HTTPLeaseStore
 
+        _no_options(_unknown(HTTPLeaseStore.open, options))
         return await HTTPLeaseStore.open(url, **options)  # type: ignore[arg-type]
     raise ValueError(f"unsupported store URL scheme {scheme!r} (sqlite, postgresql, http)")
+
+
+def _unknown(open_fn: Callable[..., object], options: dict[str, object]) -> dict[str, object]:
+    """The options `open_fn` has no keyword parameter for: the same `ValueError` on
+    every backend, instead of a `TypeError` from the call on some."""
+    accepted = inspect.signature(open_fn).parameters
+    return {name: value for name, value in options.items() if name not in accepted}
 
 
 def _no_options(options: dict[str, object]) -> None:

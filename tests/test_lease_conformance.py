@@ -9,10 +9,20 @@ import asyncio
 import dataclasses
 import math
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
-from leases import JobCompleted, Lease, LeaseError, LeaseHeld, LeaseLost, StoreUnavailable, hold
+from leases import (
+    JobCompleted,
+    Lease,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    StoreUnavailable,
+    hold,
+    open_store,
+)
 from tests.conftest import FakeClock, LeaseBackend
 
 TTL = 30.0
@@ -393,3 +403,14 @@ async def test_fifty_concurrent_claims_have_exactly_one_winner(
         assert winners[0].generation == 1
         assert {r.owner for r in results if isinstance(r, LeaseHeld)} == {winners[0].owner}
         assert (await store.get(job_id)).owner == winners[0].owner
+
+
+@pytest.mark.parametrize(
+    "url", ["sqlite:///{tmp}/x.db", "postgresql://u@127.0.0.1:1/x", "http://127.0.0.1:1"]
+)
+async def test_open_store_refuses_unknown_options_alike_on_every_backend(
+    tmp_path: Path, url: str
+) -> None:
+    """One interface: the same ValueError (not a TypeError on some), before connecting."""
+    with pytest.raises(ValueError, match="unknown store options: bogus"):
+        await open_store(url.format(tmp=tmp_path), bogus=1)

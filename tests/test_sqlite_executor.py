@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,23 @@ async def test_database_error_fails_the_whole_batch(executor):
     assert all(isinstance(r, StoreUnavailable) for r in results)
     assert await keys(executor) == {"dup"}
     assert await executor.run(insert("z")) == "z"  # the connection is usable again
+
+
+async def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    """A program whose bug escapes before `close()` must still exit (with its
+    traceback), not hang at exit waiting for aiosqlite's worker threads."""
+    script = (
+        "import asyncio\n"
+        "from leases import open_store\n"
+        "async def main():\n"
+        f"    store = await open_store('sqlite:///{tmp_path / 'jobs.db'}')\n"
+        "    await store.claim('job-1', owner='w', ttl=30)\n"
+        "    raise RuntimeError('a bug after open_store')\n"
+        "asyncio.run(main())\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1
+    assert b"RuntimeError: a bug after open_store" in stderr
