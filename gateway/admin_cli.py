@@ -28,6 +28,7 @@ CELL_MAX = 48
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
 COLUMNS = ("WHEN (UTC)", "REASON", "JOB", "GEN/CUR", "DESTINATION", "REQUEST", "KEY")
 
 
@@ -68,14 +69,26 @@ def main(
         return 0
     print(format_table(items), file=out)
     if more:
-        print(f"(more rejections match: raise --limit above {len(items)} to see them)", file=out)
+        print(f"(more rejections match: {_more_hint(len(items))})", file=out)
     return 0
+
+
+def _more_hint(shown: int) -> str:
+    narrow = "narrow them with --reason, --job, --destination, --since or --until"
+    if shown < PAGE_MAX:
+        return f"raise --limit (up to {PAGE_MAX}) or {narrow}"
+    return narrow
 
 
 def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]], bool]:
     """Up to `--limit` items, following cursors; and whether more matched."""
     base = (getattr(args, "admin", None) or DEFAULT_ADMIN_URL).rstrip("/")
-    if urlsplit(base).scheme not in ("http", "https"):
+    try:
+        parts = urlsplit(base)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        raise CliError(f"--admin {base!r} is not a valid URL: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise CliError(f"--admin must be an http:// or https:// URL, not {base!r}")
     limit = getattr(args, "limit", None) or DEFAULT_LIMIT
     if limit < 1:
@@ -95,8 +108,11 @@ def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]]
         if cursor:
             page_params["cursor"] = cursor
         page = _get(f"{base}/admin/rejections?{urlencode(page_params)}", base)
-        items.extend(page.get("items", []))
-        cursor = page.get("next_cursor")
+        found = page.get("items") if isinstance(page, dict) else None
+        cursor = page.get("next_cursor") if isinstance(page, dict) else None
+        if not isinstance(found, list) or not (cursor is None or isinstance(cursor, str)):
+            raise CliError(f"{base} did not answer like a sinkgate admin listener")
+        items.extend(found)
         if cursor is None or len(items) >= limit:
             return items, cursor is not None
 
@@ -120,6 +136,8 @@ def _get(url: str, base: str) -> dict[str, Any]:
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     token = os.environ.get(TOKEN_ENV)
     if token:
+        if not _VISIBLE.fullmatch(token):
+            raise CliError(f"{TOKEN_ENV} holds characters a header cannot carry")
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from gateway.admin import create_admin_app
-from gateway.admin_cli import add_arguments, main, to_rfc3339
+from gateway.admin_cli import _more_hint, add_arguments, main, to_rfc3339
 from gateway.metrics import Metrics
 from gateway.server import GatewayRunner
 from gateway.sqlite_store import SQLiteStore
@@ -131,7 +131,13 @@ async def test_limit_says_when_more_matched(admin_url, token):
     code, out, _ = await run(args(admin_url, "--limit", "1"))
     assert code == 0
     assert len([line for line in out.splitlines() if "lease_expired" in line]) == 1
-    assert "more rejections match" in out
+    assert "more rejections match: raise --limit (up to 1000) or narrow them" in out
+
+
+def test_at_the_largest_limit_the_hint_is_to_narrow_not_to_raise_it():
+    assert _more_hint(1000) == (
+        "narrow them with --reason, --job, --destination, --since or --until"
+    )
 
 
 async def test_empty_result(admin_url, token):
@@ -169,10 +175,44 @@ async def test_connection_refused(token):
     assert f"cannot reach the admin listener at http://127.0.0.1:{port}" in err
 
 
-def test_bad_admin_url():
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftp://x", "--admin must be an http"),
+        ("http://[::1", "is not a valid URL"),
+        ("http://127.0.0.1:99999", "is not a valid URL"),
+        ("http://", "--admin must be an http"),
+    ],
+)
+def test_bad_admin_url_is_one_line(url, message):
     out, err = io.StringIO(), io.StringIO()
-    assert main(args("ftp://x"), stdout=out, stderr=err) == 1
-    assert "--admin must be an http" in err.getvalue()
+    assert main(args(url), stdout=out, stderr=err) == 1
+    assert message in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def test_a_token_no_header_can_carry_is_refused_here(monkeypatch):
+    monkeypatch.setenv("SINKGATE_ADMIN_TOKEN", "sek\nret")
+    out, err = io.StringIO(), io.StringIO()
+    assert main(args("http://127.0.0.1:1"), stdout=out, stderr=err) == 1
+    assert "SINKGATE_ADMIN_TOKEN holds characters a header cannot carry" in err.getvalue()
+
+
+async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):
+    async def not_admin(request: web.Request) -> web.Response:
+        return web.json_response({"hello": "world"})
+
+    app = web.Application()
+    app.router.add_get("/admin/rejections", not_admin)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        code, out, err = await run(args(f"http://{host}:{port}"))
+    finally:
+        await runner.cleanup()
+    assert (code, out) == (1, "")
+    assert "did not answer like a sinkgate admin listener" in err
 
 
 @pytest.mark.parametrize(
