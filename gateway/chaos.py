@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import secrets
 import shutil
@@ -32,6 +33,7 @@ import aiohttp
 
 from leases import StoreUnavailable
 from leases.http import HTTPLeaseStore
+from leases.model import validate_ttl
 
 from .chaos_judge import INVARIANTS, FinalLease, Verdict, judge
 from .chaos_procs import Destination, GatewayProcess, ProcessFailed
@@ -47,8 +49,8 @@ def _positive(kind: type[int] | type[float]) -> Any:
             value = kind(text.removesuffix("s"))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
     return parse
@@ -119,8 +121,9 @@ def main(argv: list[str]) -> int:
     configure_logging("error", json=False)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
-    if args.max_pause < args.ttl * 1.3:
-        print("sinkgate chaos: --max-pause must be at least 1.3 x --ttl", file=sys.stderr)
+    problem = _settings_problem(args)
+    if problem is not None:
+        print(f"sinkgate chaos: {problem}", file=sys.stderr)
         return 2
     try:
         report = asyncio.run(_interruptible(_run(args)))
@@ -132,8 +135,27 @@ def main(argv: list[str]) -> int:
         return 2
     print(render(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        except OSError as exc:
+            print(f"sinkgate chaos: cannot write --json {args.json}: {exc}", file=sys.stderr)
+            return 2
     return 1 if report["violation_count"] else 0
+
+
+def _settings_problem(args: argparse.Namespace) -> str | None:
+    """Settings that would only fail once the run is under way (every worker's claim
+    refused, the report unwritable), refused up front: exit 2, never counted as
+    violations."""
+    try:
+        validate_ttl(args.ttl)
+    except ValueError as exc:
+        return f"--ttl: {exc}"
+    if args.max_pause < args.ttl * 1.3:
+        return "--max-pause must be at least 1.3 x --ttl"
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        return f"--json {args.json}: no such directory for the report"
+    return None
 
 
 async def _interruptible(run: Any) -> Any:

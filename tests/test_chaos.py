@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gateway import chaos
 from gateway.chaos_destination import FAULT_KINDS
 from gateway.chaos_judge import FinalLease, judge
 
@@ -149,3 +150,26 @@ def test_killing_gateways_loses_no_guarantee(tmp_path: Path) -> None:
     assert report["faults"]["gateway_kills"] >= 1
     assert report["violation_count"] == 0
     assert report["violations"]["no_duplicate_effect"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ttl", "0.01"], "--ttl: ttl must be between 0.05 and 86400 seconds"),
+        (["--ttl", "nan"], "must be a finite number > 0"),
+        (["--duration", "inf"], "must be a finite number > 0"),
+        (["--json", "/nonexistent-dir/r.json"], "no such directory for the report"),
+    ],
+)
+def test_settings_that_could_only_fail_mid_run_are_refused_up_front(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 before anything starts: a bad setting must never be reported as
+    safety violations (exit 1) nor surface as a traceback after the run."""
+    try:
+        code = chaos.main(argv)
+    except SystemExit as exited:  # argparse's own refusals
+        code = exited.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
