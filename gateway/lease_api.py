@@ -117,11 +117,12 @@ async def _wrong_method(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
     if op not in _REQUIRED:
         return _reject(request, op, Rejection("not_found", f"no lease operation {op!r}"))
-    response = problem_response(
-        Rejection("method_not_allowed", f"{request.method} is not allowed here; use POST")
+    refusal = Rejection(
+        "method_not_allowed",
+        f"{request.method} is not allowed here; use POST",
+        headers={"Allow": "POST"},
     )
-    response.headers["Allow"] = "POST"
-    return _finish(request, op, response, "method_not_allowed", {})
+    return _finish(request, op, problem_response(refusal), "method_not_allowed", {})
 
 
 async def _claim(store: Store, job_id: str, body: dict[str, Any]) -> Lease:

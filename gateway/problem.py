@@ -33,11 +33,14 @@ def router_refusal(request: web.Request, exc: web.HTTPException) -> web.Response
     """The router's own 404 and 405 as problem+json (405 keeps its `Allow`); None
     for any other `HTTPException`, which the caller re-raises."""
     if isinstance(exc, web.HTTPMethodNotAllowed):
-        response = problem_response(
-            Rejection("method_not_allowed", f"{request.method} is not allowed here")
+        allow = ", ".join(sorted(exc.allowed_methods))
+        return problem_response(
+            Rejection(
+                "method_not_allowed",
+                f"{request.method} is not allowed here",
+                headers={"Allow": allow},
+            )
         )
-        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
-        return response
     if isinstance(exc, web.HTTPNotFound):
         return problem_response(Rejection("not_found", f"no route {request.path[:200]}"))
     return None
