@@ -3,7 +3,7 @@ the sign-in form that checks the admin token and sets the session cookie.
 
 Markup is filled from gateway/templates by `render`, which escapes every value
 that is not `Safe` (a fragment built here from escaped parts). The page reads
-rejections through the same parsing and shapes as the JSON API in `admin`.
+rejections through the same parsing and shapes as the JSON API (`admin_views`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from .admin import (
+from .admin import SESSION_COOKIE, SESSION_TTL_S
+from .admin_views import (
     FILTERS,
     RECORDED_REASONS,
-    SESSION_COOKIE,
-    SESSION_TTL_S,
     fetch_page,
     find_rejection,
     parse_rejection_query,

@@ -14,7 +14,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin import admin_bind_allowed, create_admin_app, encode_cursor
+from gateway.admin import admin_bind_allowed, create_admin_app
+from gateway.admin_views import encode_cursor
 from gateway.decision import Fencing, WriteFacts
 from gateway.metrics import Metrics
 from gateway.sqlite_store import SQLiteStore

@@ -1,0 +1,255 @@
+"""What the admin listener reads from the store and the JSON it shows it as.
+
+The rejection filters of SPEC 4 (query parsing, RFC 3339 times, page cursors),
+the reads that fetch one page or one rejection, and the JSON shapes of a
+rejection, a job and an idempotency key. Both the JSON API in `admin` and the
+HTML page in `admin_page` use them, so they live apart from either: a filter
+or a field reads the same whichever way it is asked for. Nothing here knows
+about routes, auth or the page's markup.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from leases.model import LOST_REASONS, MAX_GENERATION, expires_in
+
+from .decision import KeyRecord
+from .errors import STATUS_BY_REASON, Rejection
+from .problem import invalid_request
+from .store import JobState, RejectionQuery, Store, StoredRejection
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+FILTERS = ("destination", "job_id", "reason", "since", "until", "limit", "cursor")
+
+# Reasons a rejection-log row can carry, in the order of SPEC 2's checks (the
+# page's reason menu). Filtering accepts any reason the gateway knows.
+RECORDED_REASONS = (
+    "unauthorized",
+    "body_too_large",
+    "missing_fencing_token",
+    "invalid_fencing_token",
+    "missing_idempotency_key",
+    "invalid_idempotency_key",
+    *LOST_REASONS,
+    "older_generation_in_flight",
+    "idempotency_key_reused",
+    "request_in_progress",
+    "outcome_unknown",
+    "duplicate",
+)
+
+# A destination or job id as the gateway accepts it, and a positive decimal id
+# (a rejection id, a cursor bound, a session expiry).
+IDENT = re.compile(r"[\x21-\x7e]{1,256}")
+DECIMAL_ID = re.compile(r"[1-9][0-9]{0,18}")
+
+_RFC3339 = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
+)
+_CURSOR_PREFIX = "r1:"
+
+
+# --- reading rejections --------------------------------------------------------------------
+
+
+async def fetch_page(
+    store: Store, query: RejectionQuery
+) -> tuple[list[StoredRejection], str | None]:
+    """One page, newest first, and the cursor of the next (None on the last page).
+
+    The cursor is an id bound: rows that arrive later have higher ids, so they
+    never shift the pages after the first.
+    """
+    rows = await store.list_rejections(replace(query, limit=query.limit + 1))
+    if len(rows) <= query.limit:
+        return rows, None
+    rows = rows[: query.limit]
+    return rows, encode_cursor(rows[-1].id)
+
+
+async def find_rejection(store: Store, raw_id: str) -> StoredRejection:
+    found = None
+    if DECIMAL_ID.fullmatch(raw_id) and int(raw_id) <= MAX_GENERATION:
+        found = await store.get_rejection(int(raw_id))
+    if found is None:
+        raise Rejection("not_found", f"no rejection with id {raw_id[:40]!r}")
+    return found
+
+
+# --- query parsing -------------------------------------------------------------------------
+
+
+def parse_rejection_query(params: Mapping[str, str]) -> RejectionQuery:
+    """The filters of SPEC 4; an empty value means "not set" (as a form sends it)."""
+    only_params(params, FILTERS)
+    value = {name: params.get(name, "") for name in FILTERS}
+    for name in ("destination", "job_id"):
+        if value[name] and not IDENT.fullmatch(value[name]):
+            raise invalid_request(f"{name} must be 1-256 visible ASCII characters")
+    if value["reason"] and value["reason"] not in STATUS_BY_REASON:
+        raise invalid_request(f"unknown reason {value['reason'][:60]!r}")
+    since = parse_time(value["since"], "since") if value["since"] else None
+    until = parse_time(value["until"], "until") if value["until"] else None
+    if since is not None and until is not None and since > until:
+        raise invalid_request("since is after until")
+    limit = DEFAULT_LIMIT
+    if value["limit"]:
+        if not re.fullmatch(r"[0-9]{1,7}", value["limit"]) or not (
+            1 <= int(value["limit"]) <= MAX_LIMIT
+        ):
+            raise invalid_request(f"limit must be an integer from 1 to {MAX_LIMIT}")
+        limit = int(value["limit"])
+    return RejectionQuery(
+        destination=value["destination"] or None,
+        job_id=value["job_id"] or None,
+        reason=value["reason"] or None,
+        since=since,
+        until=until,
+        limit=limit,
+        before_id=decode_cursor(value["cursor"]) if value["cursor"] else None,
+    )
+
+
+def only_params(params: Mapping[str, str], allowed: tuple[str, ...]) -> None:
+    """Refuse unknown or repeated query parameters; `format` (json or html) is always allowed."""
+    names = [name for name, _ in params.items()]
+    unknown = sorted({n for n in names if n not in allowed and n != "format"})
+    if unknown:
+        raise invalid_request(f"unknown query parameter(s): {', '.join(unknown)[:200]}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise invalid_request(f"query parameter(s) given twice: {', '.join(repeated)}")
+    if params.get("format", "json") not in ("json", "html"):
+        raise invalid_request("format must be json or html")
+
+
+def parse_time(text: str, name: str) -> float:
+    """RFC 3339 date-time with an offset (`Z` or `+hh:mm`) -> seconds since the epoch."""
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        raise invalid_request(f"{name} must be an RFC 3339 date-time, e.g. 2024-05-01T12:00:00Z")
+    day, clock, fraction, offset = match.groups()
+    offset = "+00:00" if offset in ("Z", "z") else offset
+    iso = f"{day}T{clock}{'.' + (fraction + '00000')[:6] if fraction else ''}{offset}"
+    try:
+        return datetime.fromisoformat(iso).timestamp()
+    except (ValueError, OverflowError) as exc:
+        raise invalid_request(f"{name} is not a valid date-time: {exc}") from exc
+
+
+def rfc3339(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    moment = datetime.fromtimestamp(ts, UTC)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def encode_cursor(before_id: int) -> str:
+    raw = f"{_CURSOR_PREFIX}{before_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    try:
+        if len(cursor) > 64:
+            raise ValueError("too long")
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raw = ""
+    number = raw.removeprefix(_CURSOR_PREFIX)
+    if not raw.startswith(_CURSOR_PREFIX) or not DECIMAL_ID.fullmatch(number):
+        raise invalid_request("cursor is not one this server handed out")
+    if int(number) > MAX_GENERATION:
+        raise invalid_request("cursor is not one this server handed out")
+    return int(number)
+
+
+# --- JSON shapes ---------------------------------------------------------------------------
+
+
+def rejection_item(row: StoredRejection) -> dict[str, Any]:
+    """An item of SPEC 4, field for field."""
+    r = row.record
+    return {
+        "id": row.id,
+        "at": rfc3339(row.at),
+        "destination": r.destination,
+        "method": r.method,
+        "path": r.path,
+        "job_id": r.job_id,
+        "generation": r.generation,
+        "owner": r.owner,
+        "idempotency_key": r.idempotency_key,
+        "reason": r.reason,
+        "detail": r.detail,
+        "current_generation": r.current_generation,
+        "highest_generation": r.highest_generation,
+        "remote": r.remote,
+        "body_sha256": r.body_sha256,
+        "body_bytes": r.body_bytes,
+    }
+
+
+def job_view(state: JobState, now: float) -> dict[str, Any]:
+    lease = state.lease
+    return {
+        "job_id": state.job_id,
+        "server_time": rfc3339(now),
+        "lease": None
+        if lease is None
+        else {
+            "job_id": lease.job_id,
+            "owner": lease.owner,
+            "generation": lease.generation,
+            "state": str(lease.state),
+            "lease_until": rfc3339(lease.lease_until),
+            "expires_in": expires_in(lease, now),
+        },
+        "highest_generation": state.highest_generation,
+        "in_flight": [
+            {
+                "attempt": a.get("attempt"),
+                "generation": a.get("generation"),
+                "destination": a.get("destination"),
+                "key": a.get("key"),
+                "started_at": rfc3339(a.get("started_at")),
+                "deadline": rfc3339(a.get("deadline")),
+            }
+            for a in state.in_flight
+        ],
+        "recent_rejections": [rejection_item(r) for r in state.recent_rejections],
+    }
+
+
+def key_view(record: KeyRecord, now: float) -> dict[str, Any]:
+    """The idempotency record without its stored body: replayed bodies can hold
+    anything an upstream answered (tokens, personal data); its size and hash say
+    whether two replays match."""
+    return {
+        "destination": record.destination,
+        "key": record.key,
+        "state": str(record.state_at(now)),
+        "fingerprint": record.fingerprint,
+        "status": record.status,
+        "attempts": record.attempts,
+        "job_id": record.job_id,
+        "generation": record.generation,
+        "owner": record.owner,
+        "created_at": rfc3339(record.created_at),
+        "updated_at": rfc3339(record.updated_at),
+        "completed_at": rfc3339(record.completed_at),
+        "deadline": rfc3339(record.deadline),
+        "response_headers": [[name, value] for name, value in record.headers],
+        "body_bytes": len(record.body),
+        "body_sha256": hashlib.sha256(record.body).hexdigest() if record.body else None,
+        "body_omitted": record.body_omitted,
+    }
