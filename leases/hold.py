@@ -10,9 +10,11 @@ anybody else, since the store's lease always ends after the local deadline.
 
 A cancellation from outside (the worker shutting down) is not a lost lease: the
 lease is released at once, so the job does not stay blocked for up to a ttl, and
-the `CancelledError` goes on. The store calls of an exit run in a task of their
-own, so a cancellation cannot cut one off halfway; once one has arrived they get
-`cancel_timeout` seconds, so a dead store cannot hang a shutdown.
+the `CancelledError` goes on. That holds while the claim is still on its way
+too: a claim the store grants after all is given back. The store calls of an
+exit run in a task of their own, so a cancellation cannot cut one off halfway;
+once one has arrived they get `cancel_timeout` seconds, so a dead store cannot
+hang a shutdown.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ OnExit = Literal["complete", "release", "keep"]
 
 # Exit tasks given up on after `cancel_timeout`, kept referenced until they end.
 _abandoned: set[asyncio.Task[None]] = set()
+# A claim refused with these granted nothing: there is nothing to give back.
+_NOTHING_GRANTED = frozenset({"lease_held", "job_completed"})
 
 
 class Hold:
@@ -129,7 +133,12 @@ async def hold(
         raise ValueError("cancel_timeout must be a positive number of seconds")
     owner = default_owner() if owner is None else owner
     started = monotonic()
-    lease = await store.claim(job_id, owner=owner, ttl=ttl)
+    claiming = asyncio.ensure_future(store.claim(job_id, owner=owner, ttl=ttl))
+    try:
+        lease = await asyncio.shield(claiming)
+    except asyncio.CancelledError:
+        await _give_back_claim(store, claiming, cancel_timeout, job_id, owner)
+        raise
     state = Hold(lease, started + ttl * (1 - safety_margin), monotonic)
     body = asyncio.current_task()
     assert body is not None
@@ -246,31 +255,12 @@ async def _settle(
     # Synchronously, before anything can yield: a watchdog still running could
     # otherwise cancel the body's task once more and pass as an outside cancellation.
     renewer.cancel()
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(work, name=f"lease-exit:{state.job_id}")
-    deadline = loop.time() + limit if cancelled else None
-    arrived: asyncio.CancelledError | None = None
-    while not task.done():
-        remaining = None if deadline is None else deadline - loop.time()
-        if remaining is not None and remaining <= 0:
-            break
-        try:
-            await asyncio.wait((task,), timeout=remaining)
-        except asyncio.CancelledError as exc:
-            if not cancelled and arrived is None:
-                arrived = exc
-                deadline = loop.time() + limit
+    task = asyncio.get_running_loop().create_task(work, name=f"lease-exit:{state.job_id}")
+    arrived = await _bounded(task, limit, cancelled=cancelled)
     if not cancelled and arrived is None:
         task.result()  # no cancellation: the exit's outcome, as if run inline
         return
-    reason: str | None = None
-    if not task.done():
-        task.cancel()
-        _abandoned.add(task)
-        task.add_done_callback(_forget)
-        reason = "timeout"
-    elif not task.cancelled() and (error := task.exception()) is not None:
-        reason = getattr(error, "reason", type(error).__name__)
+    reason = _failure(task)
     if reason is not None:
         lease = state.lease
         log.warning(
@@ -283,6 +273,62 @@ async def _settle(
         )
     if arrived is not None:
         raise arrived
+
+
+async def _bounded(
+    task: asyncio.Task[None], limit: float, *, cancelled: bool
+) -> asyncio.CancelledError | None:
+    """Wait for `task`; return the cancellation that arrived meanwhile, if any.
+
+    Once a cancellation has happened (`cancelled`, or one arriving here) `task`
+    gets at most `limit` more seconds, further cancellations are absorbed, and a
+    task still running then is cancelled and abandoned (kept referenced until
+    it ends)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit if cancelled else None
+    arrived: asyncio.CancelledError | None = None
+    while not task.done():
+        remaining = None if deadline is None else deadline - loop.time()
+        if remaining is not None and remaining <= 0:
+            break
+        try:
+            await asyncio.wait((task,), timeout=remaining)
+        except asyncio.CancelledError as exc:
+            if not cancelled and arrived is None:
+                arrived = exc
+                deadline = loop.time() + limit
+    if not task.done():
+        task.cancel()
+        _abandoned.add(task)
+        task.add_done_callback(_forget)
+    return arrived
+
+
+def _failure(task: asyncio.Task[None]) -> str | None:
+    """Why an exit task did not succeed ("timeout" if abandoned); None if it did."""
+    if not task.done() or task.cancelled():
+        return "timeout"
+    error = task.exception()
+    return None if error is None else getattr(error, "reason", type(error).__name__)
+
+
+async def _give_back_claim(
+    store: LeaseStore, claiming: asyncio.Future[Lease], limit: float, job_id: str, owner: str
+) -> None:
+    """The body's task was cancelled while its claim was on the wire: the store
+    may grant the claim all the same. Wait for the answer (at most `limit`) and
+    release what was granted, so the job is not blocked for a ttl."""
+
+    async def give_back() -> None:
+        await store.release(await claiming)
+
+    task = asyncio.get_running_loop().create_task(give_back(), name="lease-claim-give-back")
+    await _bounded(task, limit, cancelled=True)
+    reason = _failure(task)
+    if reason is not None and reason not in _NOTHING_GRANTED:
+        log.warning(
+            "lease_exit_failed", job_id=job_id, owner=owner, action="release", reason=reason
+        )
 
 
 def _forget(task: asyncio.Task[None]) -> None:

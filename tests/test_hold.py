@@ -665,3 +665,60 @@ async def test_lost_lease_still_raises_lease_lost_and_gives_nothing_back(
     current = asyncio.current_task()
     assert current is not None and current.cancelling() == 0
     assert renewal_tasks() == []
+
+
+# --- cancelled while the claim is on the wire -------------------------------------------
+
+
+class ClaimGatedStore(SpyStore):
+    """A SpyStore whose claim waits for `gate` before it reaches the store."""
+
+    def __init__(self, inner: SQLiteLeaseStore) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.claim_started = asyncio.Event()
+
+    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
+        self.claim_started.set()
+        await self.gate.wait()
+        return await self.inner.claim(job_id, owner=owner, ttl=ttl)
+
+
+async def test_a_claim_granted_after_its_worker_was_cancelled_is_given_back(
+    store: SpyStore,
+) -> None:
+    gated = ClaimGatedStore(store.inner)
+
+    async def worker() -> None:
+        async with hold(gated, "job-1", owner="worker-a", ttl=30):
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(worker())
+    await gated.claim_started.wait()
+    task.cancel()
+    await asyncio.sleep(0)
+    gated.gate.set()  # the store grants the claim after all
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    lease = await store.inner.get("job-1")
+    assert lease is not None and (lease.state, lease.generation) == ("free", 1)
+    taken = await store.inner.claim("job-1", owner="worker-b", ttl=30)
+    assert taken.generation == 2  # at once, not after a ttl
+
+
+async def test_a_claim_that_never_answers_does_not_hold_up_the_cancellation(
+    store: SpyStore,
+) -> None:
+    gated = ClaimGatedStore(store.inner)  # the gate never opens
+
+    async def worker() -> None:
+        async with hold(gated, "job-1", owner="worker-a", ttl=30, cancel_timeout=0.2):
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(worker())
+    await gated.claim_started.wait()
+    task.cancel()
+    with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)  # bounded by cancel_timeout, with a wide margin
+    assert [(e["event"], e["reason"]) for e in logs] == [("lease_exit_failed", "timeout")]
+    assert await store.inner.get("job-1") is None  # never reached the store
