@@ -306,8 +306,10 @@ async def _bounded(
 
 def _failure(task: asyncio.Task[None]) -> str | None:
     """Why an exit task did not succeed ("timeout" if abandoned); None if it did."""
-    if not task.done() or task.cancelled():
+    if not task.done():
         return "timeout"
+    if task.cancelled():
+        return None
     error = task.exception()
     return None if error is None else getattr(error, "reason", type(error).__name__)
 
