@@ -169,6 +169,12 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lease_api_access(config: Config) -> str:
+    if config.lease_tokens:
+        return f"needs one of {len(config.lease_tokens)} bearer token(s)"
+    return "open to whoever reaches the listener (no [server] lease_tokens_env)"
+
+
 def summary(config: Config) -> str:
     """A readable account of `config`; names secrets' variables, never their values."""
 
@@ -183,6 +189,7 @@ def summary(config: Config) -> str:
         f"admin listen  {addr(config.admin_listen)}",
         f"store         {redact_url(config.store_url)} (pool size {config.store_pool_size})",
         f"admin token   {token} (${config.admin_token_env})",
+        f"lease API     {_lease_api_access(config)}",
         f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "
         f"rejections {format_duration(config.rejections_ttl)}",
         f"limits        {config.max_in_flight} requests in flight, "

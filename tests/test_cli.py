@@ -55,6 +55,7 @@ def test_check_config_on_the_shipped_config_passes_and_lists_destinations() -> N
     assert result.returncode == 0, result.stderr
     assert "127.0.0.1:8480" in result.stdout
     assert "admin token   not set" in result.stdout
+    assert "lease API     open to whoever reaches the listener" in result.stdout
     assert "payments  http://127.0.0.1:9000/api  fencing=lease" in result.stdout
 
 
@@ -180,6 +181,19 @@ def test_a_missing_subcommand_module_is_a_clear_error(
         "sinkgate: the frobnicate command is not available in this installation "
         "(gateway.no_such_module)\n"
     )
+
+
+def test_check_config_says_when_the_lease_api_needs_a_token(tmp_path: Path) -> None:
+    (tmp_path / "gateway.toml").write_text('[server]\nlease_tokens_env = "LEASE_TOKENS"\n')
+    result = sinkgate(
+        "check-config",
+        "--config",
+        str(tmp_path / "gateway.toml"),
+        env={"LEASE_TOKENS": "tok-a, tok-b"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "lease API     needs one of 2 bearer token(s)" in result.stdout
+    assert "tok-a" not in result.stdout  # the tokens themselves are never shown
 
 
 # --- serve -----------------------------------------------------------------------
