@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from leases.model import IDENT
+
 from .admin_views import (
     DECIMAL_ID,
-    IDENT,
     fetch_page,
     find_rejection,
     job_view,

@@ -18,6 +18,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 from urllib.parse import urlencode, urlsplit
 
+from leases.model import VISIBLE
+
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8481"
 TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 PAGE_MAX = 1000
@@ -28,7 +30,6 @@ CELL_MAX = 48
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_VISIBLE = re.compile(r"[\x21-\x7e]+")
 COLUMNS = ("WHEN (UTC)", "REASON", "JOB", "GEN/CUR", "DESTINATION", "REQUEST", "KEY")
 
 
@@ -136,7 +137,7 @@ def _get(url: str, base: str) -> dict[str, Any]:
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     token = os.environ.get(TOKEN_ENV)
     if token:
-        if not _VISIBLE.fullmatch(token):
+        if not VISIBLE.fullmatch(token):
             raise CliError(f"{TOKEN_ENV} holds characters a header cannot carry")
         request.add_header("Authorization", f"Bearer {token}")
     try:

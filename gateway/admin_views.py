@@ -19,7 +19,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from leases.model import LOST_REASONS, MAX_GENERATION, expires_in
+from leases.model import IDENT, LOST_REASONS, MAX_GENERATION, expires_in
 
 from .decision import KeyRecord
 from .errors import STATUS_BY_REASON, Rejection
@@ -49,7 +49,6 @@ RECORDED_REASONS = (
 
 # A destination or job id as the gateway accepts it, and a positive decimal id
 # (a rejection id, a cursor bound, a session expiry).
-IDENT = re.compile(r"[\x21-\x7e]{1,256}")
 DECIMAL_ID = re.compile(r"[1-9][0-9]{0,18}")
 
 _RFC3339 = re.compile(

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from leases.model import VISIBLE
+
 from .errors import ConfigError
 
 _T = TypeVar("_T")
@@ -33,7 +35,6 @@ MiB = 1024 * 1024
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_VISIBLE = re.compile(r"[\x21-\x7e]+")
 _HOSTNAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -126,7 +127,7 @@ def parse_listen(value: object) -> tuple[str, int]:
 def parse_upstream(value: object) -> str:
     """An absolute http(s) URL without query, fragment or credentials; trailing `/` dropped."""
     expected = f"expected an absolute http:// or https:// URL, got {show(value)}"
-    if not isinstance(value, str) or not _VISIBLE.fullmatch(value):
+    if not isinstance(value, str) or not VISIBLE.fullmatch(value):
         raise ValueError(expected)
     try:
         parts = urlsplit(value)
@@ -314,7 +315,7 @@ def bearer_tokens(
     if not tokens:
         raise t.error(key, f"environment variable {var} holds no tokens")
     for number, token in enumerate(tokens, 1):
-        if not _VISIBLE.fullmatch(token):
+        if not VISIBLE.fullmatch(token):
             # The token itself is never echoed.
             raise t.error(
                 key,

@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from leases.errors import StoreUnavailable
-from leases.model import MAX_GENERATION
+from leases.model import IDENT, MAX_GENERATION, VISIBLE
 
 from .auth import bearer_matches
 from .bodies import read_body
@@ -34,7 +34,6 @@ from .upstream import ForwardFailed, UpstreamAnswer, Upstreams, forward_headers,
 
 log = structlog.get_logger("gateway.write")
 
-_VISIBLE = re.compile(r"[\x21-\x7e]+")
 _TOKEN = re.compile(r"[1-9][0-9]{0,18}")
 _ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 
@@ -334,7 +333,7 @@ class WriteGateway:
             destination=destination,
             method=request.method,
             path=_raw_write_path(request.raw_path),
-            job_id=job_id if job_id and _VISIBLE.fullmatch(job_id) and len(job_id) <= 256 else None,
+            job_id=job_id if IDENT.fullmatch(job_id) else None,
             remote=request.remote,
             body_sha256=None if context is None else context.body_sha256,
             body_bytes=None if context is None else context.body_bytes,
@@ -357,7 +356,7 @@ def _fencing_headers(
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
         raise Rejection("missing_fencing_token", f"{missing} is required", **members)
-    if not _ident(job_id):
+    if not IDENT.fullmatch(job_id):
         raise Rejection(
             "invalid_fencing_token", "Fencing-Job must be 1-256 visible ASCII characters", **members
         )
@@ -368,7 +367,7 @@ def _fencing_headers(
             "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
             **members,
         )
-    if owner is not None and not _ident(owner):
+    if owner is not None and not IDENT.fullmatch(owner):
         raise Rejection(
             "invalid_fencing_token",
             "Fencing-Owner must be 1-256 visible ASCII characters",
@@ -386,7 +385,7 @@ def _fencing_headers(
         return job_id, generation, owner, None
     if len(key) >= 2 and key[0] == key[-1] == '"':
         key = key[1:-1]  # the IETF draft's quoted form
-    if not (1 <= len(key) <= 255 and _VISIBLE.fullmatch(key)):
+    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
         raise Rejection(
             "invalid_idempotency_key",
             "Idempotency-Key must be 1-255 visible ASCII characters",
@@ -405,10 +404,6 @@ def field_value(headers: CIMultiDictProxy[str], name: str) -> str:
     if len(values) == 1:
         return values[0]
     return ", ".join(values)
-
-
-def _ident(value: str) -> bool:
-    return len(value) <= 256 and _VISIBLE.fullmatch(value) is not None
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:

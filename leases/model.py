@@ -21,7 +21,10 @@ TTL_MIN = 0.05
 TTL_MAX = 86400.0
 MAX_GENERATION = 2**63 - 1
 
-_IDENT = re.compile(r"[\x21-\x7e]{1,256}")
+# Visible ASCII (RFC 9110 tokens, header values without spaces): keys, tokens,
+# owners; IDENT adds the 1-256 length of job ids and owners (SPEC 2 step 5).
+VISIBLE = re.compile(r"[\x21-\x7e]+")
+IDENT = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 class Reason(StrEnum):
@@ -103,7 +106,7 @@ def validate_ident(value: object, what: str) -> str:
     """A job or owner id: 1-256 visible ASCII characters (0x21-0x7E)."""
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string, not {type(value).__name__}")
-    if not _IDENT.fullmatch(value):
+    if not IDENT.fullmatch(value):
         raise ValueError(f"{what} must be 1-256 visible ASCII characters (0x21-0x7E)")
     return value
 

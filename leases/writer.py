@@ -29,7 +29,7 @@ from yarl import URL
 
 from . import model
 from .hold import HeldLease, Hold
-from .model import Lease
+from .model import VISIBLE, Lease
 
 __all__ = [
     "BadWrite",
@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 255
-_VISIBLE = re.compile(r"[\x21-\x7e]+")
 _RETRIED = frozenset({"older_generation_in_flight", "request_in_progress"})
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
@@ -199,14 +198,14 @@ def derive_key(job_id: str, step: str) -> str:
     if not isinstance(step, str) or not step:
         raise ValueError("step must be a non-empty string")
     digest = hashlib.sha256(jsonlib.dumps([job_id, step]).encode()).hexdigest()[:32]
-    readable = "_".join(_VISIBLE.findall(step)) or "step"
+    readable = "_".join(VISIBLE.findall(step)) or "step"
     return f"{job_id[:120]}:{readable[:80]}:{digest}"
 
 
 def _validate_key(key: object) -> str:
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH:
         raise ValueError("idempotency_key must be a string of 1-255 visible ASCII characters")
-    if not _VISIBLE.fullmatch(key):
+    if not VISIBLE.fullmatch(key):
         raise ValueError("idempotency_key must be visible ASCII (0x21-0x7E)")
     return key
 
@@ -242,7 +241,7 @@ class FencedWriter:
         for name, value in (("max_retry_wait", max_retry_wait), ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0")
-        if token is not None and not (isinstance(token, str) and _VISIBLE.fullmatch(token)):
+        if token is not None and not (isinstance(token, str) and VISIBLE.fullmatch(token)):
             raise ValueError("token must be visible ASCII")
         self._base = str(base.with_query(None).with_fragment(None)).rstrip("/")
         self._lease = lease
