@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -136,15 +136,32 @@ def catch_all(handler: Any) -> web.Application:
     return app
 
 
+class ServedUpstream(Protocol):
+    """A test upstream: answers with `handle`, learns its `url`, and lets requests
+    it holds go once `release` is set."""
+
+    url: str
+    release: asyncio.Event
+
+    async def handle(self, request: web.Request) -> web.StreamResponse: ...
+
+
+UpstreamT = TypeVar("UpstreamT", bound=ServedUpstream)
+
+
 @asynccontextmanager
-async def recording_upstream() -> AsyncIterator[RecordingUpstream]:
-    upstream = RecordingUpstream()
+async def served_upstream(upstream: UpstreamT) -> AsyncIterator[UpstreamT]:
+    """`upstream` on a loopback port; requests it still holds are let go at the end."""
     async with serving(catch_all(upstream.handle)) as url:
         upstream.url = url
         try:
             yield upstream
         finally:
             upstream.release.set()
+
+
+def recording_upstream() -> AbstractAsyncContextManager[RecordingUpstream]:
+    return served_upstream(RecordingUpstream())
 
 
 def free_port() -> int:

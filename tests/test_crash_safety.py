@@ -25,8 +25,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from .harness import catch_all, free_port, serving
+from .harness import free_port, served_upstream
 
 pytestmark = pytest.mark.slow
 
@@ -69,15 +69,8 @@ class Upstream:
         return web.json_response({"ok": True}, status=201)
 
 
-@asynccontextmanager
-async def upstream_server() -> AsyncIterator[Upstream]:
-    upstream = Upstream()
-    async with serving(catch_all(upstream.handle)) as url:
-        upstream.url = url
-        try:
-            yield upstream
-        finally:
-            upstream.release.set()
+def upstream_server() -> AbstractAsyncContextManager[Upstream]:
+    return served_upstream(Upstream())
 
 
 # --- the gateway process ------------------------------------------------------------------
