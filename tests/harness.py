@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
+import pytest
 from aiohttp import web
 from yarl import URL
 
@@ -162,6 +163,32 @@ async def served_upstream(upstream: UpstreamT) -> AsyncIterator[UpstreamT]:
 
 def recording_upstream() -> AbstractAsyncContextManager[RecordingUpstream]:
     return served_upstream(RecordingUpstream())
+
+
+async def wait_until_ok(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    exited: Callable[[], str | None],
+    within: float = 30.0,
+) -> None:
+    """Poll `url` until it answers 200. `exited()` says why the process behind it
+    is gone (None while it runs): the wait fails at once with that, or after
+    `within` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline:
+        gone = exited()
+        if gone is not None:
+            pytest.fail(gone)
+        try:
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{url} did not answer 200 within {within:g} s")
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from .harness import free_port, served_upstream
+from .harness import free_port, served_upstream, wait_until_ok
 
 pytestmark = pytest.mark.slow
 
@@ -112,16 +112,13 @@ class GatewayProcess:
                 stdout=log,
                 stderr=log,
             )
-        for _ in range(300):  # bounded: up to ~30 s for the process to listen
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                async with session.get(f"{self.url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-        raise AssertionError("the gateway did not come up")
+        await wait_until_ok(session, f"{self.url}/healthz", exited=self._exited)
+
+    def _exited(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            return None
+        return f"gateway exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
 
     def kill(self) -> None:
         assert self.proc is not None

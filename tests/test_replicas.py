@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .harness import RecordingUpstream, free_port, recording_upstream
+from .harness import RecordingUpstream, free_port, recording_upstream, wait_until_ok
 from .pg import fresh_database
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -122,19 +122,13 @@ async def start_replica(directory: Path, store_url: str, upstream: str) -> Repli
 
 
 async def wait_ready(replica: Replica, session: aiohttp.ClientSession) -> None:
-    """Poll /readyz (the store answers) until 200; fail if the process exits."""
-    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-    while asyncio.get_running_loop().time() < deadline:
-        if replica.process.returncode is not None:
-            pytest.fail(f"replica exited {replica.process.returncode}: {replica.log.read_text()}")
-        try:
-            async with session.get(f"{replica.url}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.05)
-    pytest.fail(f"replica not ready in {START_TIMEOUT_S}s: {replica.log.read_text()}")
+    """Poll /readyz (the store can take a write) until 200; fail if the process exits."""
+
+    def exited() -> str | None:
+        code = replica.process.returncode
+        return None if code is None else f"replica exited {code}: {replica.log.read_text()}"
+
+    await wait_until_ok(session, f"{replica.url}/readyz", exited=exited, within=START_TIMEOUT_S)
 
 
 async def stop(replica: Replica) -> int:
