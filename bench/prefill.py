@@ -1,6 +1,6 @@
 """Pre-fill a gateway SQLite store with N idempotency records and N/10 jobs.
 
-Rows go straight into the gateway's tables (schema of gateway/sqlite_store.py,
+Rows go straight into the gateway's tables (schema of gateway/store/sqlite.py,
 created by the gateway itself on its first start): N completed idempotency
 records of destination `bench` with a stored 200 answer, and N/10 jobs, each
 with an active lease and a fence mark. Timestamps are recent, so retention
@@ -27,8 +27,8 @@ def _tables(conn: sqlite3.Connection) -> set[str]:
 
 def prefill_sqlite(db_path: Path, records: int, log: Callable[[str], None]) -> bool:
     """Insert the rows; False (and nothing changed) when the schema isn't the expected one."""
-    if not (REPO / "gateway" / "sqlite_store.py").exists():
-        log("gateway/sqlite_store.py is missing: --prefill skipped")
+    if not (REPO / "gateway" / "store" / "sqlite.py").exists():
+        log("gateway/store/sqlite.py is missing: --prefill skipped")
         return False
     conn = sqlite3.connect(db_path, isolation_level=None)
     try:

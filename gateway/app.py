@@ -14,18 +14,18 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .admin import add_health_routes, admin_bind_allowed, create_admin_app
-from .appkeys import CONFIG, METRICS, STORE
-from .config import Config, redact_url
-from .errors import Rejection
-from .handlers import WriteGateway, parse_target
-from .lease_api import add_lease_routes
-from .metrics import Metrics
-from .openapi import add_openapi_route
-from .problem import problem_response, router_refusal
-from .server import GatewayRunner
-from .store import Clock, Store, open_store
-from .upstream import Upstreams
+from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
+from gateway.http.appkeys import CONFIG, METRICS, STORE
+from gateway.config.model import Config, redact_url
+from gateway.errors import Rejection
+from gateway.write.route import WriteGateway, parse_target
+from gateway.http.leases import add_lease_routes
+from gateway.telemetry.metrics import Metrics
+from gateway.http.openapi import add_openapi_route
+from gateway.http.problem import problem_response, router_refusal
+from gateway.http.server import GatewayRunner
+from gateway.store.protocol import Clock, Store, open_store
+from gateway.write.upstream import Upstreams
 
 log = structlog.get_logger("gateway.app")
 
@@ -157,7 +157,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
         admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, *config.admin_listen).start()
-        from .janitor import run_janitor
+        from gateway.store.janitor import run_janitor
 
         janitor = asyncio.create_task(
             run_janitor(

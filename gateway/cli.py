@@ -17,9 +17,9 @@ import structlog
 
 from leases.errors import LeaseError
 
-from .config import Config, format_duration, format_size, load_config, redact_url
-from .errors import ConfigError, GatewayError
-from .logs import LEVELS, configure_logging
+from gateway.config.model import Config, format_duration, format_size, load_config, redact_url
+from gateway.errors import ConfigError, GatewayError
+from gateway.telemetry.logs import LEVELS, configure_logging
 
 PROG = "sinkgate"
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["chaos"]:
         # chaos defines its own flags (and --help): everything after the word is theirs.
-        return _delegate("gateway.chaos", "chaos", argv[1:])
+        return _delegate("gateway.tools.chaos.run", "chaos", argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args)
     if args.command == "demo":
-        return _delegate("gateway.demo", "demo", args)
+        return _delegate("gateway.tools.demo", "demo", args)
     if args.command == "rejections":
-        return _delegate("gateway.admin_cli", "rejections", args)
+        return _delegate("gateway.admin.cli", "rejections", args)
     parser.print_help(sys.stderr)
     return 2
 
@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         "config_loaded", config=str(config.source), destinations=sorted(config.destinations)
     )
 
-    from .app import serve
+    from gateway.app import serve
 
     try:
         _run(serve(config))

@@ -78,10 +78,10 @@ async def _http_backend(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Lease
     """The HTTP lease client against the gateway's live lease API on loopback."""
     from aiohttp import web
 
-    from gateway.appkeys import METRICS, STORE
-    from gateway.lease_api import add_lease_routes
-    from gateway.metrics import Metrics
-    from gateway.sqlite_store import SQLiteStore
+    from gateway.http.appkeys import METRICS, STORE
+    from gateway.http.leases import add_lease_routes
+    from gateway.telemetry.metrics import Metrics
+    from gateway.store.sqlite import SQLiteStore
     from leases.http import HTTPLeaseStore
 
     server_store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'gateway.db'}", clock=clock)

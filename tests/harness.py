@@ -22,12 +22,12 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.app import create_app
-from gateway.config import Config, DestinationConfig
-from gateway.decision import Fencing
-from gateway.postgres_store import PostgresStore
-from gateway.server import GatewayRunner
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import Store
+from gateway.config.model import Config, DestinationConfig
+from gateway.write.decision import Fencing
+from gateway.store.postgres import PostgresStore
+from gateway.http.server import GatewayRunner
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import Store
 
 
 class FakeClock:

@@ -14,12 +14,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin import admin_bind_allowed, create_admin_app
-from gateway.admin_views import encode_cursor
-from gateway.decision import Fencing, WriteFacts
-from gateway.metrics import Metrics
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import Outcome, RejectionRecord, WriteContext
+from gateway.admin.api import admin_bind_allowed, create_admin_app
+from gateway.admin.views import encode_cursor
+from gateway.write.decision import Fencing, WriteFacts
+from gateway.telemetry.metrics import Metrics
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import Outcome, RejectionRecord, WriteContext
 from tests.conftest import FakeClock
 
 TOKEN = "admin-token-for-tests"
@@ -487,7 +487,7 @@ async def test_readyz_and_admin_answer_503_when_the_store_is_closed(client, stor
 
 
 async def test_metrics_after_a_known_sequence(client, metrics, store):
-    from gateway.janitor import purge_once
+    from gateway.store.janitor import purge_once
 
     for decision in ("forwarded", "forwarded", "rejected", "replayed"):
         metrics.writes.labels(destination="payments", decision=decision).inc()

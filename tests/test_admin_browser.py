@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.admin import create_admin_app
-from gateway.metrics import Metrics
-from gateway.server import GatewayRunner
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import RejectionRecord
+from gateway.admin.api import create_admin_app
+from gateway.telemetry.metrics import Metrics
+from gateway.http.server import GatewayRunner
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import RejectionRecord
 from tests.conftest import FakeClock
 
 TOKEN = "browser-test-token"

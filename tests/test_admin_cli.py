@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 import pytest
 from aiohttp import web
 
-from gateway.admin import create_admin_app
-from gateway.admin_cli import _more_hint, add_arguments, main, to_rfc3339
-from gateway.metrics import Metrics
-from gateway.server import GatewayRunner
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import RejectionRecord
+from gateway.admin.api import create_admin_app
+from gateway.admin.cli import _more_hint, add_arguments, main, to_rfc3339
+from gateway.telemetry.metrics import Metrics
+from gateway.http.server import GatewayRunner
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import RejectionRecord
 
 TOKEN = "cli-test-token"
 

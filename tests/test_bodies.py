@@ -9,7 +9,7 @@ import pytest
 from aiohttp import streams
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.bodies import read_body
+from gateway.http.bodies import read_body
 from gateway.errors import Rejection
 
 

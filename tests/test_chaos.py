@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gateway import chaos
-from gateway.chaos_destination import FAULT_KINDS
-from gateway.chaos_judge import FinalLease, judge
+from gateway.tools.chaos import run as chaos
+from gateway.tools.chaos.destination import FAULT_KINDS
+from gateway.tools.chaos.judge import FinalLease, judge
 
 # --- the judge ---------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ import pytest
 import structlog
 
 from gateway import cli
-from gateway.config import Config
-from gateway.logs import configure_logging
+from gateway.config.model import Config
+from gateway.telemetry.logs import configure_logging
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "config" / "gateway.toml"
@@ -139,14 +139,14 @@ def fake_module(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
 
 
 def test_chaos_gets_every_argument_after_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "gateway.chaos")
+    calls = fake_module(monkeypatch, "gateway.tools.chaos.run")
     argv = ["chaos", "--workers", "5", "--bypass-gateway", "--help", "extra"]
     assert cli.main(argv) == 7
     assert calls == [["--workers", "5", "--bypass-gateway", "--help", "extra"]]
 
 
 def test_rejections_passes_its_parsed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "gateway.admin_cli")
+    calls = fake_module(monkeypatch, "gateway.admin.cli")
     monkeypatch.delenv("SINKGATE_ADMIN_URL", raising=False)
     argv = ["rejections", "--reason", "stale_generation", "--since", "1h", "--limit", "5"]
     assert cli.main(argv) == 7
@@ -168,7 +168,7 @@ def test_rejections_refuses_a_limit_over_1000(capsys: pytest.CaptureFixture[str]
 
 
 def test_demo_runs_the_demo_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "gateway.demo")
+    calls = fake_module(monkeypatch, "gateway.tools.demo")
     assert cli.main(["demo"]) == 7
     assert calls[0].command == "demo"
 

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.config import (
+from gateway.config.model import (
     Config,
     DestinationConfig,
     format_duration,
@@ -21,7 +21,7 @@ from gateway.config import (
     parse_upstream,
     redact_url,
 )
-from gateway.decision import Fencing
+from gateway.write.decision import Fencing
 from gateway.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

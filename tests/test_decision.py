@@ -1,4 +1,4 @@
-"""gateway.decision.decide as plain tables: (facts, stored state, now) -> verdict."""
+"""gateway.write.decision.decide as plain tables: (facts, stored state, now) -> verdict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.decision import (
+from gateway.write.decision import (
     RESERVATION_GRACE_S,
     Fencing,
     Forward,

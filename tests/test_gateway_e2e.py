@@ -11,9 +11,9 @@ import pytest
 import structlog
 from multidict import CIMultiDict
 
-from gateway import decision as decision_module
-from gateway.decision import Fencing
-from gateway.store import RejectionQuery
+from gateway.write import decision as decision_module
+from gateway.write.decision import Fencing
+from gateway.store.protocol import RejectionQuery
 
 from .harness import (
     Gateway,
@@ -630,7 +630,7 @@ async def test_unknown_destinations_share_one_metric_series(gw: Gateway) -> None
     """`/to/<random>` must not create a metric series per name sent."""
     for name in ("a1", "b2", "c3"):
         assert_rejected(await gw.write(f"/to/{name}/x"), 404, "unknown_destination")
-    from gateway.appkeys import METRICS
+    from gateway.http.appkeys import METRICS
 
     text = gw.app[METRICS].render()[0].decode()
     assert 'sinkgate_writes_total{decision="rejected",destination="(unknown)"} 3.0' in text

@@ -24,15 +24,16 @@ import pytest
 from aiohttp import http_exceptions, web
 from yarl import URL
 
-from gateway import admin, bodies
-from gateway.admin import create_admin_app
+from gateway.admin import api as admin
+from gateway.http import bodies
+from gateway.admin.api import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
-from gateway.appkeys import CONFIG, METRICS
-from gateway.decision import Fencing
-from gateway.handlers import origin_form
-from gateway.server import GatewayRunner, parse_error_rejection
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import RejectionQuery
+from gateway.http.appkeys import CONFIG, METRICS
+from gateway.write.decision import Fencing
+from gateway.write.route import origin_form
+from gateway.http.server import GatewayRunner, parse_error_rejection
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import RejectionQuery
 from leases.sqlite import sqlite_path
 
 from .harness import FakeClock, Gateway, RecordingUpstream, destination, make_config

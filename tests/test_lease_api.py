@@ -18,10 +18,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 from yarl import URL
 
-from gateway.appkeys import METRICS, STORE
-from gateway.lease_api import MAX_BODY, add_lease_routes
-from gateway.metrics import Metrics
-from gateway.sqlite_store import SQLiteStore
+from gateway.http.appkeys import METRICS, STORE
+from gateway.http.leases import MAX_BODY, add_lease_routes
+from gateway.telemetry.metrics import Metrics
+from gateway.store.sqlite import SQLiteStore
 
 T0 = 1_800_000_000.0
 RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_config
+from gateway.config.model import load_config
 from gateway.errors import ConfigError
 from leases import StoreUnavailable, open_store
 

@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.appkeys import METRICS, STORE
-from gateway.lease_api import add_lease_routes
-from gateway.metrics import Metrics
-from gateway.sqlite_store import SQLiteStore
+from gateway.http.appkeys import METRICS, STORE
+from gateway.http.leases import add_lease_routes
+from gateway.telemetry.metrics import Metrics
+from gateway.store.sqlite import SQLiteStore
 from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold, open_store
 from leases.http import HTTPLeaseStore
 

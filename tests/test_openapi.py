@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
 from schemathesis.checks import positive_data_acceptance
 
-from gateway.admin import create_admin_app
-from gateway.appkeys import METRICS
-from gateway.openapi import build_document
-from gateway.server import GatewayRunner
+from gateway.admin.api import create_admin_app
+from gateway.http.appkeys import METRICS
+from gateway.http.openapi import build_document
+from gateway.http.server import GatewayRunner
 
 from .harness import (
     destination,

@@ -4,7 +4,7 @@ gateway allows satisfy the contract's invariants (SPEC 2 steps 6-8, SPEC 8).
 
 Two backends run the same sequences through the same checker:
 
-- `ModelBackend`: a small in-memory store that calls `gateway.decision.decide`
+- `ModelBackend`: a small in-memory store that calls `gateway.write.decision.decide`
   and the `leases.model` transitions exactly as `SQLiteStore` does (read the
   state, decide, apply the verdict);
 - `SQLiteBackend`: the real `SQLiteStore` on a fresh file with a fake clock.
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.decision import (
+from gateway.write.decision import (
     Fencing,
     Forward,
     KeyRecord,
@@ -39,8 +39,8 @@ from gateway.decision import (
     fingerprint,
     reservation_deadline,
 )
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import Outcome, WriteContext
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import Outcome, WriteContext
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost
 from leases.model import Lease, LeaseRow, State

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway import app as app_module
-from gateway import janitor as janitor_module
+from gateway.store import janitor as janitor_module
 
 from .harness import make_config
 

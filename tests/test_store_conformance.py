@@ -18,8 +18,8 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway import postgres_store
-from gateway.decision import (
+from gateway.store import postgres as postgres_store
+from gateway.write.decision import (
     RESERVATION_GRACE_S,
     Fencing,
     Forward,
@@ -28,9 +28,9 @@ from gateway.decision import (
     Replay,
     WriteFacts,
 )
-from gateway.postgres_store import PostgresStore
-from gateway.sqlite_store import SQLiteStore
-from gateway.store import (
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SQLiteStore
+from gateway.store.protocol import (
     AttemptIds,
     Outcome,
     RejectionQuery,

@@ -31,10 +31,10 @@ from aiohttp import web
 from leases import JobCompleted, LeaseLost, open_store
 from leases.writer import FencedWriter, GatewayRejected
 
-from .app import create_app
-from .config import Config, DestinationConfig
-from .logs import configure_logging
-from .server import GatewayRunner
+from gateway.app import create_app
+from gateway.config.model import Config, DestinationConfig
+from gateway.telemetry.logs import configure_logging
+from gateway.http.server import GatewayRunner
 
 JOB = "job-42"
 PAUSE_S = 0.6

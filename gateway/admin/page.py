@@ -1,7 +1,7 @@
 """The admin listener's HTML page: the rejected-writes listing, one rejection, and
 the sign-in form that checks the admin token and sets the session cookie.
 
-Markup is filled from gateway/templates by `render`, which escapes every value
+Markup is filled from gateway/admin/templates by `render`, which escapes every value
 that is not `Safe` (a fragment built here from escaped parts). The page reads
 rejections through the same parsing and shapes as the JSON API (`admin_views`).
 """
@@ -20,8 +20,8 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from .admin import SESSION_COOKIE, SESSION_TTL_S
-from .admin_views import (
+from gateway.admin.api import SESSION_COOKIE, SESSION_TTL_S
+from gateway.admin.views import (
     FILTERS,
     RECORDED_REASONS,
     fetch_page,
@@ -30,12 +30,12 @@ from .admin_views import (
     rejection_item,
     rfc3339,
 )
-from .bodies import read_body
-from .errors import Rejection
-from .store import Store, StoredRejection
+from gateway.http.bodies import read_body
+from gateway.errors import Rejection
+from gateway.store.protocol import Store, StoredRejection
 
 if TYPE_CHECKING:
-    from .admin import _Auth
+    from gateway.admin.api import _Auth
 
 LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
 log = structlog.get_logger("sinkgate.admin")
@@ -49,7 +49,7 @@ class Safe(str):
 
 
 def render(template: str, **values: object) -> str:
-    """Fill a `string.Template` from gateway/templates, escaping every value not `Safe`."""
+    """Fill a `string.Template` from gateway/admin/templates, escaping every value not `Safe`."""
     return _template(template).substitute(
         {k: v if isinstance(v, Safe) else html.escape(str(v)) for k, v in values.items()}
     )
@@ -57,7 +57,7 @@ def render(template: str, **values: object) -> str:
 
 @functools.cache
 def _template(name: str) -> string.Template:
-    return string.Template(resources.files("gateway").joinpath("templates", name).read_text())
+    return string.Template(resources.files("gateway.admin").joinpath("templates", name).read_text())
 
 
 def html_response(

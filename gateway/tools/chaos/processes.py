@@ -90,7 +90,7 @@ class Managed:
 
 
 class Destination(Managed):
-    """The recording destination (gateway.chaos_destination) on a free loopback port."""
+    """The recording destination (gateway.tools.chaos.destination) on a free loopback port."""
 
     def __init__(
         self, workdir: Path, *, seed: int, fault_rate: float, max_latency: float, idempotent: bool
@@ -98,7 +98,7 @@ class Destination(Managed):
         argv = [
             sys.executable,
             "-m",
-            "gateway.chaos_destination",
+            "gateway.tools.chaos.destination",
             "--port",
             "0",
             "--seed",
@@ -126,7 +126,7 @@ class Destination(Managed):
         self.url = f"http://127.0.0.1:{int(words[1])}"
 
     async def record(self, session: aiohttp.ClientSession) -> dict[str, object]:
-        from .chaos_destination import RECORD_PATH
+        from gateway.tools.chaos.destination import RECORD_PATH
 
         async with session.get(self.url + RECORD_PATH) as resp:
             resp.raise_for_status()

@@ -62,7 +62,7 @@ from leases.postgres import (
     require_durable_commit,
 )
 
-from .decision import (
+from gateway.write.decision import (
     Fencing,
     Forward,
     KeyRecord,
@@ -74,7 +74,7 @@ from .decision import (
     decide,
     reservation_deadline,
 )
-from .store import (
+from gateway.store.protocol import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,

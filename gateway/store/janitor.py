@@ -14,9 +14,9 @@ import time
 
 import structlog
 
-from .errors import StoreUnavailable
-from .metrics import Metrics
-from .store import Store
+from gateway.errors import StoreUnavailable
+from gateway.telemetry.metrics import Metrics
+from gateway.store.protocol import Store
 
 log = structlog.get_logger("sinkgate.janitor")
 

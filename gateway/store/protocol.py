@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from leases.model import Lease, LeaseRow
 
-from .decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
+from gateway.write.decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
 
 Clock = Callable[[], float]
 
@@ -243,11 +243,11 @@ async def open_store(
     """
     scheme = url.split(":", 1)[0].lower()
     if scheme == "sqlite":
-        from .sqlite_store import SQLiteStore
+        from gateway.store.sqlite import SQLiteStore
 
         return await SQLiteStore.open(url, clock=clock, **options)
     if scheme in ("postgresql", "postgres"):
-        from .postgres_store import PostgresStore
+        from gateway.store.postgres import PostgresStore
 
         if pool_size is not None:
             options.setdefault("max_size", pool_size)

@@ -22,12 +22,12 @@ from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease
 
-from .appkeys import METRICS, STORE
-from .auth import bearer_matches
-from .bodies import read_body
-from .errors import WORKER_CHALLENGE, Rejection
-from .problem import invalid_request, problem_response
-from .store import Store
+from gateway.http.appkeys import METRICS, STORE
+from gateway.http.auth import bearer_matches
+from gateway.http.bodies import read_body
+from gateway.errors import WORKER_CHALLENGE, Rejection
+from gateway.http.problem import invalid_request, problem_response
+from gateway.store.protocol import Store
 
 log = structlog.get_logger("gateway.lease_api")
 

@@ -28,8 +28,8 @@ from aiohttp.http_exceptions import (
     PayloadEncodingError,
 )
 
-from .errors import Rejection
-from .problem import invalid_request, problem_response
+from gateway.errors import Rejection
+from gateway.http.problem import invalid_request, problem_response
 
 # Parser errors whose message quotes the request's own bytes: named by class
 # instead, so no answer echoes what the client sent. Subclasses come first.

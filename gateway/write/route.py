@@ -22,15 +22,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from leases.errors import StoreUnavailable
 from leases.model import IDENT, MAX_GENERATION, VISIBLE
 
-from .auth import bearer_matches
-from .bodies import read_body
-from .config import Config, DestinationConfig
-from .decision import Forward, Reject, Replay, WriteFacts, fingerprint
-from .errors import WORKER_CHALLENGE, Rejection
-from .metrics import Metrics
-from .problem import problem_response
-from .store import Outcome, RejectionRecord, Store, WriteContext
-from .upstream import ForwardFailed, UpstreamAnswer, Upstreams, forward_headers, upstream_url
+from gateway.http.auth import bearer_matches
+from gateway.http.bodies import read_body
+from gateway.config.model import Config, DestinationConfig
+from gateway.write.decision import Forward, Reject, Replay, WriteFacts, fingerprint
+from gateway.errors import WORKER_CHALLENGE, Rejection
+from gateway.telemetry.metrics import Metrics
+from gateway.http.problem import problem_response
+from gateway.store.protocol import Outcome, RejectionRecord, Store, WriteContext
+from gateway.write.upstream import ForwardFailed, UpstreamAnswer, Upstreams, forward_headers, upstream_url
 
 log = structlog.get_logger("gateway.write")
 

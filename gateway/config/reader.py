@@ -27,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from leases.model import VISIBLE
 
-from .errors import ConfigError
+from gateway.errors import ConfigError
 
 _T = TypeVar("_T")
 

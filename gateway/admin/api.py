@@ -29,7 +29,7 @@ from aiohttp import web
 
 from leases.model import IDENT
 
-from .admin_views import (
+from gateway.admin.views import (
     DECIMAL_ID,
     fetch_page,
     find_rejection,
@@ -39,13 +39,13 @@ from .admin_views import (
     parse_rejection_query,
     rejection_item,
 )
-from .errors import Rejection, StoreUnavailable
-from .metrics import Metrics
-from .problem import problem_response, router_refusal
-from .store import Store
+from gateway.errors import Rejection, StoreUnavailable
+from gateway.telemetry.metrics import Metrics
+from gateway.http.problem import problem_response, router_refusal
+from gateway.store.protocol import Store
 
 if TYPE_CHECKING:
-    from .admin_page import Page
+    from gateway.admin.page import Page
 
 log = structlog.get_logger("sinkgate.admin")
 
@@ -68,7 +68,7 @@ def create_admin_app(
 ) -> web.Application:
     """The admin listener's app. `token=None` leaves /admin open (loopback only,
     see `admin_bind_allowed`). `clock` only times login sessions."""
-    from .admin_page import Page  # not at the top: admin_page imports this module
+    from gateway.admin.page import Page  # not at the top: admin_page imports this module
 
     auth = _Auth(token, clock)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
@@ -182,7 +182,7 @@ class _Auth:
             return await handler(request)
         log.warning("admin_unauthorized", path=path, remote=request.remote)
         if wants_html(request):
-            from .admin_page import login_page  # not at the top: see create_admin_app
+            from gateway.admin.page import login_page  # not at the top: see create_admin_app
 
             return login_page(request, status=401, message=None)
         response = problem_response(

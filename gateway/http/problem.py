@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import Rejection
+from gateway.errors import Rejection
 
 PROBLEM_JSON = "application/problem+json"
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from leases.model import LOST_REASONS, MAX_GENERATION, TTL_MAX, TTL_MIN
 
-from .errors import STATUS_BY_REASON
+from gateway.errors import STATUS_BY_REASON
 
 IDENT_PATTERN = "^[\\x21-\\x7e]{1,256}$"
 PROBLEM_JSON = "application/problem+json"

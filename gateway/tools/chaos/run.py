@@ -35,10 +35,10 @@ from leases import StoreUnavailable
 from leases.http import HTTPLeaseStore
 from leases.model import validate_ttl
 
-from .chaos_judge import INVARIANTS, FinalLease, Verdict, judge
-from .chaos_procs import Destination, GatewayProcess, ProcessFailed
-from .chaos_worker import RunContext, Tally, job_keys, run_worker
-from .logs import configure_logging
+from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
+from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
+from gateway.telemetry.logs import configure_logging
 
 GATEWAY_TIMEOUT_S = 2.0
 

@@ -12,7 +12,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from .config import HOP_BY_HOP, DestinationConfig
+from gateway.config.model import HOP_BY_HOP, DestinationConfig
 
 # Set by the client library for the forwarded request itself.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}

@@ -24,7 +24,7 @@ from leases.sqlite import (
     read_lease,
 )
 
-from .decision import (
+from gateway.write.decision import (
     Fencing,
     Forward,
     KeyRecord,
@@ -36,7 +36,7 @@ from .decision import (
     decide,
     reservation_deadline,
 )
-from .store import (
+from gateway.store.protocol import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,

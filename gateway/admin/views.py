@@ -21,10 +21,10 @@ from typing import Any
 
 from leases.model import IDENT, LOST_REASONS, MAX_GENERATION, expires_in
 
-from .decision import KeyRecord
-from .errors import STATUS_BY_REASON, Rejection
-from .problem import invalid_request
-from .store import JobState, RejectionQuery, Store, StoredRejection
+from gateway.write.decision import KeyRecord
+from gateway.errors import STATUS_BY_REASON, Rejection
+from gateway.http.problem import invalid_request
+from gateway.store.protocol import JobState, RejectionQuery, Store, StoredRejection
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000

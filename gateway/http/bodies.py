@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import Rejection
+from gateway.errors import Rejection
 
 # A body that trickles in slower than this ties up a connection and a slot for
 # nothing: 408 (RFC 9110 15.5.9), problem+json like every refusal; the

@@ -11,7 +11,7 @@ environment variable in the files, read here, and kept out of every repr.
 
 The typed reading of values and tables (durations, sizes, addresses, "did you
 mean" hints, secrets) lives in `config_reader`; its public parsers are
-re-exported here, so `gateway.config` stays the one import for callers.
+re-exported here, so `gateway.config.model` stays the one import for callers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from .config_reader import (
+from gateway.config.reader import (
     MiB,
     Table,
     bearer_tokens,
@@ -39,8 +39,8 @@ from .config_reader import (
     secret,
     show,
 )
-from .decision import Fencing
-from .errors import ConfigError
+from gateway.write.decision import Fencing
+from gateway.errors import ConfigError
 
 __all__ = [
     "CONFIG_ENV",

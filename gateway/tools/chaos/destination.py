@@ -17,7 +17,7 @@ The two drops are the cases a gateway cannot tell apart: both leave the key's
 outcome `unknown`. With `--idempotent` the destination deduplicates by
 `Idempotency-Key` itself, as a destination declared `upstream_idempotent` does.
 
-    python -m gateway.chaos_destination --port 0 --seed 7 --fault-rate 0.2
+    python -m gateway.tools.chaos.destination --port 0 --seed 7 --fault-rate 0.2
 
 prints `READY <port>` once listening. `GET /_chaos/record` returns the record.
 It is a separate process so that `kill -9` of gateway processes never touches it.

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .metrics import Metrics
-    from .store import Store
+    from gateway.config.model import Config
+    from gateway.telemetry.metrics import Metrics
+    from gateway.store.protocol import Store
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
 STORE: web.AppKey[Store] = web.AppKey("store")
