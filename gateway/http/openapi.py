@@ -3,7 +3,7 @@ served at `GET /openapi.json` on the main listener.
 
 Built from the same tables the handlers use (reason codes and their statuses,
 the id alphabet, the ttl range), so the document cannot drift from them
-silently; `tests/test_openapi.py` runs schemathesis against a live gateway to
+silently; `tests/e2e/test_openapi.py` runs schemathesis against a live gateway to
 check that the server answers what the document says.
 """
 

@@ -12,7 +12,7 @@ answers a parse error through `RequestHandler.handle_error(request, 400,
 <HttpProcessingError>)`, `Server.__call__` is the connection factory (built
 from the server's `_loop` and `_kwargs`), and `AppRunner._make_server` makes
 the `Server`. pyproject.toml bounds aiohttp to the versions this is checked
-against; tests/test_hardening.py checks the answers on both listeners.
+against; tests/e2e/test_hardening.py checks the answers on both listeners.
 """
 
 from __future__ import annotations

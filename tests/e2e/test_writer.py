@@ -36,7 +36,7 @@ from leases.writer import (
     derive_key,
 )
 
-from .harness import (
+from tests.harness import (
     RecordingUpstream,
     destination,
     free_port,

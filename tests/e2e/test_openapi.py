@@ -34,7 +34,7 @@ from gateway.http.appkeys import METRICS
 from gateway.http.openapi import build_document
 from gateway.http.server import GatewayRunner
 
-from .harness import (
+from tests.harness import (
     destination,
     make_config,
     recording_upstream,

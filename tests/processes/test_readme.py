@@ -8,9 +8,9 @@ import re
 import sys
 from pathlib import Path
 
-from .harness import destination, make_config, recording_upstream, running_gateway
+from tests.harness import destination, make_config, recording_upstream, running_gateway
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def worker_example() -> str:

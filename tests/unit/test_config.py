@@ -24,7 +24,7 @@ from gateway.config.model import (
 from gateway.write.decision import Fencing
 from gateway.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"
 SECRET = "s3cr3t-value-that-must-not-leak"
 

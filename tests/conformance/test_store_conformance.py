@@ -42,7 +42,7 @@ from gateway.store.protocol import (
 from leases.errors import StoreUnavailable
 from tests.conftest import FakeClock
 
-from .pg import fresh_database
+from tests.pg import fresh_database
 
 TIMEOUT = 5.0
 CONTEXT = WriteContext(remote="127.0.0.1", body_sha256="ab" * 32, body_bytes=15)

@@ -22,12 +22,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .harness import RecordingUpstream, free_port, recording_upstream, wait_until_ok
-from .pg import fresh_database
+from tests.harness import RecordingUpstream, free_port, recording_upstream, wait_until_ok
+from tests.pg import fresh_database
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 20.0
 

@@ -15,7 +15,7 @@ from gateway.write import decision as decision_module
 from gateway.write.decision import Fencing
 from gateway.store.protocol import RejectionQuery
 
-from .harness import (
+from tests.harness import (
     Gateway,
     RecordingUpstream,
     destination,
@@ -24,7 +24,7 @@ from .harness import (
     recording_upstream,
     running_gateway,
 )
-from .pg import fresh_database
+from tests.pg import fresh_database
 
 
 @pytest.fixture

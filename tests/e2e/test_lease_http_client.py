@@ -26,7 +26,7 @@ from gateway.store.sqlite import SQLiteStore
 from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold, open_store
 from leases.http import HTTPLeaseStore
 
-from .conftest import FakeClock
+from tests.conftest import FakeClock
 
 
 @pytest.fixture

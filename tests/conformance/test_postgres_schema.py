@@ -24,7 +24,7 @@ from leases.postgres import (
 )
 from leases.store import open_store
 
-from .pg import fresh_database
+from tests.pg import fresh_database
 
 pytestmark = pytest.mark.postgres
 

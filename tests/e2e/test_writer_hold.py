@@ -8,7 +8,7 @@ import pytest
 
 from leases import FencedWriter, LeaseLost, hold
 
-from .harness import destination, make_config, recording_upstream, running_gateway
+from tests.harness import destination, make_config, recording_upstream, running_gateway
 
 
 async def test_writer_inside_hold_refuses_once_the_local_deadline_passed(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ from gateway.store.sqlite import SQLiteStore
 from gateway.store.protocol import RejectionQuery
 from leases.sqlite import sqlite_path
 
-from .harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
-from .harness import recording_upstream as _recording_upstream
+from tests.harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
+from tests.harness import recording_upstream as _recording_upstream
 
 ADMIN_TOKEN = "admin-token-for-hardening"
 WORKER_TOKEN = "worker-token-for-hardening"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from .pg import PG_ADMIN_URL, pg_skip_reason, skip_or_fail
+from tests.pg import PG_ADMIN_URL, pg_skip_reason, skip_or_fail
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

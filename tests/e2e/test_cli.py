@@ -20,7 +20,7 @@ from gateway import cli
 from gateway.config.model import Config
 from gateway.telemetry.logs import configure_logging
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"
 SECRET = "s3cr3t-value-that-must-not-leak"
 

@@ -12,7 +12,7 @@ from gateway.config.model import load_config
 from gateway.errors import ConfigError
 from leases import StoreUnavailable, open_store
 
-from .harness import destination, make_config, recording_upstream, running_gateway
+from tests.harness import destination, make_config, recording_upstream, running_gateway
 
 
 async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from gateway import app as app_module
 from gateway.store import janitor as janitor_module
 
-from .harness import make_config
+from tests.harness import make_config
 
 
 async def test_a_crashed_janitor_stops_the_gateway(tmp_path: Path, monkeypatch) -> None:
