@@ -15,17 +15,18 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
-from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.config.model import Config, redact_url
 from gateway.errors import Rejection
-from gateway.write.route import WriteGateway, parse_target
+from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
-from gateway.telemetry.metrics import Metrics
 from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import GatewayRunner
 from gateway.store.protocol import Clock, Store, open_store
+from gateway.telemetry.metrics import Metrics
+from gateway.write.route import WriteGateway, parse_target
 from gateway.write.upstream import Upstreams
+from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.app")
 
@@ -64,7 +65,7 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
         return problem_response(rejection)
     except Exception:
         log.exception("unhandled_error", path=request.path, method=request.method)
-        return problem_response(Rejection("internal_error", "unexpected error", status=500))
+        return problem_response(Rejection(Reason.INTERNAL_ERROR, "unexpected error", status=500))
 
 
 def create_app(

@@ -15,11 +15,10 @@ from typing import Any
 
 import structlog
 
-from leases.errors import LeaseError
-
 from gateway.config.model import Config, format_duration, format_size, load_config, redact_url
 from gateway.errors import ConfigError, GatewayError
 from gateway.telemetry.logs import LEVELS, configure_logging
+from leases.errors import LeaseError
 
 PROG = "sinkgate"
 

@@ -1,7 +1,7 @@
-"""One exception root for the gateway and the table of rejection reasons.
+"""One exception root for the gateway, and the answer a rejection becomes.
 
-Each reason the gateway can answer with has exactly one HTTP status here; the
-handlers raise `Rejection` and one place turns it into problem+json.
+Each reason's HTTP status comes from the table in `leases.reasons`; the handlers
+raise `Rejection` and one place turns it into problem+json.
 """
 
 from __future__ import annotations
@@ -11,42 +11,11 @@ from typing import Any
 # The store boundary raises the lease module's StoreUnavailable for every driver
 # or I/O failure, in both packages; the gateway answers it with 503 and fails closed.
 from leases.errors import StoreUnavailable as StoreUnavailable
+from leases.reasons import REASONS, title_of
 
-STATUS_BY_REASON: dict[str, int] = {
-    "unknown_destination": 404,
-    "method_not_allowed": 405,
-    "unauthorized": 401,
-    "body_too_large": 413,
-    "request_timeout": 408,
-    "missing_fencing_token": 400,
-    "invalid_fencing_token": 400,
-    "missing_idempotency_key": 400,
-    "invalid_idempotency_key": 400,
-    "invalid_path": 400,
-    "invalid_request": 400,
-    "lease_not_held": 409,
-    "stale_generation": 409,
-    "unknown_generation": 409,
-    "job_completed": 409,
-    "lease_expired": 409,
-    "owner_mismatch": 409,
-    "lease_held": 409,
-    "older_generation_in_flight": 409,
-    "idempotency_key_reused": 422,
-    "request_in_progress": 409,
-    "outcome_unknown": 409,
-    "upstream_unreachable": 502,
-    "upstream_disconnected": 502,
-    "upstream_timeout": 504,
-    "store_unavailable": 503,
-    "overloaded": 503,
-    "not_found": 404,
-    "duplicate": 200,
-}
-
-TITLE_BY_REASON: dict[str, str] = {
-    reason: reason.replace("_", " ").capitalize() for reason in STATUS_BY_REASON
-}
+# Derived from the one table of reasons (leases.reasons).
+STATUS_BY_REASON: dict[str, int] = {reason: info.status for reason, info in REASONS.items()}
+TITLE_BY_REASON: dict[str, str] = {reason: title_of(reason) for reason in REASONS}
 
 # The challenge a 401 carries (RFC 9110 11.6.1): worker and lease API tokens.
 WORKER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sinkgate"'}

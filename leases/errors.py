@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .reasons import Reason
+
 
 class LeaseError(Exception):
     """Root of every error the lease module raises on purpose.
@@ -25,7 +27,7 @@ class LeaseHeld(LeaseError):
     with that generation instead of idling until the lease runs out.
     """
 
-    reason = "lease_held"
+    reason = Reason.LEASE_HELD
 
     def __init__(
         self,
@@ -44,7 +46,7 @@ class LeaseHeld(LeaseError):
 class JobCompleted(LeaseError):
     """The job is done and can never be claimed again."""
 
-    reason = "job_completed"
+    reason = Reason.JOB_COMPLETED
 
     def __init__(self, job_id: str) -> None:
         super().__init__(f"job {job_id!r} is completed")
@@ -84,4 +86,4 @@ class StoreUnavailable(LeaseError):
     """The store could not be reached or failed; the operation's outcome is unknown
     only for the caller: the store either applied it whole or not at all."""
 
-    reason = "store_unavailable"
+    reason = Reason.STORE_UNAVAILABLE

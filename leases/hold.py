@@ -31,6 +31,7 @@ import structlog
 
 from .errors import LeaseLost, StoreUnavailable
 from .model import Lease, default_owner, validate_ttl
+from .reasons import Reason
 from .store import LeaseStore
 
 log = structlog.get_logger("leases.hold")
@@ -40,7 +41,7 @@ OnExit = Literal["complete", "release", "keep"]
 # Exit tasks given up on after `cancel_timeout`, kept referenced until they end.
 _abandoned: set[asyncio.Task[None]] = set()
 # A claim refused with these granted nothing: there is nothing to give back.
-_NOTHING_GRANTED = frozenset({"lease_held", "job_completed"})
+_NOTHING_GRANTED = frozenset({Reason.LEASE_HELD, Reason.JOB_COMPLETED})
 
 
 class Hold:
@@ -70,7 +71,7 @@ class Hold:
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is lost or the local deadline has passed."""
         if self.lost is None and self._monotonic() >= self.deadline:
-            self.lost = LeaseLost(self.lease.job_id, self.lease.generation, "lease_expired")
+            self.lost = LeaseLost(self.lease.job_id, self.lease.generation, Reason.LEASE_EXPIRED)
         if self.lost is not None:
             raise self.lost
 
@@ -161,7 +162,7 @@ async def hold(
             next_renewal = monotonic() + ttl * renew_fraction
             await asyncio.sleep(max(0.0, min(next_renewal, state.deadline) - monotonic()))
             if monotonic() >= state.deadline:
-                return lose("lease_expired")
+                return lose(Reason.LEASE_EXPIRED)
             sent = monotonic()
             try:
                 async with asyncio.timeout(max(0.0, state.deadline - sent)):
@@ -170,7 +171,7 @@ async def hold(
                 return lose(exc.reason, exc.current_generation)
             except (StoreUnavailable, TimeoutError):
                 if monotonic() >= state.deadline:
-                    return lose("store_unavailable")
+                    return lose(Reason.STORE_UNAVAILABLE)
                 continue  # transient: try again until the local deadline
             state.deadline = sent + ttl * (1 - safety_margin)
 

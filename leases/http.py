@@ -20,6 +20,7 @@ from yarl import URL
 from . import model
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease
+from .reasons import Reason
 from .store import Closing
 
 _LOST_REASONS = frozenset(model.LOST_REASONS)
@@ -92,7 +93,7 @@ class HTTPLeaseStore(Closing):
         if status == 200:
             return _lease(doc)
         reason = _reason(doc)
-        if reason == "lease_held":
+        if reason == Reason.LEASE_HELD:
             expires_in = doc.get("expires_in")
             holder = doc.get("owner")
             current = doc.get("current_generation")
@@ -103,7 +104,7 @@ class HTTPLeaseStore(Closing):
                     float(expires_in),
                     current if isinstance(current, int) and not isinstance(current, bool) else None,
                 )
-        elif reason == "job_completed":
+        elif reason == Reason.JOB_COMPLETED:
             raise JobCompleted(job_id)
         raise _unexpected(status, doc)
 
@@ -112,7 +113,7 @@ class HTTPLeaseStore(Closing):
         status, doc = await self._call("GET", job_id, None, None)
         if status == 200:
             return _lease(doc)
-        if status == 404 and _reason(doc) == "lease_not_held":
+        if status == 404 and _reason(doc) == Reason.LEASE_NOT_HELD:
             return None
         raise _unexpected(status, doc)
 
@@ -203,10 +204,10 @@ def _reason(doc: dict[str, Any]) -> str | None:
 def _unexpected(status: int, doc: dict[str, Any]) -> Exception:
     reason = _reason(doc)
     detail = doc.get("detail")
-    if status == 400 and reason == "invalid_request":
+    if status == 400 and reason == Reason.INVALID_REQUEST:
         # The gateway validated what this client already should have: same as locally.
         return ValueError(str(detail or "invalid request"))
-    if reason == "store_unavailable":
+    if reason == Reason.STORE_UNAVAILABLE:
         return StoreUnavailable(f"the gateway's store is unavailable: {detail}")
     return StoreUnavailable(f"unexpected lease API answer {status} {reason or ''}: {detail}")
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
+from .reasons import LOST_REASONS as LOST_REASONS
+from .reasons import Reason as Reason
+
 TTL_MIN = 0.05
 TTL_MAX = 86400.0
 MAX_GENERATION = 2**63 - 1
@@ -25,30 +28,6 @@ MAX_GENERATION = 2**63 - 1
 # owners; IDENT adds the 1-256 length of job ids and owners (SPEC 2 step 5).
 VISIBLE = re.compile(r"[\x21-\x7e]+")
 IDENT = re.compile(r"[\x21-\x7e]{1,256}")
-
-
-class Reason(StrEnum):
-    """Reason codes of the contract, shared by the lease API and the gateway."""
-
-    LEASE_HELD = "lease_held"
-    LEASE_NOT_HELD = "lease_not_held"
-    STALE_GENERATION = "stale_generation"
-    UNKNOWN_GENERATION = "unknown_generation"
-    JOB_COMPLETED = "job_completed"
-    LEASE_EXPIRED = "lease_expired"
-    OWNER_MISMATCH = "owner_mismatch"
-
-
-# What renew/complete/release (and a lease-mode fence) can be refused for, in
-# the contract's order (SPEC 2 step 6).
-LOST_REASONS: tuple[str, ...] = (
-    "lease_not_held",
-    "stale_generation",
-    "unknown_generation",
-    "job_completed",
-    "lease_expired",
-    "owner_mismatch",
-)
 
 
 class State(StrEnum):

@@ -30,6 +30,7 @@ from yarl import URL
 from . import model
 from .hold import HeldLease, Hold
 from .model import VISIBLE, Lease
+from .reasons import REASONS, Family, Reason, ReasonInfo
 
 __all__ = [
     "BadWrite",
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 255
-_RETRIED = frozenset({"older_generation_in_flight", "request_in_progress"})
+_RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
@@ -104,39 +105,30 @@ class GatewayUnavailable(GatewayRejected):
     retried with the same key (the gateway keeps at most one effect per key)."""
 
 
+# Reasons the client itself reports when it cannot reach the gateway at all.
+GATEWAY_UNREACHABLE = "gateway_unreachable"
+GATEWAY_TIMEOUT = "gateway_timeout"
+
+
+def _family_of(reason: Reason, info: ReasonInfo) -> type[GatewayRejected] | None:
+    if info.family is Family.FENCE:
+        # a fence refusal is final for this lease; the barrier is "not yet"
+        return DuplicateWrite if info.retry_later else StaleWrite
+    if info.family is Family.IDEMPOTENCY:
+        return None if reason is Reason.DUPLICATE else DuplicateWrite
+    if info.family in (Family.UPSTREAM, Family.GATEWAY) and reason is not Reason.INTERNAL_ERROR:
+        return GatewayUnavailable
+    return None  # request-shape reasons (and internal_error) are classified by status
+
+
 _FAMILY: dict[str, type[GatewayRejected]] = {
-    **dict.fromkeys(
-        (
-            "stale_generation",
-            "unknown_generation",
-            "lease_not_held",
-            "lease_expired",
-            "job_completed",
-            "owner_mismatch",
-        ),
-        StaleWrite,
-    ),
-    **dict.fromkeys(
-        (
-            "idempotency_key_reused",
-            "request_in_progress",
-            "outcome_unknown",
-            "older_generation_in_flight",
-        ),
-        DuplicateWrite,
-    ),
-    **dict.fromkeys(
-        (
-            "store_unavailable",
-            "overloaded",
-            "upstream_unreachable",
-            "upstream_timeout",
-            "upstream_disconnected",
-            "gateway_unreachable",
-            "gateway_timeout",
-        ),
-        GatewayUnavailable,
-    ),
+    **{
+        reason: family
+        for reason, info in REASONS.items()
+        if reason is not Reason.LEASE_HELD and (family := _family_of(reason, info)) is not None
+    },
+    GATEWAY_UNREACHABLE: GatewayUnavailable,
+    GATEWAY_TIMEOUT: GatewayUnavailable,
 }
 
 
@@ -380,11 +372,11 @@ class FencedWriter:
                 return resp.status, resp.headers, await resp.read()
         except TimeoutError as exc:
             raise GatewayUnavailable(
-                "gateway_timeout", None, f"no answer from the gateway: {exc!r}"
+                GATEWAY_TIMEOUT, None, f"no answer from the gateway: {exc!r}"
             ) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise GatewayUnavailable(
-                "gateway_unreachable", None, f"cannot reach the gateway: {exc!r}"
+                GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
 
 

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from leases.model import IDENT
-
 from gateway.admin.views import (
     DECIMAL_ID,
     fetch_page,
@@ -40,9 +38,11 @@ from gateway.admin.views import (
     rejection_item,
 )
 from gateway.errors import Rejection, StoreUnavailable
-from gateway.telemetry.metrics import Metrics
 from gateway.http.problem import problem_response, router_refusal
 from gateway.store.protocol import Store
+from gateway.telemetry.metrics import Metrics
+from leases.model import IDENT
+from leases.reasons import Reason
 
 if TYPE_CHECKING:
     from gateway.admin.page import Page
@@ -110,7 +110,7 @@ def add_health_routes(app: web.Application, store_of: Callable[[], Store]) -> No
                 await store_of().ping()
         except (StoreUnavailable, TimeoutError) as exc:
             return problem_response(
-                Rejection("store_unavailable", f"the store does not answer: {exc}")
+                Rejection(Reason.STORE_UNAVAILABLE, f"the store does not answer: {exc}")
             )
         return web.json_response({"status": "ok"})
 
@@ -186,7 +186,7 @@ class _Auth:
 
             return login_page(request, status=401, message=None)
         response = problem_response(
-            Rejection("unauthorized", "this route needs Authorization: Bearer <admin token>")
+            Rejection(Reason.UNAUTHORIZED, "this route needs Authorization: Bearer <admin token>")
         )
         response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
         return response
@@ -207,7 +207,7 @@ def _errors_middleware(metrics: Metrics) -> Any:
         except StoreUnavailable as exc:
             metrics.store_errors.labels(op="admin").inc()
             log.warning("admin_store_unavailable", path=request.path, error=str(exc))
-            return problem_response(Rejection("store_unavailable", str(exc)))
+            return problem_response(Rejection(Reason.STORE_UNAVAILABLE, str(exc)))
         except web.HTTPException as exc:
             refusal = router_refusal(request, exc)
             if refusal is None:
@@ -246,7 +246,7 @@ class _Api:
         if IDENT.fullmatch(job_id):
             state = await self._store.job_state(job_id)
         if state is None:
-            raise Rejection("not_found", "no lease, fence, attempt or rejection for this job")
+            raise Rejection(Reason.NOT_FOUND, "no lease, fence, attempt or rejection for this job")
         return web.json_response(job_view(state, self._store.clock()))
 
     async def get_key(self, request: web.Request) -> web.Response:
@@ -254,5 +254,5 @@ class _Api:
         destination, key = request.match_info["destination"], request.match_info["key"]
         record = await self._store.key_record(destination, key)
         if record is None:
-            raise Rejection("not_found", "no idempotency record for this destination and key")
+            raise Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
         return web.json_response(key_view(record, self._store.clock()))

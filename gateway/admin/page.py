@@ -23,16 +23,16 @@ from multidict import MultiDict
 from gateway.admin.api import SESSION_COOKIE, SESSION_TTL_S
 from gateway.admin.views import (
     FILTERS,
-    RECORDED_REASONS,
     fetch_page,
     find_rejection,
     parse_rejection_query,
     rejection_item,
     rfc3339,
 )
-from gateway.http.bodies import read_body
 from gateway.errors import Rejection
+from gateway.http.bodies import read_body
 from gateway.store.protocol import Store, StoredRejection
+from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 
 if TYPE_CHECKING:
     from gateway.admin.api import _Auth
@@ -129,7 +129,9 @@ class Page:
         try:
             form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=10)
         except ValueError:
-            raise Rejection("invalid_request", "the sign-in form has too many fields") from None
+            raise Rejection(
+                Reason.INVALID_REQUEST, "the sign-in form has too many fields"
+            ) from None
         token = form.get("token", [None])[0]
         next_url = form.get("next", [None])[0]
         target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
@@ -166,7 +168,7 @@ class Page:
             query = parse_rejection_query(params)
             rows, next_cursor = await fetch_page(self._store, query)
         except Rejection as rejection:
-            if rejection.reason != "invalid_request":
+            if rejection.reason != Reason.INVALID_REQUEST:
                 raise
             error = rejection.detail
         shown = {k: params.get(k, "") for k in FILTERS if params.get(k)}
@@ -210,24 +212,18 @@ class Page:
 # --- pieces of the listing -------------------------------------------------------------------
 
 # The reason's family colours its label on the page.
-_KIND = {
-    **dict.fromkeys(
-        (
-            "stale_generation",
-            "unknown_generation",
-            "lease_expired",
-            "lease_not_held",
-            "job_completed",
-            "owner_mismatch",
-        ),
-        "fence",
-    ),
-    "older_generation_in_flight": "wait",
-    "request_in_progress": "wait",
-    "outcome_unknown": "key",
-    "idempotency_key_reused": "key",
-    "duplicate": "replay",
-}
+
+
+def _kind(reason: Reason, info: ReasonInfo) -> str:
+    """The colour class of a reason on the page."""
+    if reason is Reason.DUPLICATE:
+        return "replay"
+    if info.retry_later:
+        return "wait"
+    return {Family.FENCE: "fence", Family.IDEMPOTENCY: "key"}.get(info.family, "other")
+
+
+_KIND = {reason: _kind(reason, info) for reason, info in REASONS.items() if info.recorded}
 _EMPTY_ROW = '<tr><td colspan="9" class="empty">No rejected writes match these filters.</td></tr>'
 _LOGOUT = (
     '<form method="post" action="/admin/logout" class="logout">'

@@ -19,33 +19,16 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from leases.model import IDENT, LOST_REASONS, MAX_GENERATION, expires_in
-
-from gateway.write.decision import KeyRecord
 from gateway.errors import STATUS_BY_REASON, Rejection
 from gateway.http.problem import invalid_request
 from gateway.store.protocol import JobState, RejectionQuery, Store, StoredRejection
+from gateway.write.decision import KeyRecord
+from leases.model import IDENT, MAX_GENERATION, expires_in
+from leases.reasons import Reason
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 FILTERS = ("destination", "job_id", "reason", "since", "until", "limit", "cursor")
-
-# Reasons a rejection-log row can carry, in the order of SPEC 2's checks (the
-# page's reason menu). Filtering accepts any reason the gateway knows.
-RECORDED_REASONS = (
-    "unauthorized",
-    "body_too_large",
-    "missing_fencing_token",
-    "invalid_fencing_token",
-    "missing_idempotency_key",
-    "invalid_idempotency_key",
-    *LOST_REASONS,
-    "older_generation_in_flight",
-    "idempotency_key_reused",
-    "request_in_progress",
-    "outcome_unknown",
-    "duplicate",
-)
 
 # A destination or job id as the gateway accepts it, and a positive decimal id
 # (a rejection id, a cursor bound, a session expiry).
@@ -80,7 +63,7 @@ async def find_rejection(store: Store, raw_id: str) -> StoredRejection:
     if DECIMAL_ID.fullmatch(raw_id) and int(raw_id) <= MAX_GENERATION:
         found = await store.get_rejection(int(raw_id))
     if found is None:
-        raise Rejection("not_found", f"no rejection with id {raw_id[:40]!r}")
+        raise Rejection(Reason.NOT_FOUND, f"no rejection with id {raw_id[:40]!r}")
     return found
 
 

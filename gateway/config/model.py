@@ -39,8 +39,8 @@ from gateway.config.reader import (
     secret,
     show,
 )
-from gateway.write.decision import Fencing
 from gateway.errors import ConfigError
+from gateway.write.decision import Fencing
 
 __all__ = [
     "CONFIG_ENV",

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from leases.model import VISIBLE
-
 from gateway.errors import ConfigError
+from leases.model import VISIBLE
 
 _T = TypeVar("_T")
 

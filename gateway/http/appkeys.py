@@ -8,8 +8,8 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from gateway.config.model import Config
-    from gateway.telemetry.metrics import Metrics
     from gateway.store.protocol import Store
+    from gateway.telemetry.metrics import Metrics
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
 STORE: web.AppKey[Store] = web.AppKey("store")

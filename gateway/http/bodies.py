@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import Rejection
+from leases.reasons import Reason
 
 # A body that trickles in slower than this ties up a connection and a slot for
 # nothing: 408 (RFC 9110 15.5.9), problem+json like every refusal; the
@@ -46,10 +47,10 @@ async def read_body(
                 chunks.append(chunk)
     except TimeoutError:
         raise Rejection(
-            "request_timeout", f"the body did not arrive within {deadline_s:g} s", **members
+            Reason.REQUEST_TIMEOUT, f"the body did not arrive within {deadline_s:g} s", **members
         ) from None
     return b"".join(chunks)
 
 
 def _too_large(limit: int, members: dict[str, Any]) -> Rejection:
-    return Rejection("body_too_large", f"the body exceeds {limit} bytes", **members)
+    return Rejection(Reason.BODY_TOO_LARGE, f"the body exceeds {limit} bytes", **members)

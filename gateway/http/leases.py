@@ -18,16 +18,16 @@ from urllib.parse import unquote
 import structlog
 from aiohttp import web
 
-from leases import model
-from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
-from leases.model import Lease
-
+from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.appkeys import METRICS, STORE
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
-from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import Store
+from leases import model
+from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from leases.model import Lease
+from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.lease_api")
 
@@ -87,7 +87,7 @@ def _authorize(request: web.Request) -> None:
     tokens = request.app.get(LEASE_TOKENS)
     if tokens and not bearer_matches(request.headers.get("Authorization", ""), tokens):
         raise Rejection(
-            "unauthorized", "missing or wrong lease API token", headers=WORKER_CHALLENGE
+            Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
         )
 
 
@@ -96,7 +96,7 @@ async def _get(request: web.Request) -> web.StreamResponse:
         lease = await store.get(job_id)
         if lease is None:
             raise Rejection(
-                "lease_not_held",
+                Reason.LEASE_NOT_HELD,
                 f"job {job_id!r} has never been claimed",
                 status=404,
                 job_id=job_id,
@@ -109,20 +109,20 @@ async def _get(request: web.Request) -> web.StreamResponse:
 async def _post(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
     if op not in _REQUIRED:
-        return _reject(request, op, Rejection("not_found", f"no lease operation {op!r}"))
+        return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     return await _answer(request, op, _VERBS[op])
 
 
 async def _wrong_method(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
     if op not in _REQUIRED:
-        return _reject(request, op, Rejection("not_found", f"no lease operation {op!r}"))
+        return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     refusal = Rejection(
-        "method_not_allowed",
+        Reason.METHOD_NOT_ALLOWED,
         f"{request.method} is not allowed here; use POST",
         headers={"Allow": "POST"},
     )
-    return _finish(request, op, problem_response(refusal), "method_not_allowed", {})
+    return _finish(request, op, problem_response(refusal), Reason.METHOD_NOT_ALLOWED, {})
 
 
 async def _claim(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
@@ -179,7 +179,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     except LeaseHeld as exc:
         retry_after = max(1, math.ceil(exc.expires_in))
         rejection = Rejection(
-            "lease_held",
+            Reason.LEASE_HELD,
             str(exc),
             retry_after=retry_after,
             job_id=exc.job_id,
@@ -189,7 +189,9 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
         )
         return _reject(request, op, rejection, facts)
     except JobCompleted as exc:
-        return _reject(request, op, Rejection("job_completed", str(exc), job_id=exc.job_id), facts)
+        return _reject(
+            request, op, Rejection(Reason.JOB_COMPLETED, str(exc), job_id=exc.job_id), facts
+        )
     except LeaseLost as exc:
         rejection = Rejection(
             exc.reason,
@@ -202,7 +204,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     except StoreUnavailable as exc:
         request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
         rejection = Rejection(
-            "store_unavailable", str(exc), retry_after=1, job_id=facts.get("job_id")
+            Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, job_id=facts.get("job_id")
         )
         return _reject(request, op, rejection, facts)
     now = store.clock()

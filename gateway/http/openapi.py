@@ -15,15 +15,15 @@ from typing import Any
 
 from aiohttp import web
 
-from leases.model import LOST_REASONS, MAX_GENERATION, TTL_MAX, TTL_MIN
-
 from gateway.errors import STATUS_BY_REASON
+from leases.model import LOST_REASONS, MAX_GENERATION, TTL_MAX, TTL_MIN
+from leases.reasons import Reason
 
 IDENT_PATTERN = "^[\\x21-\\x7e]{1,256}$"
 PROBLEM_JSON = "application/problem+json"
 
-# Reasons answered with their own status outside STATUS_BY_REASON's table.
-_REASONS = sorted((set(STATUS_BY_REASON) - {"duplicate"}) | {"request_timeout", "internal_error"})
+# Every reason a gateway answer can carry (a replay is not an error).
+_REASONS = sorted(set(STATUS_BY_REASON) - {Reason.DUPLICATE})
 _LEASE_FAILURES = LOST_REASONS
 
 
@@ -223,10 +223,10 @@ _ADMIN_SERVERS = [
     }
 ]
 _ADMIN_SECURITY: list[dict[str, list[str]]] = [{"adminToken": []}]
-_INVALID = _problem("malformed request", "invalid_request")
-_STORE_DOWN = _problem("the store does not answer", "store_unavailable")
-_UNAUTHORIZED = _problem("missing or wrong admin token", "unauthorized")
-_NOT_FOUND = _problem("nothing with this id", "not_found")
+_INVALID = _problem("malformed request", Reason.INVALID_REQUEST)
+_STORE_DOWN = _problem("the store does not answer", Reason.STORE_UNAVAILABLE)
+_UNAUTHORIZED = _problem("missing or wrong admin token", Reason.UNAUTHORIZED)
+_NOT_FOUND = _problem("nothing with this id", Reason.NOT_FOUND)
 
 
 def _lease_verb(summary: str, body: str, failures: tuple[str, ...]) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def _lease_verb(summary: str, body: str, failures: tuple[str, ...]) -> dict[str,
                 "200": _json("the lease after the operation", _ref("Lease")),
                 "400": _INVALID,
                 "409": _problem("refused; the lease is unchanged", *failures),
-                "413": _problem("body over 64 KiB", "body_too_large"),
+                "413": _problem("body over 64 KiB", Reason.BODY_TOO_LARGE),
                 "503": _STORE_DOWN,
             },
         }
@@ -285,33 +285,35 @@ def _write_operation(method: str) -> dict[str, Any]:
     gateway_refusals = {
         "400": _problem(
             "fencing headers, key or path malformed, or a request the HTTP parser refuses",
-            "missing_fencing_token",
-            "invalid_fencing_token",
-            "missing_idempotency_key",
-            "invalid_idempotency_key",
-            "invalid_path",
-            "invalid_request",
+            Reason.MISSING_FENCING_TOKEN,
+            Reason.INVALID_FENCING_TOKEN,
+            Reason.MISSING_IDEMPOTENCY_KEY,
+            Reason.INVALID_IDEMPOTENCY_KEY,
+            Reason.INVALID_PATH,
+            Reason.INVALID_REQUEST,
         ),
-        "401": _problem("worker token missing or wrong", "unauthorized"),
-        "404": _problem("unknown destination", "unknown_destination"),
-        "405": _problem("method not allowed for this destination", "method_not_allowed"),
-        "408": _problem("the body did not arrive in time", "request_timeout"),
+        "401": _problem("worker token missing or wrong", Reason.UNAUTHORIZED),
+        "404": _problem("unknown destination", Reason.UNKNOWN_DESTINATION),
+        "405": _problem("method not allowed for this destination", Reason.METHOD_NOT_ALLOWED),
+        "408": _problem("the body did not arrive in time", Reason.REQUEST_TIMEOUT),
         "409": _problem(
             "refused by the fence, the barrier or the key's state",
             *_LEASE_FAILURES,
-            "older_generation_in_flight",
-            "request_in_progress",
-            "outcome_unknown",
+            Reason.OLDER_GENERATION_IN_FLIGHT,
+            Reason.REQUEST_IN_PROGRESS,
+            Reason.OUTCOME_UNKNOWN,
         ),
-        "413": _problem("body over the destination's max_body", "body_too_large"),
-        "422": _problem("key reused with another request", "idempotency_key_reused"),
+        "413": _problem("body over the destination's max_body", Reason.BODY_TOO_LARGE),
+        "422": _problem("key reused with another request", Reason.IDEMPOTENCY_KEY_REUSED),
         "502": _problem(
             "the upstream could not be reached or dropped the connection",
-            "upstream_unreachable",
-            "upstream_disconnected",
+            Reason.UPSTREAM_UNREACHABLE,
+            Reason.UPSTREAM_DISCONNECTED,
         ),
-        "503": _problem("overloaded or the store is down", "overloaded", "store_unavailable"),
-        "504": _problem("no upstream answer within the timeout", "upstream_timeout"),
+        "503": _problem(
+            "overloaded or the store is down", Reason.OVERLOADED, Reason.STORE_UNAVAILABLE
+        ),
+        "504": _problem("no upstream answer within the timeout", Reason.UPSTREAM_TIMEOUT),
     }
     return {
         "summary": f"{method.upper()} a write through the gateway",
@@ -401,13 +403,15 @@ def build_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json("the lease", _ref("Lease")),
                     "400": _INVALID,
-                    "404": _problem("never claimed", "lease_not_held"),
+                    "404": _problem("never claimed", Reason.LEASE_NOT_HELD),
                     "503": _STORE_DOWN,
                 },
             }
         },
         "/leases/{job_id}/claim": _lease_verb(
-            "claim the job (generation + 1)", "ClaimRequest", ("lease_held", "job_completed")
+            "claim the job (generation + 1)",
+            "ClaimRequest",
+            (Reason.LEASE_HELD, Reason.JOB_COMPLETED),
         ),
         "/leases/{job_id}/renew": _lease_verb("renew a held lease", "RenewRequest", renew_failures),
         "/leases/{job_id}/complete": _lease_verb(

@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import Rejection
+from leases.reasons import Reason
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -26,7 +27,7 @@ def problem_response(rejection: Rejection) -> web.Response:
 
 
 def invalid_request(detail: str, **members: Any) -> Rejection:
-    return Rejection("invalid_request", detail, **members)
+    return Rejection(Reason.INVALID_REQUEST, detail, **members)
 
 
 def router_refusal(request: web.Request, exc: web.HTTPException) -> web.Response | None:
@@ -36,11 +37,11 @@ def router_refusal(request: web.Request, exc: web.HTTPException) -> web.Response
         allow = ", ".join(sorted(exc.allowed_methods))
         return problem_response(
             Rejection(
-                "method_not_allowed",
+                Reason.METHOD_NOT_ALLOWED,
                 f"{request.method} is not allowed here",
                 headers={"Allow": allow},
             )
         )
     if isinstance(exc, web.HTTPNotFound):
-        return problem_response(Rejection("not_found", f"no route {request.path[:200]}"))
+        return problem_response(Rejection(Reason.NOT_FOUND, f"no route {request.path[:200]}"))
     return None

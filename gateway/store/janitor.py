@@ -15,8 +15,8 @@ import time
 import structlog
 
 from gateway.errors import StoreUnavailable
-from gateway.telemetry.metrics import Metrics
 from gateway.store.protocol import Store
+from gateway.telemetry.metrics import Metrics
 
 log = structlog.get_logger("sinkgate.janitor")
 

@@ -51,29 +51,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
-from leases.model import LeaseRow, State
-from leases.postgres import (
-    SCHEMA_LOCK_KEY,
-    Conn,
-    PostgresLeaseStore,
-    db_now,
-    driver_errors,
-    ensure_component,
-    require_durable_commit,
-)
-
-from gateway.write.decision import (
-    Fencing,
-    Forward,
-    KeyRecord,
-    Reject,
-    Replay,
-    StoredState,
-    WriteFacts,
-    barrier_deadline,
-    decide,
-    reservation_deadline,
-)
 from gateway.store.protocol import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -90,6 +67,28 @@ from gateway.store.protocol import (
     new_attempt_id,
     rejection_record,
     rejection_values,
+)
+from gateway.write.decision import (
+    Fencing,
+    Forward,
+    KeyRecord,
+    Reject,
+    Replay,
+    StoredState,
+    WriteFacts,
+    barrier_deadline,
+    decide,
+    reservation_deadline,
+)
+from leases.model import LeaseRow, State
+from leases.postgres import (
+    SCHEMA_LOCK_KEY,
+    Conn,
+    PostgresLeaseStore,
+    db_now,
+    driver_errors,
+    ensure_component,
+    require_durable_commit,
 )
 
 T = TypeVar("T")

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from leases.model import Lease, LeaseRow
-
 from gateway.write.decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
+from leases.model import Lease, LeaseRow
+from leases.reasons import Reason
 
 Clock = Callable[[], float]
 
@@ -174,7 +174,9 @@ def rejection_record(
         "body_bytes": context.body_bytes,
     }
     if isinstance(decision, Replay):
-        return RejectionRecord(reason="duplicate", detail="replayed the stored response", **common)
+        return RejectionRecord(
+            reason=Reason.DUPLICATE, detail="replayed the stored response", **common
+        )
     return RejectionRecord(
         reason=decision.reason,
         detail=decision.detail,

@@ -13,29 +13,6 @@ import sqlite3
 import time
 from typing import Any
 
-from leases import sqlite as lease_sql
-from leases.errors import StoreUnavailable
-from leases.model import LeaseRow, State
-from leases.sqlite import (
-    SQLiteExecutor,
-    SQLiteLeaseStore,
-    ensure_component,
-    in_thread,
-    read_lease,
-)
-
-from gateway.write.decision import (
-    Fencing,
-    Forward,
-    KeyRecord,
-    Reject,
-    Replay,
-    StoredState,
-    WriteFacts,
-    barrier_deadline,
-    decide,
-    reservation_deadline,
-)
 from gateway.store.protocol import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -52,6 +29,28 @@ from gateway.store.protocol import (
     new_attempt_id,
     rejection_record,
     rejection_values,
+)
+from gateway.write.decision import (
+    Fencing,
+    Forward,
+    KeyRecord,
+    Reject,
+    Replay,
+    StoredState,
+    WriteFacts,
+    barrier_deadline,
+    decide,
+    reservation_deadline,
+)
+from leases import sqlite as lease_sql
+from leases.errors import StoreUnavailable
+from leases.model import LeaseRow, State
+from leases.sqlite import (
+    SQLiteExecutor,
+    SQLiteLeaseStore,
+    ensure_component,
+    in_thread,
+    read_lease,
 )
 
 GATEWAY_SCHEMA_VERSION = 1

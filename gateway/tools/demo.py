@@ -28,13 +28,13 @@ from types import MappingProxyType
 
 from aiohttp import web
 
-from leases import JobCompleted, LeaseLost, open_store
-from leases.writer import FencedWriter, GatewayRejected
-
 from gateway.app import create_app
 from gateway.config.model import Config, DestinationConfig
-from gateway.telemetry.logs import configure_logging
 from gateway.http.server import GatewayRunner
+from gateway.telemetry.logs import configure_logging
+from leases import JobCompleted, LeaseLost, open_store
+from leases.reasons import Reason
+from leases.writer import FencedWriter, GatewayRejected
 
 JOB = "job-42"
 PAUSE_S = 0.6
@@ -160,7 +160,7 @@ async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> 
                 "worker A",
                 "complete with generation 7",
                 f"refused: {exc.reason}",
-                exc.reason == "stale_generation",
+                exc.reason == Reason.STALE_GENERATION,
             )
 
         charge = {"amount": 1999, "currency": "EUR", "customer": "c_1"}
@@ -177,7 +177,7 @@ async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> 
                 "worker A",
                 "POST /to/payments/charges (generation 7)",
                 f"{exc.status} {exc.reason} (rejection #{exc.rejection_id})",
-                exc.reason == "stale_generation" and not recorder.effects,
+                exc.reason == Reason.STALE_GENERATION and not recorder.effects,
             )
 
         first = await writer_b.post("payments", "/charges", json=charge, step="charge")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from leases.model import LeaseRow, hold_refusal
+from leases.reasons import Reason
 
 # A reservation outlives its forward's timeout by this much before another
 # replica may call it dead (SPEC 2 step 8).
@@ -119,7 +120,7 @@ def decide(facts: WriteFacts, state: StoredState, now: float) -> Decision:
         return fence
     if state.older_in_flight_until is not None and state.older_in_flight_until > now:
         return Reject(
-            "older_generation_in_flight",
+            Reason.OLDER_GENERATION_IN_FLIGHT,
             "a write of an older generation of this job is still awaiting its upstream answer",
             current_generation=_current(state),
             highest_generation=state.highest_generation,
@@ -133,7 +134,7 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
     if facts.fencing is Fencing.MONOTONIC:
         if mark is not None and facts.generation < mark:
             return Reject(
-                "stale_generation",
+                Reason.STALE_GENERATION,
                 f"generation {facts.generation} is below the highest accepted ({mark})",
                 highest_generation=mark,
             )
@@ -145,7 +146,7 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
             # The mark is per job across destinations: a job also written through a
             # monotonic destination with a higher token must never go back here.
             return Reject(
-                "stale_generation",
+                Reason.STALE_GENERATION,
                 f"generation {facts.generation} is below the highest forwarded ({mark})",
                 current_generation=lease.generation if lease is not None else None,
                 highest_generation=mark,
@@ -164,7 +165,7 @@ def check_key(facts: WriteFacts, record: KeyRecord | None, now: float) -> Decisi
         return Forward()
     if record.fingerprint != facts.fingerprint:
         return Reject(
-            "idempotency_key_reused",
+            Reason.IDEMPOTENCY_KEY_REUSED,
             "this idempotency key was used with a different request",
         )
     state = record.state_at(now)
@@ -172,14 +173,14 @@ def check_key(facts: WriteFacts, record: KeyRecord | None, now: float) -> Decisi
         return Replay(record)
     if state is KeyState.IN_FLIGHT:
         return Reject(
-            "request_in_progress",
+            Reason.REQUEST_IN_PROGRESS,
             "a request with this idempotency key is still in progress",
             retry_after=retry_after(record.deadline - now),
         )
     if facts.upstream_idempotent:
         return Forward(retry_of_unknown=True)
     return Reject(
-        "outcome_unknown",
+        Reason.OUTCOME_UNKNOWN,
         "an earlier attempt with this key may have reached the upstream; its outcome is unknown",
     )
 
@@ -225,10 +226,10 @@ def _current(state: StoredState) -> int | None:
 
 
 _FENCE_DETAIL = {
-    "lease_not_held": "the job has no active lease",
-    "stale_generation": "a newer generation of this job has been claimed",
-    "unknown_generation": "this generation was never issued for the job",
-    "job_completed": "the job is completed",
-    "lease_expired": "the lease of this generation has expired",
-    "owner_mismatch": "Fencing-Owner does not match the lease owner",
+    Reason.LEASE_NOT_HELD: "the job has no active lease",
+    Reason.STALE_GENERATION: "a newer generation of this job has been claimed",
+    Reason.UNKNOWN_GENERATION: "this generation was never issued for the job",
+    Reason.JOB_COMPLETED: "the job is completed",
+    Reason.LEASE_EXPIRED: "the lease of this generation has expired",
+    Reason.OWNER_MISMATCH: "Fencing-Owner does not match the lease owner",
 }

@@ -19,18 +19,24 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from leases.errors import StoreUnavailable
-from leases.model import IDENT, MAX_GENERATION, VISIBLE
-
+from gateway.config.model import Config, DestinationConfig
+from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
-from gateway.config.model import Config, DestinationConfig
-from gateway.write.decision import Forward, Reject, Replay, WriteFacts, fingerprint
-from gateway.errors import WORKER_CHALLENGE, Rejection
-from gateway.telemetry.metrics import Metrics
 from gateway.http.problem import problem_response
 from gateway.store.protocol import Outcome, RejectionRecord, Store, WriteContext
-from gateway.write.upstream import ForwardFailed, UpstreamAnswer, Upstreams, forward_headers, upstream_url
+from gateway.telemetry.metrics import Metrics
+from gateway.write.decision import Forward, Reject, Replay, WriteFacts, fingerprint
+from gateway.write.upstream import (
+    ForwardFailed,
+    UpstreamAnswer,
+    Upstreams,
+    forward_headers,
+    upstream_url,
+)
+from leases.errors import StoreUnavailable
+from leases.model import IDENT, MAX_GENERATION, VISIBLE
+from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
 
@@ -121,7 +127,7 @@ class WriteGateway:
             response = await self._write(request, destination, facts, context, body, fields)
         except Rejection as rejection:
             response = problem_response(rejection)
-            if rejection.reason == "request_timeout":
+            if rejection.reason == Reason.REQUEST_TIMEOUT:
                 response.force_close()  # the rest of the body is never read
             fields.update(decision="rejected", reason=rejection.reason)
             self.metrics.child(self.metrics.rejections, rejection.reason).inc()
@@ -140,17 +146,19 @@ class WriteGateway:
     def _destination(self, request: web.Request, target: Target) -> DestinationConfig:
         destination = self.config.destinations.get(target.destination)
         if destination is None:
-            raise Rejection("unknown_destination", f"no destination named {target.destination!r}")
+            raise Rejection(
+                Reason.UNKNOWN_DESTINATION, f"no destination named {target.destination!r}"
+            )
         if request.method not in destination.methods:
             raise Rejection(
-                "method_not_allowed",
+                Reason.METHOD_NOT_ALLOWED,
                 f"{request.method} is not allowed for {destination.name}",
                 headers={"Allow": ", ".join(sorted(destination.methods))},
                 destination=destination.name,
             )
         if path_escapes(target.path):
             raise Rejection(
-                "invalid_path",
+                Reason.INVALID_PATH,
                 "the path climbs above the upstream's base path or names another host",
                 destination=destination.name,
             )
@@ -163,7 +171,7 @@ class WriteGateway:
         if bearer_matches(request.headers.get("Authorization", ""), tokens):
             return
         rejection = Rejection(
-            "unauthorized",
+            Reason.UNAUTHORIZED,
             "missing or wrong worker token",
             headers=WORKER_CHALLENGE,
             destination=destination.name,
@@ -223,7 +231,9 @@ class WriteGateway:
                 verdict = await self.store.decide_write(facts, context)
             except StoreUnavailable as exc:
                 self.metrics.store_errors.labels("decide").inc()
-                raise Rejection("store_unavailable", str(exc), **_write_members(facts)) from exc
+                raise Rejection(
+                    Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)
+                ) from exc
             finally:
                 elapsed = time.perf_counter() - store_started
                 self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
@@ -234,8 +244,8 @@ class WriteGateway:
                 fields.update(decision="rejected", reason=decision.reason)
                 return problem_response(_reject(decision, facts, verdict.rejection_id))
             if isinstance(decision, Replay):
-                self.metrics.child(self.metrics.rejections, "duplicate").inc()
-                fields.update(decision="replayed", reason="duplicate")
+                self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
+                fields.update(decision="replayed", reason=Reason.DUPLICATE)
                 return _replay(decision)
             assert isinstance(decision, Forward) and verdict.attempt is not None
             fields.update(decision="forwarded", reason=None, attempt=verdict.attempt)
@@ -256,7 +266,7 @@ class WriteGateway:
             self.in_flight[name] >= destination.max_in_flight
             or self.in_flight_total >= self.config.max_in_flight
         ):
-            raise Rejection("overloaded", "too many writes in flight", retry_after=1)
+            raise Rejection(Reason.OVERLOADED, "too many writes in flight", retry_after=1)
         self.in_flight[name] += 1
         self.in_flight_total += 1
         self.metrics.child(self.metrics.in_flight, name).set(self.in_flight[name])
@@ -341,7 +351,7 @@ class WriteGateway:
         try:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
-            raise Rejection("store_unavailable", str(exc), destination=destination) from exc
+            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
 
 
 def _fencing_headers(
@@ -355,21 +365,23 @@ def _fencing_headers(
     members: dict[str, Any] = {"destination": destination.name}
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
-        raise Rejection("missing_fencing_token", f"{missing} is required", **members)
+        raise Rejection(Reason.MISSING_FENCING_TOKEN, f"{missing} is required", **members)
     if not IDENT.fullmatch(job_id):
         raise Rejection(
-            "invalid_fencing_token", "Fencing-Job must be 1-256 visible ASCII characters", **members
+            Reason.INVALID_FENCING_TOKEN,
+            "Fencing-Job must be 1-256 visible ASCII characters",
+            **members,
         )
     members["job_id"] = job_id
     if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
         raise Rejection(
-            "invalid_fencing_token",
+            Reason.INVALID_FENCING_TOKEN,
             "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
             **members,
         )
     if owner is not None and not IDENT.fullmatch(owner):
         raise Rejection(
-            "invalid_fencing_token",
+            Reason.INVALID_FENCING_TOKEN,
             "Fencing-Owner must be 1-256 visible ASCII characters",
             **members,
         )
@@ -377,7 +389,7 @@ def _fencing_headers(
     if not key:
         if destination.require_idempotency_key:
             raise Rejection(
-                "missing_idempotency_key",
+                Reason.MISSING_IDEMPOTENCY_KEY,
                 "Idempotency-Key is required",
                 generation=generation,
                 **members,
@@ -387,7 +399,7 @@ def _fencing_headers(
         key = key[1:-1]  # the IETF draft's quoted form
     if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
         raise Rejection(
-            "invalid_idempotency_key",
+            Reason.INVALID_IDEMPOTENCY_KEY,
             "Idempotency-Key must be 1-255 visible ASCII characters",
             generation=generation,
             **members,

@@ -13,6 +13,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.config.model import HOP_BY_HOP, DestinationConfig
+from leases.reasons import Reason
 
 # Set by the client library for the forwarded request itself.
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
@@ -24,9 +25,9 @@ _FENCING_LOWER = frozenset(h.lower() for h in FENCING_HEADERS)
 class SendFailure(StrEnum):
     """How a forward failed: never sent (key released) or maybe sent (unknown)."""
 
-    UNREACHABLE = "upstream_unreachable"
-    TIMEOUT = "upstream_timeout"
-    DISCONNECTED = "upstream_disconnected"
+    UNREACHABLE = Reason.UPSTREAM_UNREACHABLE
+    TIMEOUT = Reason.UPSTREAM_TIMEOUT
+    DISCONNECTED = Reason.UPSTREAM_DISCONNECTED
 
     @property
     def maybe_sent(self) -> bool:

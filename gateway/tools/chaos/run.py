@@ -31,14 +31,13 @@ from typing import Any
 
 import aiohttp
 
-from leases import StoreUnavailable
-from leases.http import HTTPLeaseStore
-from leases.model import validate_ttl
-
+from gateway.telemetry.logs import configure_logging
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
-from gateway.telemetry.logs import configure_logging
+from leases import StoreUnavailable
+from leases.http import HTTPLeaseStore
+from leases.model import validate_ttl
 
 GATEWAY_TIMEOUT_S = 2.0
 

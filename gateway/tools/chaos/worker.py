@@ -24,6 +24,7 @@ import aiohttp
 
 from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
 from leases.http import HTTPLeaseStore
+from leases.reasons import Reason
 from leases.writer import (
     BadWrite,
     DuplicateWrite,
@@ -36,7 +37,9 @@ from leases.writer import (
 
 DESTINATION = "sink"
 # Answers the writer reports as "the key's outcome is unknown" (SPEC 2 step 8).
-UNKNOWN_REASONS = frozenset({"outcome_unknown", "upstream_timeout", "upstream_disconnected"})
+UNKNOWN_REASONS = frozenset(
+    {Reason.OUTCOME_UNKNOWN, Reason.UPSTREAM_TIMEOUT, Reason.UPSTREAM_DISCONNECTED}
+)
 _RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 
 
@@ -306,10 +309,10 @@ async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) ->
         try:
             result = await writers.post(job, step)
         except DuplicateWrite as exc:
-            if exc.reason == "outcome_unknown":
+            if exc.reason == Reason.OUTCOME_UNKNOWN:
                 tally.unknown_keys.add(key)
                 return  # the effect may have been applied: that is the contract
-            if exc.reason == "idempotency_key_reused":
+            if exc.reason == Reason.IDEMPOTENCY_KEY_REUSED:
                 tally.unexpected.append(f"{job} step {step}: {exc}")
                 return
             tally.retries[exc.reason] += 1
@@ -354,7 +357,7 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
             except StaleWrite as exc:
                 tally.stale_writes_rejected[exc.reason] += 1
             except (GatewayUnavailable, DuplicateWrite) as exc:
-                if exc.reason in UNKNOWN_REASONS | {"outcome_unknown"}:
+                if exc.reason in UNKNOWN_REASONS | {Reason.OUTCOME_UNKNOWN}:
                     tally.stale_writes_rejected[f"other:{exc.reason}"] += 1
                     break
                 await asyncio.sleep(0.2)
@@ -373,7 +376,7 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
     except LeaseLost as exc:
         tally.stale_completions_rejected[exc.reason] += 1
     except StoreUnavailable:
-        tally.stale_completions_rejected["store_unavailable"] += 1
+        tally.stale_completions_rejected[Reason.STORE_UNAVAILABLE] += 1
     else:
         tally.stale_completions_accepted += 1
         tally.completions.setdefault(job, []).append(zombie.lease.generation)
