@@ -17,18 +17,17 @@ module imports it only where it is used).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import ipaddress
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
 
+from gateway.admin.page import Page, login_page
+from gateway.admin.session import SessionAuth
 from gateway.admin.views import (
-    DECIMAL_ID,
     fetch_page,
     find_rejection,
     job_view,
@@ -44,14 +43,9 @@ from gateway.telemetry.metrics import Metrics
 from leases.model import IDENT
 from leases.reasons import Reason
 
-if TYPE_CHECKING:
-    from gateway.admin.page import Page
-
 log = structlog.get_logger("sinkgate.admin")
 
 READY_TIMEOUT_S = 2.0
-SESSION_COOKIE = "sinkgate_admin"
-SESSION_TTL_S = 12 * 3600
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -68,9 +62,7 @@ def create_admin_app(
 ) -> web.Application:
     """The admin listener's app. `token=None` leaves /admin open (loopback only,
     see `admin_bind_allowed`). `clock` only times login sessions."""
-    from gateway.admin.page import Page  # not at the top: admin_page imports this module
-
-    auth = _Auth(token, clock)
+    auth = SessionAuth(token, clock, login_page=_signin_instead)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     add_health_routes(app, lambda: store)
 
@@ -91,6 +83,11 @@ def create_admin_app(
     app.router.add_get("/admin/jobs/{job_id}", api.get_job)
     app.router.add_get("/admin/keys/{destination}/{key:.+}", api.get_key)
     return app
+
+
+def _signin_instead(request: web.Request) -> web.StreamResponse:
+    """What a browser that is not signed in gets instead of a 401 problem."""
+    return login_page(request, status=401, message=None)
 
 
 def add_health_routes(app: web.Application, store_of: Callable[[], Store]) -> None:
@@ -130,71 +127,6 @@ def admin_bind_allowed(host: str, token: str | None) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
-
-
-# --- auth ----------------------------------------------------------------------------------
-
-
-class _Auth:
-    """Bearer token or session cookie, both checked in constant time."""
-
-    def __init__(self, token: str | None, clock: Callable[[], float]) -> None:
-        self._token = None if not token else token.encode("utf-8", "surrogatepass")
-        self._clock = clock
-
-    @property
-    def open(self) -> bool:
-        return self._token is None
-
-    def check_token(self, presented: str) -> bool:
-        if self._token is None:
-            return True
-        return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), self._token)
-
-    def new_session(self) -> str:
-        expiry = int(self._clock()) + SESSION_TTL_S
-        return f"{expiry}.{self._mac(expiry)}"
-
-    def authenticated(self, request: web.Request) -> bool:
-        if self._token is None:
-            return True
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
-            return self.check_token(credentials.strip())
-        return self._valid_session(request.cookies.get(SESSION_COOKIE, ""))
-
-    def _valid_session(self, value: str) -> bool:
-        expiry, _, mac = value.partition(".")
-        if not DECIMAL_ID.fullmatch(expiry) or int(expiry) <= self._clock():
-            return False
-        return hmac.compare_digest(mac.encode("ascii", "replace"), self._mac(int(expiry)).encode())
-
-    def _mac(self, expiry: int) -> str:
-        assert self._token is not None
-        message = f"sinkgate-admin-session:{expiry}".encode()
-        return hmac.new(self._token, message, hashlib.sha256).hexdigest()
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        path = request.path
-        guarded = path == "/admin" or path.startswith("/admin/")
-        if not guarded or path == "/admin/login" or self.authenticated(request):
-            return await handler(request)
-        log.warning("admin_unauthorized", path=path, remote=request.remote)
-        if wants_html(request):
-            from gateway.admin.page import login_page  # not at the top: see create_admin_app
-
-            return login_page(request, status=401, message=None)
-        response = problem_response(
-            Rejection(Reason.UNAUTHORIZED, "this route needs Authorization: Bearer <admin token>")
-        )
-        response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
-        return response
-
-
-def wants_html(request: web.Request) -> bool:
-    """The page routes answer HTML; everything else problem+json."""
-    return request.path in ("/admin", "/admin/") or request.query.get("format") == "html"
 
 
 def _errors_middleware(metrics: Metrics) -> Any:

@@ -13,14 +13,13 @@ import html
 import string
 from collections.abc import Mapping
 from importlib import resources
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, quote, urlencode
 
 import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from gateway.admin.api import SESSION_COOKIE, SESSION_TTL_S
+from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
 from gateway.admin.views import (
     FILTERS,
     fetch_page,
@@ -33,9 +32,6 @@ from gateway.errors import Rejection
 from gateway.http.bodies import read_body
 from gateway.store.protocol import Store, StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
-
-if TYPE_CHECKING:
-    from gateway.admin.api import _Auth
 
 LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
 log = structlog.get_logger("sinkgate.admin")
@@ -109,7 +105,7 @@ def _safe_next(url: str) -> str:
 class Page:
     """The page's routes: the listing, one rejection, and sign-in/sign-out."""
 
-    def __init__(self, store: Store, auth: _Auth) -> None:
+    def __init__(self, store: Store, auth: SessionAuth) -> None:
         self._store = store
         self._auth = auth
 

@@ -1,0 +1,94 @@
+"""Who may use /admin: the bearer token, or a signed session cookie from the page's sign-in.
+
+Both are checked in constant time. The session is an expiry and an HMAC of it
+under the admin token, so rotating the token signs everyone out and nothing is
+stored server-side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from gateway.admin.views import DECIMAL_ID
+from gateway.errors import Rejection
+from gateway.http.problem import problem_response
+from leases.reasons import Reason
+
+log = structlog.get_logger("sinkgate.admin")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+SESSION_COOKIE = "sinkgate_admin"
+SESSION_TTL_S = 12 * 3600
+
+
+def wants_html(request: web.Request) -> bool:
+    """The page routes answer HTML; everything else problem+json."""
+    return request.path in ("/admin", "/admin/") or request.query.get("format") == "html"
+
+
+class SessionAuth:
+    """Bearer token or session cookie, both checked in constant time."""
+
+    def __init__(
+        self,
+        token: str | None,
+        clock: Callable[[], float],
+        *,
+        login_page: Callable[[web.Request], web.StreamResponse],
+    ) -> None:
+        self._token = None if not token else token.encode("utf-8", "surrogatepass")
+        self._clock = clock
+        self._login_page = login_page  # what a browser gets instead of a 401 problem
+
+    @property
+    def open(self) -> bool:
+        return self._token is None
+
+    def check_token(self, presented: str) -> bool:
+        if self._token is None:
+            return True
+        return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), self._token)
+
+    def new_session(self) -> str:
+        expiry = int(self._clock()) + SESSION_TTL_S
+        return f"{expiry}.{self._mac(expiry)}"
+
+    def authenticated(self, request: web.Request) -> bool:
+        if self._token is None:
+            return True
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            return self.check_token(credentials.strip())
+        return self._valid_session(request.cookies.get(SESSION_COOKIE, ""))
+
+    def _valid_session(self, value: str) -> bool:
+        expiry, _, mac = value.partition(".")
+        if not DECIMAL_ID.fullmatch(expiry) or int(expiry) <= self._clock():
+            return False
+        return hmac.compare_digest(mac.encode("ascii", "replace"), self._mac(int(expiry)).encode())
+
+    def _mac(self, expiry: int) -> str:
+        assert self._token is not None
+        message = f"sinkgate-admin-session:{expiry}".encode()
+        return hmac.new(self._token, message, hashlib.sha256).hexdigest()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        guarded = path == "/admin" or path.startswith("/admin/")
+        if not guarded or path == "/admin/login" or self.authenticated(request):
+            return await handler(request)
+        log.warning("admin_unauthorized", path=path, remote=request.remote)
+        if wants_html(request):
+            return self._login_page(request)
+        response = problem_response(
+            Rejection(Reason.UNAUTHORIZED, "this route needs Authorization: Bearer <admin token>")
+        )
+        response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
+        return response
