@@ -7,7 +7,7 @@ async with hold(store, "job-42", owner="worker-a", ttl=30.0) as lease:
 
 from .errors import JobCompleted, LeaseError, LeaseHeld, LeaseLost, StoreUnavailable
 from .hold import HeldLease, Hold, hold
-from .model import Lease, Reason, default_owner
+from .model import Lease, LeaseRef, Reason, default_owner
 from .store import LeaseStore, open_store
 from .writer import (
     BadWrite,
@@ -33,6 +33,7 @@ __all__ = [
     "LeaseError",
     "LeaseHeld",
     "LeaseLost",
+    "LeaseRef",
     "LeaseStore",
     "Reason",
     "StaleWrite",

@@ -18,10 +18,10 @@ import aiohttp
 from yarl import URL
 
 from . import model
+from .base import Closing
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
-from .model import Lease
+from .model import Lease, LeaseRef
 from .reasons import Reason
-from .store import Closing
 
 _LOST_REASONS = frozenset(model.LOST_REASONS)
 
@@ -122,7 +122,7 @@ class HTTPLeaseStore(Closing):
         if self._owns_session:
             await self._session.close()
 
-    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+    async def _held(self, op: str, lease: Lease | LeaseRef, ttl: float | None) -> Lease:
         job_id, owner, generation = model.lease_fields(lease)
         body: dict[str, Any] = {"owner": owner, "generation": generation}
         if ttl is not None:

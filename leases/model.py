@@ -49,6 +49,19 @@ class LeaseRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseRef:
+    """Which lease a renew/complete/release names: the job, its owner, its generation.
+
+    Everything else is decided by the stored row, never by what the caller
+    claims it holds; a `Lease` is also accepted wherever a `LeaseRef` is.
+    """
+
+    job_id: str
+    owner: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """An immutable view of a lease as of the store's `now`."""
 
@@ -109,8 +122,8 @@ def validate_generation(value: object) -> int:
 
 
 def lease_fields(lease: object) -> tuple[str, str, int]:
-    """(job_id, owner, generation) of a `Lease` passed to renew/complete/release."""
-    if not isinstance(lease, Lease):
+    """(job_id, owner, generation) of a `Lease` or `LeaseRef` passed to renew/complete/release."""
+    if not isinstance(lease, Lease | LeaseRef):
         raise ValueError(f"expected a Lease, not {type(lease).__name__}")
     return (
         validate_ident(lease.job_id, "job_id"),

@@ -38,9 +38,9 @@ from typing import Any, TypeVar
 import asyncpg  # type: ignore[import-untyped]
 
 from . import model
+from .base import Closing
 from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
-from .model import Lease, LeaseRow, Reason, State
-from .store import Closing
+from .model import Lease, LeaseRef, LeaseRow, Reason, State
 
 T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
@@ -314,7 +314,7 @@ class PostgresLeaseStore(Closing):
         with driver_errors("closing the PostgreSQL lease store failed"):
             await self._pool.close()
 
-    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+    async def _held(self, op: str, lease: Lease | LeaseRef, ttl: float | None) -> Lease:
         job_id, owner, generation = model.lease_fields(lease)
         offset = self._offset()
         return await self._write(lambda c: held_tx(c, op, job_id, owner, generation, ttl, offset))

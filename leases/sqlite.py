@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import model
+from .base import Closing
 from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
-from .model import Lease, LeaseRow, Reason, State
-from .store import Closing
+from .model import Lease, LeaseRef, LeaseRow, Reason, State
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -359,7 +359,7 @@ class SQLiteLeaseStore(Closing):
     async def close(self) -> None:
         await self._executor.close()
 
-    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
+    async def _held(self, op: str, lease: Lease | LeaseRef, ttl: float | None) -> Lease:
         job_id, owner, generation = model.lease_fields(lease)
         clock = self._clock
         return await self._executor.run(

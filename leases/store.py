@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from .model import Lease, validate_ttl
+from .model import Lease, LeaseRef
 
 
 @runtime_checkable
@@ -15,41 +15,13 @@ class LeaseStore(Protocol):
     """What every backend (SQLite, PostgreSQL, HTTP) offers, with the same errors."""
 
     async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease: ...
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease: ...
-    async def complete(self, lease: Lease) -> Lease: ...
-    async def release(self, lease: Lease) -> Lease: ...
+    async def renew(self, lease: Lease | LeaseRef, *, ttl: float | None = None) -> Lease: ...
+    async def complete(self, lease: Lease | LeaseRef) -> Lease: ...
+    async def release(self, lease: Lease | LeaseRef) -> Lease: ...
     async def get(self, job_id: str) -> Lease | None: ...
     async def close(self) -> None: ...
     async def __aenter__(self) -> LeaseStore: ...
     async def __aexit__(self, *exc: object) -> None: ...
-
-
-class Closing:
-    """Base of the backends: renew/complete/release through the backend's one
-    `_held` verb, and `async with store:` closing the store on exit."""
-
-    async def _held(self, op: str, lease: Lease, ttl: float | None) -> Lease:
-        raise NotImplementedError
-
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
-        """Extend the lease by `ttl` seconds from the store's now (default: the ttl
-        it was claimed or last renewed with)."""
-        return await self._held("renew", lease, None if ttl is None else validate_ttl(ttl))
-
-    async def complete(self, lease: Lease) -> Lease:
-        return await self._held("complete", lease, None)
-
-    async def release(self, lease: Lease) -> Lease:
-        return await self._held("release", lease, None)
-
-    async def close(self) -> None:
-        raise NotImplementedError
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 async def open_store(url: str, **options: object) -> LeaseStore:

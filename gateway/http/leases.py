@@ -26,7 +26,7 @@ from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import Store
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
-from leases.model import Lease
+from leases.model import Lease, LeaseRef
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.lease_api")
@@ -42,8 +42,6 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "release": ("owner", "generation"),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {"renew": ("ttl",)}
-
-_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 LEASE_TOKENS: web.AppKey[tuple[str, ...]] = web.AppKey("lease_tokens", tuple)
@@ -150,10 +148,8 @@ _VERBS: dict[str, Verb] = {
 }
 
 
-def _named(job_id: str, body: dict[str, Any]) -> Lease:
-    # The store's held verbs only read job_id, owner and generation; the rest is
-    # decided by the stored row, never by what the caller claims it holds.
-    return Lease(job_id, body["owner"], body["generation"], "active", _EPOCH, 0.0)
+def _named(job_id: str, body: dict[str, Any]) -> LeaseRef:
+    return LeaseRef(job_id, body["owner"], body["generation"])
 
 
 async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamResponse:

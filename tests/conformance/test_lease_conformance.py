@@ -19,6 +19,7 @@ from leases import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
+    LeaseRef,
     StoreUnavailable,
     hold,
     open_store,
@@ -169,6 +170,22 @@ async def test_renew_without_ttl_reuses_the_last_ttl(lease_backend: LeaseBackend
     assert renewed.expires_in == pytest.approx(12.0, abs=0.5)
     renewed = await store.renew(renewed, ttl=40.0)
     assert (await store.renew(renewed)).expires_in == pytest.approx(40.0, abs=0.5)
+
+
+async def test_a_lease_ref_names_a_lease_by_job_owner_and_generation(
+    lease_backend: LeaseBackend,
+) -> None:
+    """The held verbs read only (job, owner, generation): a LeaseRef works like the
+    Lease it names, and a ref to an older generation is refused like that lease."""
+    store = lease_backend.store
+    first = await store.claim("job-1", owner="worker-a", ttl=TTL)
+    renewed = await store.renew(LeaseRef("job-1", "worker-a", first.generation), ttl=TTL)
+    assert (renewed.generation, renewed.state) == (first.generation, "active")
+    with pytest.raises(LeaseLost) as lost:
+        await store.complete(LeaseRef("job-1", "worker-a", first.generation + 1))
+    assert lost.value.reason == "unknown_generation"
+    done = await store.complete(LeaseRef("job-1", "worker-a", first.generation))
+    assert done.state == "done"
 
 
 async def test_complete_marks_done_and_the_job_can_never_be_claimed(
