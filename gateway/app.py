@@ -22,7 +22,9 @@ from gateway.http.leases import add_lease_routes
 from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import GatewayRunner
-from gateway.store.protocol import Clock, Store, open_store
+from gateway.store import open_store
+from gateway.store.protocol import Store
+from gateway.store.records import Clock
 from gateway.telemetry.metrics import Metrics
 from gateway.write.route import WriteGateway, parse_target
 from gateway.write.upstream import Upstreams

@@ -80,8 +80,8 @@ async def _http_backend(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Lease
 
     from gateway.http.appkeys import METRICS, STORE
     from gateway.http.leases import add_lease_routes
-    from gateway.telemetry.metrics import Metrics
     from gateway.store.sqlite import SQLiteStore
+    from gateway.telemetry.metrics import Metrics
     from leases.http import HTTPLeaseStore
 
     server_store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'gateway.db'}", clock=clock)

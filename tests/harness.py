@@ -23,11 +23,11 @@ from yarl import URL
 
 from gateway.app import create_app
 from gateway.config.model import Config, DestinationConfig
-from gateway.write.decision import Fencing
-from gateway.store.postgres import PostgresStore
 from gateway.http.server import GatewayRunner
-from gateway.store.sqlite import SQLiteStore
+from gateway.store.postgres import PostgresStore
 from gateway.store.protocol import Store
+from gateway.store.sqlite import SQLiteStore
+from gateway.write.decision import Fencing
 
 
 class FakeClock:

@@ -38,7 +38,7 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.problem import problem_response, router_refusal
-from gateway.store.protocol import Store
+from gateway.store.protocol import AdminStore
 from gateway.telemetry.metrics import Metrics
 from leases.model import IDENT
 from leases.reasons import Reason
@@ -54,7 +54,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_admin_app(
-    store: Store,
+    store: AdminStore,
     metrics: Metrics,
     *,
     token: str | None,
@@ -90,7 +90,7 @@ def _signin_instead(request: web.Request) -> web.StreamResponse:
     return login_page(request, status=401, message=None)
 
 
-def add_health_routes(app: web.Application, store_of: Callable[[], Store]) -> None:
+def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) -> None:
     """`/healthz` (the process answers) and `/readyz` (the store can take a write
     within `READY_TIMEOUT_S`).
 
@@ -153,7 +153,7 @@ def _errors_middleware(metrics: Metrics) -> Any:
 
 
 class _Api:
-    def __init__(self, store: Store, page: Page) -> None:
+    def __init__(self, store: AdminStore, page: Page) -> None:
         self._store = store
         self.page = page
 

@@ -30,7 +30,8 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection
 from gateway.http.bodies import read_body
-from gateway.store.protocol import Store, StoredRejection
+from gateway.store.protocol import AdminStore
+from gateway.store.records import StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 
 LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
@@ -105,7 +106,7 @@ def _safe_next(url: str) -> str:
 class Page:
     """The page's routes: the listing, one rejection, and sign-in/sign-out."""
 
-    def __init__(self, store: Store, auth: SessionAuth) -> None:
+    def __init__(self, store: AdminStore, auth: SessionAuth) -> None:
         self._store = store
         self._auth = auth
 
@@ -219,7 +220,9 @@ def _kind(reason: Reason, info: ReasonInfo) -> str:
     return {Family.FENCE: "fence", Family.IDEMPOTENCY: "key"}.get(info.family, "other")
 
 
-_KIND = {reason: _kind(reason, info) for reason, info in REASONS.items() if info.recorded}
+_KIND: dict[str, str] = {
+    reason: _kind(reason, info) for reason, info in REASONS.items() if info.recorded
+}
 _EMPTY_ROW = '<tr><td colspan="9" class="empty">No rejected writes match these filters.</td></tr>'
 _LOGOUT = (
     '<form method="post" action="/admin/logout" class="logout">'

@@ -21,7 +21,8 @@ from typing import Any
 
 from gateway.errors import STATUS_BY_REASON, Rejection
 from gateway.http.problem import invalid_request
-from gateway.store.protocol import JobState, RejectionQuery, Store, StoredRejection
+from gateway.store.protocol import AdminStore
+from gateway.store.records import JobState, RejectionQuery, StoredRejection
 from gateway.write.decision import KeyRecord
 from leases.model import IDENT, MAX_GENERATION, expires_in
 from leases.reasons import Reason
@@ -44,7 +45,7 @@ _CURSOR_PREFIX = "r1:"
 
 
 async def fetch_page(
-    store: Store, query: RejectionQuery
+    store: AdminStore, query: RejectionQuery
 ) -> tuple[list[StoredRejection], str | None]:
     """One page, newest first, and the cursor of the next (None on the last page).
 
@@ -58,7 +59,7 @@ async def fetch_page(
     return rows, encode_cursor(rows[-1].id)
 
 
-async def find_rejection(store: Store, raw_id: str) -> StoredRejection:
+async def find_rejection(store: AdminStore, raw_id: str) -> StoredRejection:
     found = None
     if DECIMAL_ID.fullmatch(raw_id) and int(raw_id) <= MAX_GENERATION:
         found = await store.get_rejection(int(raw_id))

@@ -23,7 +23,7 @@ from gateway.http.appkeys import METRICS, STORE
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
 from gateway.http.problem import invalid_request, problem_response
-from gateway.store.protocol import Store
+from gateway.store.protocol import LeaseVerbs
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease, LeaseRef
@@ -90,7 +90,7 @@ def _authorize(request: web.Request) -> None:
 
 
 async def _get(request: web.Request) -> web.StreamResponse:
-    async def run(store: Store, job_id: str, _: dict[str, Any]) -> Lease:
+    async def run(store: LeaseVerbs, job_id: str, _: dict[str, Any]) -> Lease:
         lease = await store.get(job_id)
         if lease is None:
             raise Rejection(
@@ -123,23 +123,23 @@ async def _wrong_method(request: web.Request) -> web.StreamResponse:
     return _finish(request, op, problem_response(refusal), Reason.METHOD_NOT_ALLOWED, {})
 
 
-async def _claim(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+async def _claim(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
     return await store.claim(job_id, owner=body["owner"], ttl=body["ttl"])
 
 
-async def _renew(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+async def _renew(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
     return await store.renew(_named(job_id, body), ttl=body.get("ttl"))
 
 
-async def _complete(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+async def _complete(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
     return await store.complete(_named(job_id, body))
 
 
-async def _release(store: Store, job_id: str, body: dict[str, Any]) -> Lease:
+async def _release(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
     return await store.release(_named(job_id, body))
 
 
-Verb = Callable[[Store, str, dict[str, Any]], Awaitable[Lease]]
+Verb = Callable[[LeaseVerbs, str, dict[str, Any]], Awaitable[Lease]]
 _VERBS: dict[str, Verb] = {
     "claim": _claim,
     "renew": _renew,

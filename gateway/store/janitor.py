@@ -15,14 +15,14 @@ import time
 import structlog
 
 from gateway.errors import StoreUnavailable
-from gateway.store.protocol import Store
+from gateway.store.protocol import PurgeStore
 from gateway.telemetry.metrics import Metrics
 
 log = structlog.get_logger("sinkgate.janitor")
 
 
 async def purge_once(
-    store: Store,
+    store: PurgeStore,
     metrics: Metrics,
     *,
     idempotency_ttl: float,
@@ -63,7 +63,7 @@ async def purge_once(
 
 
 async def run_janitor(
-    store: Store,
+    store: PurgeStore,
     metrics: Metrics,
     *,
     idempotency_ttl: float,

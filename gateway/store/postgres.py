@@ -51,7 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
-from gateway.store.protocol import (
+from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,

@@ -13,7 +13,7 @@ import sqlite3
 import time
 from typing import Any
 
-from gateway.store.protocol import (
+from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,

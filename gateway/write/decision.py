@@ -154,7 +154,7 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
         return None
     return Reject(
         str(refusal),
-        _FENCE_DETAIL[str(refusal)],
+        _FENCE_DETAIL[refusal],
         current_generation=None if lease is None else lease.generation,
         highest_generation=mark,
     )

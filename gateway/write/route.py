@@ -24,7 +24,8 @@ from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
 from gateway.http.problem import problem_response
-from gateway.store.protocol import Outcome, RejectionRecord, Store, WriteContext
+from gateway.store.protocol import WriteStore
+from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts, fingerprint
 from gateway.write.upstream import (
@@ -97,7 +98,7 @@ class WriteGateway:
     """Holds what the write route needs; one per app."""
 
     def __init__(
-        self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics
+        self, config: Config, store: WriteStore, upstreams: Upstreams, metrics: Metrics
     ) -> None:
         self.config = config
         self.store = store

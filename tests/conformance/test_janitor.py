@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.write.decision import Fencing, WriteFacts
 from gateway.errors import StoreUnavailable
 from gateway.store.janitor import purge_once, run_janitor
-from gateway.telemetry.metrics import Metrics
+from gateway.store.records import Outcome, RejectionQuery, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import Outcome, RejectionQuery, RejectionRecord, WriteContext
+from gateway.telemetry.metrics import Metrics
+from gateway.write.decision import Fencing, WriteFacts
 from tests.conftest import FakeClock
 
 HOUR = 3600.0

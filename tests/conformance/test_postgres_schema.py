@@ -23,7 +23,6 @@ from leases.postgres import (
     require_durable_commit,
 )
 from leases.store import open_store
-
 from tests.pg import fresh_database
 
 pytestmark = pytest.mark.postgres

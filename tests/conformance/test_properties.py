@@ -25,6 +25,8 @@ from typing import Any, Protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.store.records import Outcome, WriteContext
+from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import (
     Fencing,
     Forward,
@@ -39,8 +41,6 @@ from gateway.write.decision import (
     fingerprint,
     reservation_deadline,
 )
-from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import Outcome, WriteContext
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost
 from leases.model import Lease, LeaseRow, State

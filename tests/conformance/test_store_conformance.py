@@ -19,6 +19,17 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.store import postgres as postgres_store
+from gateway.store.postgres import PostgresStore
+from gateway.store.records import (
+    AttemptIds,
+    Outcome,
+    RejectionQuery,
+    RejectionRecord,
+    Verdict,
+    WriteContext,
+    new_attempt_id,
+)
+from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import (
     RESERVATION_GRACE_S,
     Fencing,
@@ -28,20 +39,8 @@ from gateway.write.decision import (
     Replay,
     WriteFacts,
 )
-from gateway.store.postgres import PostgresStore
-from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import (
-    AttemptIds,
-    Outcome,
-    RejectionQuery,
-    RejectionRecord,
-    Verdict,
-    WriteContext,
-    new_attempt_id,
-)
 from leases.errors import StoreUnavailable
 from tests.conftest import FakeClock
-
 from tests.pg import fresh_database
 
 TIMEOUT = 5.0

@@ -25,10 +25,10 @@ import pytest
 from aiohttp import web
 
 from gateway.admin.api import create_admin_app
-from gateway.telemetry.metrics import Metrics
 from gateway.http.server import GatewayRunner
+from gateway.store.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import RejectionRecord
+from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock
 
 TOKEN = "browser-test-token"

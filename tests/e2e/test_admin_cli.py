@@ -15,10 +15,10 @@ from aiohttp import web
 
 from gateway.admin.api import create_admin_app
 from gateway.admin.cli import _more_hint, add_arguments, main, to_rfc3339
-from gateway.telemetry.metrics import Metrics
 from gateway.http.server import GatewayRunner
+from gateway.store.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import RejectionRecord
+from gateway.telemetry.metrics import Metrics
 
 TOKEN = "cli-test-token"
 

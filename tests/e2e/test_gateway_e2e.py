@@ -11,10 +11,9 @@ import pytest
 import structlog
 from multidict import CIMultiDict
 
+from gateway.store.records import RejectionQuery
 from gateway.write import decision as decision_module
 from gateway.write.decision import Fencing
-from gateway.store.protocol import RejectionQuery
-
 from tests.harness import (
     Gateway,
     RecordingUpstream,

@@ -25,17 +25,16 @@ from aiohttp import http_exceptions, web
 from yarl import URL
 
 from gateway.admin import api as admin
-from gateway.http import bodies
 from gateway.admin.api import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
+from gateway.http import bodies
 from gateway.http.appkeys import CONFIG, METRICS
+from gateway.http.server import GatewayRunner, parse_error_rejection
+from gateway.store.records import RejectionQuery
+from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import Fencing
 from gateway.write.route import origin_form
-from gateway.http.server import GatewayRunner, parse_error_rejection
-from gateway.store.sqlite import SQLiteStore
-from gateway.store.protocol import RejectionQuery
 from leases.sqlite import sqlite_path
-
 from tests.harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
 from tests.harness import recording_upstream as _recording_upstream
 

@@ -20,8 +20,8 @@ from yarl import URL
 
 from gateway.http.appkeys import METRICS, STORE
 from gateway.http.leases import MAX_BODY, add_lease_routes
-from gateway.telemetry.metrics import Metrics
 from gateway.store.sqlite import SQLiteStore
+from gateway.telemetry.metrics import Metrics
 
 T0 = 1_800_000_000.0
 RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")

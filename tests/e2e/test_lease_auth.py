@@ -11,7 +11,6 @@ import pytest
 from gateway.config.model import load_config
 from gateway.errors import ConfigError
 from leases import StoreUnavailable, open_store
-
 from tests.harness import destination, make_config, recording_upstream, running_gateway
 
 

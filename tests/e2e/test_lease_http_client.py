@@ -21,11 +21,10 @@ from aiohttp.test_utils import TestServer
 
 from gateway.http.appkeys import METRICS, STORE
 from gateway.http.leases import add_lease_routes
-from gateway.telemetry.metrics import Metrics
 from gateway.store.sqlite import SQLiteStore
+from gateway.telemetry.metrics import Metrics
 from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold, open_store
 from leases.http import HTTPLeaseStore
-
 from tests.conftest import FakeClock
 
 

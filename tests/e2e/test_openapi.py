@@ -33,7 +33,6 @@ from gateway.admin.api import create_admin_app
 from gateway.http.appkeys import METRICS
 from gateway.http.openapi import build_document
 from gateway.http.server import GatewayRunner
-
 from tests.harness import (
     destination,
     make_config,

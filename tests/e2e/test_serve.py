@@ -10,7 +10,6 @@ import pytest
 
 from gateway import app as app_module
 from gateway.store import janitor as janitor_module
-
 from tests.harness import make_config
 
 

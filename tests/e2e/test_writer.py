@@ -35,7 +35,6 @@ from leases.writer import (
     WriteResult,
     derive_key,
 )
-
 from tests.harness import (
     RecordingUpstream,
     destination,

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from leases import FencedWriter, LeaseLost, hold
-
 from tests.harness import destination, make_config, recording_upstream, running_gateway
 
 

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import streams
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.http.bodies import read_body
 from gateway.errors import Rejection
+from gateway.http.bodies import read_body
 
 
 def _request(chunks: list[bytes], *, eof: bool) -> tuple[object, streams.StreamReader]:

@@ -21,8 +21,8 @@ from gateway.config.model import (
     parse_upstream,
     redact_url,
 )
-from gateway.write.decision import Fencing
 from gateway.errors import ConfigError
+from gateway.write.decision import Fencing
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
+from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, LeaseRef, StoreUnavailable, hold
 from leases.http import HTTPLeaseStore
 from leases.reasons import Reason
 from leases.writer import (
@@ -151,15 +151,15 @@ class WorkerLeaseStore:
         lease: Lease = await self._call("claim", job_id, owner=owner, ttl=ttl)
         return lease
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+    async def renew(self, lease: Lease | LeaseRef, *, ttl: float | None = None) -> Lease:
         renewed: Lease = await self._call("renew", lease, ttl=ttl)
         return renewed
 
-    async def complete(self, lease: Lease) -> Lease:
+    async def complete(self, lease: Lease | LeaseRef) -> Lease:
         done: Lease = await self._call("complete", lease)
         return done
 
-    async def release(self, lease: Lease) -> Lease:
+    async def release(self, lease: Lease | LeaseRef) -> Lease:
         freed: Lease = await self._call("release", lease)
         return freed
 
