@@ -51,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+from gateway.store.plan import plan_write
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -65,20 +66,13 @@ from gateway.store.records import (
     WriteContext,
     key_record,
     new_attempt_id,
-    rejection_record,
     rejection_values,
 )
 from gateway.write.decision import (
     Fencing,
-    Forward,
     KeyRecord,
-    Reject,
-    Replay,
     StoredState,
     WriteFacts,
-    barrier_deadline,
-    decide,
-    reservation_deadline,
 )
 from leases.model import LeaseRow, State
 from leases.postgres import (
@@ -462,34 +456,33 @@ def _state(facts: WriteFacts, row: Any) -> StoredState:
 async def _apply(
     conn: Conn, facts: WriteFacts, context: WriteContext, state: StoredState, now: float
 ) -> Verdict:
-    """Apply `decide`'s verdict exactly as `sqlite_store._decide_tx` does."""
-    decision = decide(facts, state, now)
-    if isinstance(decision, Forward):
-        attempt = new_attempt_id()
-        # Only a forwarded write raises the job's mark (SPEC 2 step 6).
+    plan = plan_write(facts, context, state, now, new_attempt_id)
+    r = plan.reservation
+    if r is not None:
+        # One statement: key, attempt and mark (GREATEST keeps a mark that is higher).
         await conn.execute(
             _FORWARD_SQL,
-            facts.destination,
-            facts.key,
-            facts.fingerprint,
-            attempt,
-            facts.job_id,
-            facts.generation,
-            facts.owner,
-            now,
-            reservation_deadline(facts, now),
-            barrier_deadline(facts, now),
+            r.destination,
+            r.key,
+            r.fingerprint,
+            r.attempt,
+            r.job_id,
+            r.generation,
+            r.owner,
+            r.at,
+            r.deadline,
+            r.barrier_until,
         )
-        return Verdict(decision, attempt=attempt)
-    assert isinstance(decision, Replay | Reject)
-    values = rejection_values(rejection_record(facts, context, decision))
+        return plan.verdict()
+    assert plan.rejection is not None
+    values = rejection_values(plan.rejection)
     rejection_id = await conn.fetchval(
         f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
         f"VALUES ($1, {_placeholders(2, len(values))}) RETURNING id",
         now,
         *values,
     )
-    return Verdict(decision, rejection_id=rejection_id)
+    return plan.verdict(rejection_id)
 
 
 async def _purge_tx(

@@ -13,6 +13,7 @@ import sqlite3
 import time
 from typing import Any
 
+from gateway.store.plan import Reservation, plan_write
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -27,20 +28,13 @@ from gateway.store.records import (
     WriteContext,
     key_record,
     new_attempt_id,
-    rejection_record,
     rejection_values,
 )
 from gateway.write.decision import (
     Fencing,
-    Forward,
     KeyRecord,
-    Reject,
-    Replay,
     StoredState,
     WriteFacts,
-    barrier_deadline,
-    decide,
-    reservation_deadline,
 )
 from leases import sqlite as lease_sql
 from leases.errors import StoreUnavailable
@@ -207,38 +201,12 @@ def _init_schema(conn: sqlite3.Connection) -> None:
 def _decide_tx(
     conn: sqlite3.Connection, facts: WriteFacts, context: WriteContext, now: float
 ) -> Verdict:
-    state = _read_state(conn, facts, now)
-    decision = decide(facts, state, now)
-    if isinstance(decision, Forward):
-        attempt = new_attempt_id()
-        _reserve(conn, facts, state.record, attempt, now)
-        conn.execute(
-            "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "
-            "deadline) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                attempt,
-                facts.job_id,
-                facts.generation,
-                facts.destination,
-                facts.key,
-                now,
-                barrier_deadline(facts, now),
-            ),
-        )
-        # Only a forwarded write raises the job's mark (SPEC 2 step 6); a write
-        # at the mark (most of them) leaves the row as it is.
-        if state.highest_generation is None or facts.generation > state.highest_generation:
-            conn.execute(
-                "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
-                "ON CONFLICT (job_id) DO UPDATE SET "
-                "highest_generation = max(highest_generation, excluded.highest_generation), "
-                "updated_at = excluded.updated_at",
-                (facts.job_id, facts.generation, now),
-            )
-        return Verdict(decision, attempt=attempt)
-    assert isinstance(decision, Replay | Reject)
-    record = rejection_record(facts, context, decision)
-    return Verdict(decision, rejection_id=_insert_rejection(conn, record, now))
+    plan = plan_write(facts, context, _read_state(conn, facts, now), now, new_attempt_id)
+    if plan.reservation is not None:
+        _reserve(conn, plan.reservation)
+        return plan.verdict()
+    assert plan.rejection is not None
+    return plan.verdict(_insert_rejection(conn, plan.rejection, now))
 
 
 # The whole stored state a decision reads, in one statement: the job's lease and
@@ -270,37 +238,43 @@ def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> Stor
     )
 
 
-def _reserve(
-    conn: sqlite3.Connection,
-    facts: WriteFacts,
-    previous: KeyRecord | None,
-    attempt: str,
-    now: float,
-) -> None:
-    if facts.key is None:
-        return
+def _reserve(conn: sqlite3.Connection, r: Reservation) -> None:
+    if r.key is not None:
+        conn.execute(
+            "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, "
+            "job_id, generation, owner, created_at, updated_at, deadline) "
+            "VALUES (?, ?, 'in_flight', ?, ?, 1, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight', "
+            "attempt = excluded.attempt, attempts = attempts + 1, job_id = excluded.job_id, "
+            "generation = excluded.generation, owner = excluded.owner, "
+            "updated_at = excluded.updated_at, deadline = excluded.deadline, "
+            "completed_at = NULL, status = NULL, headers = NULL, body = NULL, body_omitted = 0",
+            (
+                r.destination,
+                r.key,
+                r.fingerprint,
+                r.attempt,
+                r.job_id,
+                r.generation,
+                r.owner,
+                r.at,
+                r.at,
+                r.deadline,
+            ),
+        )
     conn.execute(
-        "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, "
-        "job_id, generation, owner, created_at, updated_at, deadline) "
-        "VALUES (?, ?, 'in_flight', ?, ?, 1, ?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight', "
-        "attempt = excluded.attempt, attempts = attempts + 1, job_id = excluded.job_id, "
-        "generation = excluded.generation, owner = excluded.owner, "
-        "updated_at = excluded.updated_at, deadline = excluded.deadline, completed_at = NULL, "
-        "status = NULL, headers = NULL, body = NULL, body_omitted = 0",
-        (
-            facts.destination,
-            facts.key,
-            facts.fingerprint,
-            attempt,
-            facts.job_id,
-            facts.generation,
-            facts.owner,
-            now,
-            now,
-            reservation_deadline(facts, now),
-        ),
+        "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "
+        "deadline) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (r.attempt, r.job_id, r.generation, r.destination, r.key, r.at, r.barrier_until),
     )
+    if r.raise_mark:
+        conn.execute(
+            "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (job_id) DO UPDATE SET "
+            "highest_generation = max(highest_generation, excluded.highest_generation), "
+            "updated_at = excluded.updated_at",
+            (r.job_id, r.generation, r.at),
+        )
 
 
 def _outcome_tx(

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.store.plan import plan_write
 from gateway.store.records import Outcome, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import (
@@ -37,7 +38,6 @@ from gateway.write.decision import (
     StoredState,
     WriteFacts,
     barrier_deadline,
-    decide,
     fingerprint,
     reservation_deadline,
 )
@@ -186,9 +186,12 @@ class Backend(Protocol):
     async def record(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool: ...
 
 
+_CONTEXT = WriteContext("127.0.0.1", "0" * 64, 1)
+
+
 @dataclass
 class ModelBackend:
-    """The store's algorithm over dicts: read state, `decide`, apply the verdict."""
+    """The store's algorithm over dicts: read state, plan the write, execute the plan."""
 
     now: float = START
     leases: dict[str, LeaseRow] = field(default_factory=dict)
@@ -239,29 +242,19 @@ class ModelBackend:
             older_in_flight_until=max(older, default=None),
             record=self.keys.get((facts.destination, facts.key)),
         )
-        decision = decide(facts, state, now)
-        if not isinstance(decision, Forward):
-            return decision, None
+        plan = plan_write(facts, state=state, context=_CONTEXT, now=now, new_attempt=self._next)
+        r = plan.reservation
+        if r is None:  # nothing but a rejection-log row, which the model does not keep
+            return plan.decision, None
+        self.keys[(facts.destination, facts.key)] = r.key_record(state.record)
+        self.attempts[r.attempt] = (r.job_id, r.generation, r.barrier_until)
+        if r.raise_mark:
+            self.marks[r.job_id] = r.generation
+        return plan.decision, r.attempt
+
+    def _next(self) -> str:
         self.counter += 1
-        attempt = f"a{self.counter}"
-        previous = state.record
-        self.keys[(facts.destination, facts.key)] = KeyRecord(
-            destination=facts.destination,
-            key=facts.key,
-            state=KeyState.IN_FLIGHT,
-            fingerprint=facts.fingerprint,
-            attempt=attempt,
-            attempts=1 if previous is None else previous.attempts + 1,
-            job_id=facts.job_id,
-            generation=facts.generation,
-            owner=facts.owner,
-            created_at=now,
-            updated_at=now,
-            deadline=reservation_deadline(facts, now),
-        )
-        self.attempts[attempt] = (facts.job_id, facts.generation, barrier_deadline(facts, now))
-        self.marks[facts.job_id] = max(self.marks.get(facts.job_id, 0), facts.generation)
-        return decision, attempt
+        return f"a{self.counter}"
 
     async def record(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         self.attempts.pop(attempt, None)
@@ -336,7 +329,7 @@ class SQLiteBackend:
         return None if state is None else state.highest_generation
 
     async def decide(self, facts: WriteFacts) -> tuple[Any, str | None]:
-        verdict = await self.store.decide_write(facts, WriteContext("127.0.0.1", "0" * 64, 1))
+        verdict = await self.store.decide_write(facts, _CONTEXT)
         return verdict.decision, verdict.attempt
 
     async def record(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
