@@ -9,14 +9,16 @@ lease to expire.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+import structlog
 
 from leases.sqlite import SQLiteLeaseStore
 from tests.harness import FakeClock, serving
@@ -114,3 +116,23 @@ async def lease_backend(
         return
     async with _postgres_backend() as backend:
         yield backend
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """Give each test the logging set-up it found.
+
+    A test that runs the CLI in-process (`cli.main`, `chaos.main`) configures
+    logging, binding the root handler to the stderr pytest captured for that
+    test; later tests' `aiohttp.access` records then hit a closed stream
+    ("--- Logging error --- ValueError: I/O operation on closed file").
+    """
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    config = structlog.get_config()
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        structlog.configure(**config)
