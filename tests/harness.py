@@ -8,6 +8,7 @@ it received.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -163,6 +164,29 @@ async def served_upstream(upstream: UpstreamT) -> AsyncIterator[UpstreamT]:
 
 def recording_upstream() -> AbstractAsyncContextManager[RecordingUpstream]:
     return served_upstream(RecordingUpstream())
+
+
+async def eventually(
+    condition: Callable[[], Any],
+    *,
+    within: float = 10.0,
+    every: float = 0.02,
+    what: str = "the condition",
+) -> Any:
+    """Poll `condition` (a plain or async callable) until it returns something true,
+    and return that; fail the test after `within` seconds. The one poll loop of the
+    suite: for what another task or process makes true, never to let time pass."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if loop.time() >= deadline:
+            pytest.fail(f"{what} did not hold within {within:g} s")
+        await asyncio.sleep(every)
 
 
 async def wait_until_ok(

@@ -41,6 +41,7 @@ from gateway.write.decision import (
 )
 from leases.errors import StoreUnavailable
 from tests.conftest import FakeClock
+from tests.harness import eventually
 from tests.pg import fresh_database
 
 TIMEOUT = 5.0
@@ -473,15 +474,15 @@ async def _race(url: str, table: str, writes: list[WriteFacts]) -> list[str]:
                 asyncio.create_task(r.decide_write(w, CONTEXT))
                 for r, w in zip(replicas, writes, strict=True)
             ]
-            for _ in range(500):  # until all wait on a lock (not a timing guess)
+
+            async def all_waiting() -> bool:  # on a lock: not a timing guess
                 waiting = await blocker.fetchval(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                     "AND datname = current_database()"
                 )
-                if waiting == len(writes):
-                    break
-                await asyncio.sleep(0.01)
-            assert waiting == len(writes)
+                return bool(waiting == len(writes))
+
+            await eventually(all_waiting, every=0.01, what="every write waiting on the lock")
         verdicts = await asyncio.gather(*decisions)
         return ["forward" if isinstance(v.decision, Forward) else reason(v) for v in verdicts]
     finally:

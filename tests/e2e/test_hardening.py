@@ -14,7 +14,7 @@ import asyncio
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,14 @@ from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import Fencing
 from gateway.write.route import origin_form
 from leases.sqlite import sqlite_path
-from tests.harness import FakeClock, Gateway, RecordingUpstream, destination, make_config
+from tests.harness import (
+    FakeClock,
+    Gateway,
+    RecordingUpstream,
+    destination,
+    eventually,
+    make_config,
+)
 from tests.harness import recording_upstream as _recording_upstream
 
 ADMIN_TOKEN = "admin-token-for-hardening"
@@ -475,11 +482,7 @@ async def test_past_max_in_flight_writes_get_503_overloaded_not_a_queue(
 ) -> None:
     await gw.claim("job-1")
     slow = [asyncio.create_task(gw.write("/to/narrow/slow/1", key=f"s{i}")) for i in range(2)]
-    for _ in range(200):  # bounded: both forwards reach the upstream
-        if len(upstream.received) == 2:
-            break
-        await asyncio.sleep(0.01)
-    assert len(upstream.received) == 2
+    await eventually(lambda: len(upstream.received) == 2, what="both forwards at the upstream")
     status, headers, _ = await gw.write("/to/narrow/x", key="third")
     assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
     assert int(headers["Retry-After"]) >= 1
@@ -710,8 +713,9 @@ async def test_readyz_fails_while_another_process_holds_the_sqlite_write_lock(
         other.execute("ROLLBACK")
     finally:
         other.close()
-    for _ in range(100):  # the probe's own write drains once the lock is free
-        if await ready() == 200:
-            break
-        await asyncio.sleep(0.05)
-    assert await ready() == 200
+    # the probe's own write drains once the lock is free
+    await eventually(lambda: _is(ready(), 200), what="/readyz answering 200")
+
+
+async def _is(status: Awaitable[int], expected: int) -> bool:
+    return await status == expected

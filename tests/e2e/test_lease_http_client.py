@@ -26,6 +26,7 @@ from gateway.telemetry.metrics import Metrics
 from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold, open_store
 from leases.http import HTTPLeaseStore
 from tests.conftest import FakeClock
+from tests.harness import eventually
 
 
 @pytest.fixture
@@ -352,9 +353,7 @@ async def test_bad_open_arguments_raise_value_error(url: str, options: dict[str,
 
 
 async def _until(predicate: Any, *, within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not await predicate():  # noqa: ASYNC110 - polls another process's view
-            await asyncio.sleep(0.01)
+    await eventually(predicate, within=within, every=0.01)
 
 
 async def test_hold_renews_over_http(

@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.harness import free_port, served_upstream, wait_until_ok
+from tests.harness import eventually, free_port, served_upstream, wait_until_ok
 
 pytestmark = pytest.mark.slow
 
@@ -309,22 +309,19 @@ async def test_sigterm_lets_in_flight_forwards_finish_records_them_and_exits_0(
                     return resp.status
 
             writes = [asyncio.create_task(write(k)) for k in keys]
-            for _ in range(200):  # bounded: all five reach the upstream
-                if len(upstream.keys) == len(keys):
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(lambda: len(upstream.keys) == len(keys), what="all five forwarded")
             assert sorted(upstream.keys) == keys
             assert gateway.proc is not None
             gateway.proc.send_signal(signal.SIGTERM)
-            for _ in range(200):  # bounded: the listener stops accepting
+
+            async def refused() -> bool:
                 try:
                     async with session.get(f"{gateway.url}/healthz"):
-                        pass
+                        return False
                 except aiohttp.ClientConnectionError:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("the gateway kept accepting after SIGTERM")
+                    return True
+
+            await eventually(refused, what="the listener refusing after SIGTERM")
             upstream.release.set()
             assert await asyncio.wait_for(asyncio.gather(*writes), 45) == [201] * len(keys)
             assert gateway.proc.wait(timeout=15) == 0
