@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -88,6 +88,102 @@ def _held(lease: Lease, state: Hold) -> HeldLease:
     return HeldLease(**{f.name: getattr(lease, f.name) for f in fields(Lease)}, hold=state)
 
 
+@dataclass(frozen=True, slots=True)
+class RenewalSchedule:
+    """PURE: when to renew, and until when the lease is safe, on the worker's own clock.
+
+    A renewal is due every `ttl * renew_fraction`; the lease is taken as lost
+    `ttl * (1 - safety_margin)` after the last successful renewal was *sent* (or
+    the claim), which is before the store can end it even on a slow worker clock.
+    """
+
+    ttl: float
+    renew_fraction: float = 1 / 3
+    safety_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        validate_ttl(self.ttl)
+        if not 0 < self.renew_fraction < 1:
+            raise ValueError("renew_fraction must be between 0 and 1")
+        if not 0 <= self.safety_margin < self.renew_fraction:
+            raise ValueError("safety_margin must be between 0 and renew_fraction")
+
+    def deadline(self, sent: float) -> float:
+        """The local deadline of a lease claimed or renewed by a request sent at `sent`."""
+        return sent + self.ttl * (1 - self.safety_margin)
+
+    def wait(self, now: float, deadline: float) -> float:
+        """How long to sleep before the next renewal (never past the deadline)."""
+        return max(0.0, min(now + self.ttl * self.renew_fraction, deadline) - now)
+
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def _check_exit_settings(on_exit: str, cancel_timeout: float) -> None:
+    if on_exit not in ("complete", "release", "keep"):
+        # Checked before the claim: found only at exit, the job would stay claimed.
+        raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")
+    if (
+        isinstance(cancel_timeout, bool)
+        or not isinstance(cancel_timeout, int | float)
+        or not (math.isfinite(cancel_timeout) and cancel_timeout > 0)
+    ):
+        raise ValueError("cancel_timeout must be a positive number of seconds")
+
+
+class _Renewer:
+    """The watchdog of one held lease: renews on schedule, and on a refusal or a
+    passed deadline marks the hold lost and cancels the body's task."""
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        state: Hold,
+        schedule: RenewalSchedule,
+        body: asyncio.Task[object],
+        monotonic: Callable[[], float],
+        sleep: Sleep,
+    ) -> None:
+        self.store, self.state, self.schedule = store, state, schedule
+        self.body, self.monotonic, self.sleep = body, monotonic, sleep
+        self.cancelled_body = False  # the body's cancellation is ours, not an outside one
+
+    def lose(self, reason: str, current_generation: int | None = None) -> None:
+        state = self.state
+        if state.lost is None:
+            state.lost = LeaseLost(
+                state.job_id, state.generation, reason, current_generation=current_generation
+            )
+        log.warning(
+            "lease_lost",
+            job_id=state.job_id,
+            generation=state.generation,
+            owner=state.owner,
+            reason=reason,
+        )
+        self.cancelled_body = True
+        self.body.cancel()
+
+    async def run(self) -> None:
+        state, now = self.state, self.monotonic
+        while True:
+            await self.sleep(self.schedule.wait(now(), state.deadline))
+            if now() >= state.deadline:
+                return self.lose(Reason.LEASE_EXPIRED)
+            sent = now()
+            try:
+                async with asyncio.timeout(max(0.0, state.deadline - sent)):
+                    state.lease = await self.store.renew(state.lease, ttl=self.schedule.ttl)
+            except LeaseLost as exc:
+                return self.lose(exc.reason, exc.current_generation)
+            except (StoreUnavailable, TimeoutError):
+                if now() >= state.deadline:
+                    return self.lose(Reason.STORE_UNAVAILABLE)
+                continue  # transient: try again until the local deadline
+            state.deadline = self.schedule.deadline(sent)
+
+
 @asynccontextmanager
 async def hold(
     store: LeaseStore,
@@ -100,6 +196,7 @@ async def hold(
     safety_margin: float = 0.05,
     cancel_timeout: float = 2.0,
     monotonic: Callable[[], float] = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
 ) -> AsyncIterator[HeldLease]:
     """Claim `job_id`, yield the `Lease` (a `HeldLease`), renew it in the background.
 
@@ -116,70 +213,28 @@ async def hold(
 
     `safety_margin` (fraction of the ttl) makes the local deadline fire a little
     before the lease can possibly end in the store, which absorbs a worker clock
-    that runs slow.
+    that runs slow. `monotonic` and `sleep` are the worker's clock and how the
+    watchdog waits on it (tests pass a virtual pair).
     """
-    ttl = validate_ttl(ttl)
-    if on_exit not in ("complete", "release", "keep"):
-        # Checked before the claim: found only at exit, the job would stay claimed.
-        raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")
-    if not 0 < renew_fraction < 1:
-        raise ValueError("renew_fraction must be between 0 and 1")
-    if not 0 <= safety_margin < renew_fraction:
-        raise ValueError("safety_margin must be between 0 and renew_fraction")
-    if (
-        isinstance(cancel_timeout, bool)
-        or not isinstance(cancel_timeout, int | float)
-        or not (math.isfinite(cancel_timeout) and cancel_timeout > 0)
-    ):
-        raise ValueError("cancel_timeout must be a positive number of seconds")
+    schedule = RenewalSchedule(validate_ttl(ttl), renew_fraction, safety_margin)
+    _check_exit_settings(on_exit, cancel_timeout)
     owner = default_owner() if owner is None else owner
     started = monotonic()
-    claiming = asyncio.ensure_future(store.claim(job_id, owner=owner, ttl=ttl))
+    claiming = asyncio.ensure_future(store.claim(job_id, owner=owner, ttl=schedule.ttl))
     try:
         lease = await asyncio.shield(claiming)
     except asyncio.CancelledError:
         await _give_back_claim(store, claiming, cancel_timeout, job_id, owner)
         raise
-    state = Hold(lease, started + ttl * (1 - safety_margin), monotonic)
+    state = Hold(lease, schedule.deadline(started), monotonic)
     body = asyncio.current_task()
     assert body is not None
-    cancelled_by_us = False
-
-    def lose(reason: str, current_generation: int | None = None) -> None:
-        nonlocal cancelled_by_us
-        if state.lost is None:
-            state.lost = LeaseLost(
-                job_id, lease.generation, reason, current_generation=current_generation
-            )
-        log.warning(
-            "lease_lost", job_id=job_id, generation=lease.generation, owner=owner, reason=reason
-        )
-        cancelled_by_us = True
-        body.cancel()
-
-    async def watchdog() -> None:
-        while True:
-            next_renewal = monotonic() + ttl * renew_fraction
-            await asyncio.sleep(max(0.0, min(next_renewal, state.deadline) - monotonic()))
-            if monotonic() >= state.deadline:
-                return lose(Reason.LEASE_EXPIRED)
-            sent = monotonic()
-            try:
-                async with asyncio.timeout(max(0.0, state.deadline - sent)):
-                    state.lease = await store.renew(state.lease, ttl=ttl)
-            except LeaseLost as exc:
-                return lose(exc.reason, exc.current_generation)
-            except (StoreUnavailable, TimeoutError):
-                if monotonic() >= state.deadline:
-                    return lose(Reason.STORE_UNAVAILABLE)
-                continue  # transient: try again until the local deadline
-            state.deadline = sent + ttl * (1 - safety_margin)
-
-    renewer = asyncio.create_task(watchdog(), name=f"lease-renewal:{job_id}")
+    watchdog = _Renewer(store, state, schedule, body, monotonic, sleep)
+    renewer = asyncio.create_task(watchdog.run(), name=f"lease-renewal:{job_id}")
     try:
         yield _held(lease, state)
     except asyncio.CancelledError:
-        if cancelled_by_us:
+        if watchdog.cancelled_body:
             if body.uncancel() == 0:
                 assert state.lost is not None
                 raise state.lost from None
