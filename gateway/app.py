@@ -26,7 +26,8 @@ from gateway.store import open_store
 from gateway.store.protocol import Store
 from gateway.store.records import Clock
 from gateway.telemetry.metrics import Metrics
-from gateway.write.route import WriteGateway, parse_target
+from gateway.write.request import parse_target
+from gateway.write.route import WriteGateway
 from gateway.write.upstream import Upstreams
 from leases.reasons import Reason
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import time
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
@@ -27,7 +24,8 @@ from gateway.http.problem import problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import Forward, Reject, Replay, WriteFacts, fingerprint
+from gateway.write.decision import Forward, Reject, Replay, WriteFacts
+from gateway.write.request import Target, field_value, path_escapes, raw_write_path, write_facts
 from gateway.write.upstream import (
     ForwardFailed,
     UpstreamAnswer,
@@ -36,62 +34,10 @@ from gateway.write.upstream import (
     upstream_url,
 )
 from leases.errors import StoreUnavailable
-from leases.model import IDENT, MAX_GENERATION, VISIBLE
+from leases.model import IDENT
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
-
-_TOKEN = re.compile(r"[1-9][0-9]{0,18}")
-_ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    destination: str
-    path: str  # raw, percent-encoding kept; "" for the upstream URL itself
-    query: str
-
-
-def origin_form(raw_target: str) -> str:
-    """The request target in origin-form. An absolute-form target (RFC 9112
-    3.2.2, `POST http://host/to/...`) loses its scheme and authority, and the
-    rest stays raw: the destination's upstream is used whatever host it names."""
-    if raw_target.startswith("/"):
-        return raw_target
-    match = _ABSOLUTE_FORM.match(raw_target)
-    if match is None:
-        return raw_target
-    rest = raw_target[match.end() :]
-    return rest if rest.startswith("/") else "/" + rest
-
-
-def parse_target(raw_path: str) -> Target | None:
-    """Split a raw `/to/{destination}{path}?{query}`; None if not a write route."""
-    target, _, query = origin_form(raw_path).partition("?")
-    if target != "/to" and not target.startswith("/to/"):
-        return None
-    rest = target[4:]
-    name, slash, path = rest.partition("/")
-    path = slash + path
-    if path == "/":
-        path = ""
-    return Target(unquote(name), path, query)
-
-
-def path_escapes(path: str) -> bool:
-    """True if `path` would climb above the base path or name another host."""
-    if path.startswith("//"):
-        return True
-    depth = 0
-    for raw_segment in path.split("/"):
-        for segment in re.split(r"[/\\]", unquote(raw_segment)):
-            if segment == "..":
-                depth -= 1
-                if depth < 0:
-                    return True
-            elif segment not in ("", "."):
-                depth += 1
-    return False
 
 
 class WriteGateway:
@@ -120,7 +66,7 @@ class WriteGateway:
                 remote=request.remote, body_sha256=body_digest.hex(), body_bytes=len(body)
             )
             try:
-                facts = self._facts(request, target, destination, body_digest)
+                facts = write_facts(request, target, destination, body_digest)
             except Rejection as rejection:
                 await self._record(request, rejection, destination.name, context)
                 raise
@@ -183,36 +129,6 @@ class WriteGateway:
     async def _read_body(self, request: web.Request, destination: DestinationConfig) -> bytes:
         await self._authorize(request, destination)
         return await read_body(request, destination.max_body, destination=destination.name)
-
-    def _facts(
-        self,
-        request: web.Request,
-        target: Target,
-        destination: DestinationConfig,
-        body_digest: bytes,
-    ) -> WriteFacts:
-        job_id, generation, owner, key = _fencing_headers(request, destination)
-        facts = WriteFacts(
-            destination=destination.name,
-            method=request.method,
-            path=target.path,
-            query=target.query,
-            job_id=job_id,
-            generation=generation,
-            owner=owner,
-            key=key,
-            fingerprint=fingerprint(
-                request.method,
-                target.path,
-                target.query,
-                request.headers.get("Content-Type", ""),
-                body_digest,
-            ),
-            fencing=destination.fencing,
-            upstream_idempotent=destination.upstream_idempotent,
-            timeout=destination.timeout,
-        )
-        return facts
 
     # --- steps 6-8 ----------------------------------------------------------------------
 
@@ -343,7 +259,7 @@ class WriteGateway:
             detail=rejection.detail,
             destination=destination,
             method=request.method,
-            path=_raw_write_path(request.raw_path),
+            path=raw_write_path(request.raw_path),
             job_id=job_id if IDENT.fullmatch(job_id) else None,
             remote=request.remote,
             body_sha256=None if context is None else context.body_sha256,
@@ -353,70 +269,6 @@ class WriteGateway:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
             raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
-
-
-def _fencing_headers(
-    request: web.Request, destination: DestinationConfig
-) -> tuple[str, int, str | None, str | None]:
-    headers = request.headers
-    job_id = field_value(headers, "Fencing-Job")
-    token = field_value(headers, "Fencing-Token")
-    owner = field_value(headers, "Fencing-Owner") or None
-    key = field_value(headers, "Idempotency-Key")
-    members: dict[str, Any] = {"destination": destination.name}
-    if not job_id or not token:
-        missing = "Fencing-Job" if not job_id else "Fencing-Token"
-        raise Rejection(Reason.MISSING_FENCING_TOKEN, f"{missing} is required", **members)
-    if not IDENT.fullmatch(job_id):
-        raise Rejection(
-            Reason.INVALID_FENCING_TOKEN,
-            "Fencing-Job must be 1-256 visible ASCII characters",
-            **members,
-        )
-    members["job_id"] = job_id
-    if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
-        raise Rejection(
-            Reason.INVALID_FENCING_TOKEN,
-            "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
-            **members,
-        )
-    if owner is not None and not IDENT.fullmatch(owner):
-        raise Rejection(
-            Reason.INVALID_FENCING_TOKEN,
-            "Fencing-Owner must be 1-256 visible ASCII characters",
-            **members,
-        )
-    generation = int(token)
-    if not key:
-        if destination.require_idempotency_key:
-            raise Rejection(
-                Reason.MISSING_IDEMPOTENCY_KEY,
-                "Idempotency-Key is required",
-                generation=generation,
-                **members,
-            )
-        return job_id, generation, owner, None
-    if len(key) >= 2 and key[0] == key[-1] == '"':
-        key = key[1:-1]  # the IETF draft's quoted form
-    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
-        raise Rejection(
-            Reason.INVALID_IDEMPOTENCY_KEY,
-            "Idempotency-Key must be 1-255 visible ASCII characters",
-            generation=generation,
-            **members,
-        )
-    return job_id, generation, owner, key
-
-
-def field_value(headers: CIMultiDictProxy[str], name: str) -> str:
-    """The header's field value; "" if absent. Repeated lines are one value joined
-    with ", " (RFC 9110 5.3), which no fencing header or key may contain: a
-    request that repeats one is refused, never checked on its first copy while
-    the upstream receives every copy."""
-    values = headers.getall(name, ())
-    if len(values) == 1:
-        return values[0]
-    return ", ".join(values)
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:
@@ -462,10 +314,3 @@ def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -
         body=b"" if omitted else answer.body,
         body_omitted=omitted,
     )
-
-
-def _raw_write_path(raw_path: str) -> str:
-    target = parse_target(raw_path)
-    if target is None:
-        return raw_path
-    return target.path + (f"?{target.query}" if target.query else "")

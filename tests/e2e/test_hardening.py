@@ -33,7 +33,7 @@ from gateway.http.server import GatewayRunner, parse_error_rejection
 from gateway.store.records import RejectionQuery
 from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import Fencing
-from gateway.write.route import origin_form
+from gateway.write.request import origin_form
 from leases.sqlite import sqlite_path
 from tests.harness import (
     FakeClock,

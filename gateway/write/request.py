@@ -1,0 +1,177 @@
+"""The write route's request, read and checked: target, path, fencing headers -> WriteFacts.
+
+SPEC 2 steps 1 and 5 and the path rule, as functions of the raw request: nothing
+here touches the store or the upstream.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from gateway.config.model import DestinationConfig
+from gateway.errors import Rejection
+from gateway.write.decision import WriteFacts, fingerprint
+from leases.model import IDENT, MAX_GENERATION, VISIBLE
+from leases.reasons import Reason
+
+_TOKEN = re.compile(r"[1-9][0-9]{0,18}")
+_ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    destination: str
+    path: str  # raw, percent-encoding kept; "" for the upstream URL itself
+    query: str
+
+
+def origin_form(raw_target: str) -> str:
+    """The request target in origin-form. An absolute-form target (RFC 9112
+    3.2.2, `POST http://host/to/...`) loses its scheme and authority, and the
+    rest stays raw: the destination's upstream is used whatever host it names."""
+    if raw_target.startswith("/"):
+        return raw_target
+    match = _ABSOLUTE_FORM.match(raw_target)
+    if match is None:
+        return raw_target
+    rest = raw_target[match.end() :]
+    return rest if rest.startswith("/") else "/" + rest
+
+
+def parse_target(raw_path: str) -> Target | None:
+    """Split a raw `/to/{destination}{path}?{query}`; None if not a write route."""
+    target, _, query = origin_form(raw_path).partition("?")
+    if target != "/to" and not target.startswith("/to/"):
+        return None
+    rest = target[4:]
+    name, slash, path = rest.partition("/")
+    path = slash + path
+    if path == "/":
+        path = ""
+    return Target(unquote(name), path, query)
+
+
+def path_escapes(path: str) -> bool:
+    """True if `path` would climb above the base path or name another host."""
+    if path.startswith("//"):
+        return True
+    depth = 0
+    for raw_segment in path.split("/"):
+        for segment in re.split(r"[/\\]", unquote(raw_segment)):
+            if segment == "..":
+                depth -= 1
+                if depth < 0:
+                    return True
+            elif segment not in ("", "."):
+                depth += 1
+    return False
+
+
+def write_facts(
+    request: web.Request,
+    target: Target,
+    destination: DestinationConfig,
+    body_digest: bytes,
+) -> WriteFacts:
+    """SPEC 2 step 5: the fencing headers and key checked, the request's fingerprint taken."""
+    job_id, generation, owner, key = fencing_headers(request, destination)
+    facts = WriteFacts(
+        destination=destination.name,
+        method=request.method,
+        path=target.path,
+        query=target.query,
+        job_id=job_id,
+        generation=generation,
+        owner=owner,
+        key=key,
+        fingerprint=fingerprint(
+            request.method,
+            target.path,
+            target.query,
+            request.headers.get("Content-Type", ""),
+            body_digest,
+        ),
+        fencing=destination.fencing,
+        upstream_idempotent=destination.upstream_idempotent,
+        timeout=destination.timeout,
+    )
+    return facts
+
+
+def fencing_headers(
+    request: web.Request, destination: DestinationConfig
+) -> tuple[str, int, str | None, str | None]:
+    """(job_id, generation, owner, key) from the headers, or the step-5 rejection."""
+    headers = request.headers
+    job_id = field_value(headers, "Fencing-Job")
+    token = field_value(headers, "Fencing-Token")
+    owner = field_value(headers, "Fencing-Owner") or None
+    key = field_value(headers, "Idempotency-Key")
+    members: dict[str, Any] = {"destination": destination.name}
+    if not job_id or not token:
+        missing = "Fencing-Job" if not job_id else "Fencing-Token"
+        raise Rejection(Reason.MISSING_FENCING_TOKEN, f"{missing} is required", **members)
+    if not IDENT.fullmatch(job_id):
+        raise Rejection(
+            Reason.INVALID_FENCING_TOKEN,
+            "Fencing-Job must be 1-256 visible ASCII characters",
+            **members,
+        )
+    members["job_id"] = job_id
+    if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
+        raise Rejection(
+            Reason.INVALID_FENCING_TOKEN,
+            "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
+            **members,
+        )
+    if owner is not None and not IDENT.fullmatch(owner):
+        raise Rejection(
+            Reason.INVALID_FENCING_TOKEN,
+            "Fencing-Owner must be 1-256 visible ASCII characters",
+            **members,
+        )
+    generation = int(token)
+    if not key:
+        if destination.require_idempotency_key:
+            raise Rejection(
+                Reason.MISSING_IDEMPOTENCY_KEY,
+                "Idempotency-Key is required",
+                generation=generation,
+                **members,
+            )
+        return job_id, generation, owner, None
+    if len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]  # the IETF draft's quoted form
+    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
+        raise Rejection(
+            Reason.INVALID_IDEMPOTENCY_KEY,
+            "Idempotency-Key must be 1-255 visible ASCII characters",
+            generation=generation,
+            **members,
+        )
+    return job_id, generation, owner, key
+
+
+def field_value(headers: CIMultiDictProxy[str], name: str) -> str:
+    """The header's field value; "" if absent. Repeated lines are one value joined
+    with ", " (RFC 9110 5.3), which no fencing header or key may contain: a
+    request that repeats one is refused, never checked on its first copy while
+    the upstream receives every copy."""
+    values = headers.getall(name, ())
+    if len(values) == 1:
+        return values[0]
+    return ", ".join(values)
+
+
+def raw_write_path(raw_path: str) -> str:
+    """The path and query after `/to/{destination}`, as the rejection log keeps them."""
+    target = parse_target(raw_path)
+    if target is None:
+        return raw_path
+    return target.path + (f"?{target.query}" if target.query else "")
