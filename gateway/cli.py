@@ -127,7 +127,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from gateway.app import serve
+    from gateway.telemetry import traces
 
+    traces.configure_from_env()  # off unless OTEL_TRACES_EXPORTER names an exporter
     try:
         _run(serve(config))
     except KeyboardInterrupt:
@@ -143,6 +145,8 @@ def _serve(args: argparse.Namespace) -> int:
         # line, not a traceback.
         _error(str(exc))
         return 1
+    finally:
+        traces.shutdown()  # the spans of the last writes reach the exporter
     return 0
 
 

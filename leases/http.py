@@ -17,7 +17,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from . import model
+from . import model, tracing
 from .base import Closing
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease, LeaseRef
@@ -156,12 +156,16 @@ class HTTPLeaseStore(Closing):
         headers = {**self._headers, "Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
+        attributes = {"http.request.method": method, "server.address": url.host or ""}
+        attributes["sinkgate.job_id"] = job_id
         try:
-            async with self._session.request(
-                method, url, data=data, headers=headers, timeout=self._timeout
-            ) as resp:
-                status = resp.status
-                raw = await resp.read()
+            with tracing.client_span(f"sinkgate.lease.{op or 'get'}", headers, attributes) as span:
+                async with self._session.request(
+                    method, url, data=data, headers=headers, timeout=self._timeout
+                ) as resp:
+                    status = resp.status
+                    raw = await resp.read()
+                    tracing.answered(span, status, resp.headers.get("Sinkgate-Rejected"))
         except TimeoutError as exc:
             raise StoreUnavailable(f"lease API {method} {path} timed out") from exc
         except (aiohttp.ClientError, OSError) as exc:

@@ -27,7 +27,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from . import model
+from . import model, tracing
 from .hold import HeldLease, Hold
 from .model import VISIBLE, Lease
 from .reasons import REASONS, Family, Reason, ReasonInfo
@@ -360,16 +360,19 @@ class FencedWriter:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            async with self._session.request(
-                method.upper(),
-                url,
-                data=body,
-                headers=headers,
-                params=params,
-                allow_redirects=False,  # a redirect is the upstream's answer, relayed
-                timeout=self._timeout,
-            ) as resp:
-                return resp.status, resp.headers, await resp.read()
+            attributes = _span_attributes(method, url, headers)
+            with tracing.client_span("sinkgate.write", headers, attributes) as span:
+                async with self._session.request(
+                    method.upper(),
+                    url,
+                    data=body,
+                    headers=headers,
+                    params=params,
+                    allow_redirects=False,  # a redirect is the upstream's answer, relayed
+                    timeout=self._timeout,
+                ) as resp:
+                    tracing.answered(span, resp.status, resp.headers.get("Sinkgate-Rejected"))
+                    return resp.status, resp.headers, await resp.read()
         except TimeoutError as exc:
             raise GatewayUnavailable(
                 GATEWAY_TIMEOUT, None, f"no answer from the gateway: {exc!r}"
@@ -378,6 +381,21 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
+
+
+def _span_attributes(method: str, url: URL, headers: Mapping[str, str]) -> dict[str, Any]:
+    """A write's client span: HTTP semantic conventions and the fencing it carries."""
+    attributes: dict[str, Any] = {
+        "http.request.method": method.upper(),
+        "url.full": str(url.with_user(None).with_query(None)),
+        "server.address": url.host or "",
+        "sinkgate.job_id": headers["Fencing-Job"],
+        "sinkgate.generation": int(headers["Fencing-Token"]),
+        "sinkgate.idempotency_key": headers["Idempotency-Key"],
+    }
+    if url.port is not None:
+        attributes["server.port"] = url.port
+    return attributes
 
 
 def _body(json: Any, data: bytes | str | None) -> tuple[bytes | None, str | None]:

@@ -24,6 +24,7 @@ from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import LeaseVerbs
+from gateway.telemetry import traces
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease, LeaseRef
@@ -54,10 +55,11 @@ def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = N
     """
     if tokens:
         app[LEASE_TOKENS] = tokens
-    app.router.add_get("/leases/{job_id}", _get)
-    app.router.add_post("/leases/{job_id}/{op}", _post)
+    traced = traces.traced_lease_handler  # the handler itself when tracing is off
+    app.router.add_get("/leases/{job_id}", traced(_get))
+    app.router.add_post("/leases/{job_id}/{op}", traced(_post))
     # Any other method on a verb's path still gets problem+json, never aiohttp's text.
-    app.router.add_route("*", "/leases/{job_id}/{op}", _wrong_method)
+    app.router.add_route("*", "/leases/{job_id}/{op}", traced(_wrong_method))
 
 
 def rfc3339(moment: datetime) -> str:
@@ -222,15 +224,17 @@ def _finish(
     facts: dict[str, Any],
 ) -> web.StreamResponse:
     request.app[METRICS].lease_ops.labels(op=op, result=result).inc()
-    log.info(
-        "lease_decision",
-        op=op,
-        result=result,
-        status=response.status,
-        job_id=facts.get("job_id"),
-        owner=facts.get("owner"),
-        generation=facts.get("generation"),
-    )
+    fields = {
+        "op": op,
+        "result": result,
+        "status": response.status,
+        "job_id": facts.get("job_id"),
+        "owner": facts.get("owner"),
+        "generation": facts.get("generation"),
+    }
+    if traces.TRACER is not None:
+        traces.annotate_lease(fields)
+    log.info("lease_decision", **fields)
     return response
 
 

@@ -23,6 +23,7 @@ from gateway.http.bodies import read_body
 from gateway.http.problem import problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, WriteContext
+from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
 from gateway.write.request import Target, field_value, path_escapes, raw_write_path, write_facts
@@ -53,6 +54,7 @@ class WriteGateway:
         self.in_flight: dict[str, int] = dict.fromkeys(config.destinations, 0)
         self.in_flight_total = 0
         self.forwards: set[asyncio.Task[Any]] = set()
+        traces.instrument_writes(self)  # spans around handle, store and upstreams, if on
 
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
         started = time.perf_counter()
@@ -76,7 +78,11 @@ class WriteGateway:
             response = problem_response(rejection)
             if rejection.reason == Reason.REQUEST_TIMEOUT:
                 response.force_close()  # the rest of the body is never read
-            fields.update(decision="rejected", reason=rejection.reason)
+            fields.update(
+                decision="rejected",
+                reason=rejection.reason,
+                rejection_id=rejection.members.get("rejection_id"),
+            )
             self.metrics.child(self.metrics.rejections, rejection.reason).inc()
         fields["status"] = response.status
         fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
@@ -85,6 +91,8 @@ class WriteGateway:
         # grow the metric series without bound.
         label = target.destination if target.destination in self.in_flight else "(unknown)"
         metrics.child(metrics.writes, label, fields.get("decision", "rejected")).inc()
+        if traces.TRACER is not None:
+            traces.annotate(fields)  # the span gets the fields, the line the trace ids
         log.info("write_decision", **fields)
         return response
 
@@ -158,7 +166,9 @@ class WriteGateway:
             decision = verdict.decision
             if isinstance(decision, Reject):
                 self.metrics.child(self.metrics.rejections, decision.reason).inc()
-                fields.update(decision="rejected", reason=decision.reason)
+                fields.update(
+                    decision="rejected", reason=decision.reason, rejection_id=verdict.rejection_id
+                )
                 return problem_response(_reject(decision, facts, verdict.rejection_id))
             if isinstance(decision, Replay):
                 self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
