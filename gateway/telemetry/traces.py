@@ -60,14 +60,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # --- configuration ---------------------------------------------------------------------
 
 
-def configure_from_env(environ: Mapping[str, str] = os.environ) -> bool:
+def configure_from_env() -> bool:
     """Turn tracing on from the standard `OTEL_*` variables; True if it is on.
 
     Off (and nothing imported beyond this module's try) without the extra, with
     `OTEL_SDK_DISABLED=true`, or with `OTEL_TRACES_EXPORTER` unset or `none`.
     A configuration the SDK cannot honour is logged and leaves tracing off: a
-    tracing backend is never a reason for the gateway not to serve.
+    tracing backend is never a reason for the gateway not to serve. Reads
+    `os.environ`, as the SDK's exporters, sampler and resource do.
     """
+    environ = os.environ
     names = [n.strip() for n in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or names in ([], ["none"]):
         return False
@@ -182,11 +184,10 @@ def instrument_writes(writes: Any) -> None:
     async def traced_handle(request: web.Request, target: Any) -> web.StreamResponse:
         parent = propagate.extract(request.headers)  # the worker's traceparent/tracestate
         with tracer.start_as_current_span(
-            "sinkgate.write",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=_server_attributes(request, "/to/{destination}/{path}"),
+            "sinkgate.write", context=parent, kind=SpanKind.SERVER
         ) as span:
+            if span.is_recording():  # attributes only for a sampled write
+                span.set_attributes(_server_attributes(request, "/to/{destination}/{path}"))
             response: web.StreamResponse = await handle(request, target)
             _end_server_span(span, response)
             return response
@@ -209,6 +210,8 @@ class _TracedStore:
     async def decide_write(self, facts: Any, context: Any) -> Any:
         with self._tracer.start_as_current_span("sinkgate.store.decide") as span:
             verdict = await self._store.decide_write(facts, context)
+            if not span.is_recording():
+                return verdict
             decision = verdict.decision
             span.set_attribute(
                 "sinkgate.decision", _DECISIONS.get(type(decision).__name__, "unknown")
@@ -219,11 +222,11 @@ class _TracedStore:
             return verdict
 
     async def record_outcome(self, facts: Any, attempt: str, outcome: Any) -> Any:
-        with self._tracer.start_as_current_span(
-            "sinkgate.store.record", attributes={"sinkgate.outcome": outcome.kind}
-        ) as span:
+        with self._tracer.start_as_current_span("sinkgate.store.record") as span:
             held = await self._store.record_outcome(facts, attempt, outcome)
-            span.set_attribute("sinkgate.reservation_held", bool(held))
+            if span.is_recording():
+                span.set_attribute("sinkgate.outcome", outcome.kind)
+                span.set_attribute("sinkgate.reservation_held", bool(held))
             return held
 
     async def record_rejection(self, record: Any) -> Any:
@@ -248,18 +251,12 @@ class _TracedUpstreams:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        attributes = {
-            "http.request.method": method,
-            "server.address": url.host or "",
-            "url.full": _url_without_secrets(url),
-            "sinkgate.destination": destination.name,
-        }
-        if url.port is not None:
-            attributes["server.port"] = url.port
         with self._tracer.start_as_current_span(
-            method, kind=SpanKind.CLIENT, attributes=attributes, record_exception=False
+            method, kind=SpanKind.CLIENT, record_exception=False
         ) as span:
             propagate.inject(headers)
+            if span.is_recording():
+                span.set_attributes(_client_attributes(destination.name, method, url))
             try:
                 answer = await self._upstreams.send(destination, method, url, headers, body)
             except Exception as exc:
@@ -273,6 +270,18 @@ class _TracedUpstreams:
                 span.set_attribute("error.type", str(answer.status))
                 span.set_status(Status(StatusCode.ERROR))
             return answer
+
+
+def _client_attributes(destination: str, method: str, url: Any) -> dict[str, Any]:
+    attributes = {
+        "http.request.method": method,
+        "server.address": url.host or "",
+        "url.full": _url_without_secrets(url),
+        "sinkgate.destination": destination,
+    }
+    if url.port is not None:
+        attributes["server.port"] = url.port
+    return attributes
 
 
 def _url_without_secrets(url: Any) -> str:
@@ -296,11 +305,11 @@ def traced_lease_handler(handler: Handler) -> Handler:
         name = f"sinkgate.lease.{op}" if op in _LEASE_OPS else "sinkgate.lease"
         route = "/leases/{job_id}" + ("/{op}" if "op" in request.match_info else "")
         with tracer.start_as_current_span(
-            name,
-            context=propagate.extract(request.headers),
-            kind=SpanKind.SERVER,
-            attributes={**_server_attributes(request, route), "sinkgate.lease.op": op},
+            name, context=propagate.extract(request.headers), kind=SpanKind.SERVER
         ) as span:
+            if span.is_recording():
+                span.set_attributes(_server_attributes(request, route))
+                span.set_attribute("sinkgate.lease.op", op)
             response = await handler(request)
             _end_server_span(span, response)
             return response
@@ -321,11 +330,14 @@ def _server_attributes(request: web.Request, route: str) -> dict[str, Any]:
     }
     if request.remote:
         attributes["client.address"] = request.remote
-    host = request.url.host
+    # From the Host header as sent: cheaper than building `request.url`.
+    host, colon, port = request.host.rpartition(":")
+    if colon and port.isdigit():
+        attributes["server.port"] = int(port)
+    else:
+        host = request.host
     if host:
         attributes["server.address"] = host
-    if request.url.port is not None:
-        attributes["server.port"] = request.url.port
     agent = request.headers.get("User-Agent")
     if agent:
         attributes["user_agent.original"] = agent
@@ -335,6 +347,8 @@ def _server_attributes(request: web.Request, route: str) -> dict[str, Any]:
 def _end_server_span(span: Any, response: web.StreamResponse) -> None:
     from opentelemetry.trace import Status, StatusCode
 
+    if not span.is_recording():
+        return
     span.set_attribute("http.response.status_code", response.status)
     if response.status >= 500:  # a server span's error (HTTP semantic conventions)
         reason = response.headers.get("Sinkgate-Rejected") or str(response.status)

@@ -273,3 +273,21 @@ async def test_the_fenced_writer_makes_the_worker_span_the_gateway_continues(
     assert first["http.response.status_code"] == 201
     assert (clients[1].attributes or {})["sinkgate.reason"] == "stale_generation"
     assert upstream.received[0].headers["traceparent"].split("-")[1] == hex_ids(clients[0])[0]
+
+
+async def test_a_worker_trace_not_sampled_is_not_recorded_but_still_propagated(
+    gw: Gateway, upstream: RecordingUpstream, spans: InMemorySpanExporter
+) -> None:
+    """The default sampler follows the worker's decision (flags 00: not sampled)."""
+    await gw.claim("job-1")
+    spans.clear()
+    with structlog.testing.capture_logs() as logs:
+        status, _, _ = await gw.write(
+            "/to/pay/charges", headers={"traceparent": f"00-{TRACE_ID}-{WORKER_SPAN}-00"}
+        )
+    assert status == 201
+    assert spans.get_finished_spans() == ()
+    sent = upstream.received[0].headers["traceparent"].split("-")
+    assert (sent[1], sent[3]) == (TRACE_ID, "00") and sent[2] != WORKER_SPAN
+    line = next(e for e in logs if e["event"] == "write_decision")
+    assert line["trace_id"] == TRACE_ID
