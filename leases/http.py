@@ -156,8 +156,15 @@ class HTTPLeaseStore(Closing):
         headers = {**self._headers, "Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        attributes = {"http.request.method": method, "server.address": url.host or ""}
-        attributes["sinkgate.job_id"] = job_id
+
+        def attributes() -> dict[str, Any]:
+            host = url.host or ""
+            return {
+                "http.request.method": method,
+                "server.address": host,
+                "sinkgate.job_id": job_id,
+            }
+
         try:
             with tracing.client_span(f"sinkgate.lease.{op or 'get'}", headers, attributes) as span:
                 async with self._session.request(

@@ -10,7 +10,7 @@ by `opentelemetry-instrument`), or one given to `use_tracer_provider`. Without t
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,10 +43,11 @@ def tracer() -> Any:
 
 @contextmanager
 def client_span(
-    name: str, headers: MutableMapping[str, str], attributes: dict[str, Any]
+    name: str, headers: MutableMapping[str, str], attributes: Callable[[], dict[str, Any]]
 ) -> Iterator[Any]:
     """A client span around one request; its context is injected into `headers`
-    (`traceparent`, `tracestate`). Yields the span, or None when tracing is off."""
+    (`traceparent`, `tracestate`). Yields the span, or None when tracing is off;
+    `attributes()` is only called for a span that is recorded."""
     current = tracer()
     if current is None:
         yield None
@@ -54,10 +55,10 @@ def client_span(
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
 
-    with current.start_as_current_span(
-        name, kind=SpanKind.CLIENT, attributes=attributes, record_exception=True
-    ) as span:
+    with current.start_as_current_span(name, kind=SpanKind.CLIENT) as span:
         propagate.inject(headers)
+        if span.is_recording():
+            span.set_attributes(attributes())
         yield span
 
 

@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -360,7 +361,7 @@ class FencedWriter:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            attributes = _span_attributes(method, url, headers)
+            attributes = partial(_span_attributes, method, url, headers)
             with tracing.client_span("sinkgate.write", headers, attributes) as span:
                 async with self._session.request(
                     method.upper(),

@@ -130,7 +130,7 @@ def _exporter(name: str, environ: Mapping[str, str]) -> Any:
     if not found:
         raise RuntimeError(f"no trace exporter named {name!r} is installed")
     exporter_class = found[0].load()
-    return exporter_class()  # type: ignore[no-any-return]  # endpoint etc. from OTEL_*
+    return exporter_class()  # endpoint, headers, timeout: from OTEL_*
 
 
 def _resource() -> Any:

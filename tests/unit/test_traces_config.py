@@ -116,10 +116,10 @@ def test_the_worker_side_is_off_until_an_sdk_provider_exists() -> None:
 
     assert lease_tracing.tracer() is None  # the API's default proxy provider
     headers: dict[str, str] = {}
-    with lease_tracing.client_span("sinkgate.write", headers, {}) as span:
+    with lease_tracing.client_span("sinkgate.write", headers, dict) as span:
         assert span is None
     assert headers == {}
     lease_tracing.use_tracer_provider(TracerProvider())
-    with lease_tracing.client_span("sinkgate.write", headers, {}) as span:
+    with lease_tracing.client_span("sinkgate.write", headers, dict) as span:
         assert span is not None
     assert headers["traceparent"].startswith("00-")
