@@ -291,3 +291,24 @@ async def test_a_worker_trace_not_sampled_is_not_recorded_but_still_propagated(
     assert (sent[1], sent[3]) == (TRACE_ID, "00") and sent[2] != WORKER_SPAN
     line = next(e for e in logs if e["event"] == "write_decision")
     assert line["trace_id"] == TRACE_ID
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "garbage",
+        f"00-{'0' * 32}-{WORKER_SPAN}-01",  # the all-zero trace id is invalid
+        f"00-{TRACE_ID}-{WORKER_SPAN}-01-extra",
+        "00-" + "x" * 5000,
+    ],
+)
+async def test_a_malformed_traceparent_starts_a_new_trace_and_the_write_goes_through(
+    gw: Gateway, spans: InMemorySpanExporter, traceparent: str
+) -> None:
+    await gw.claim("job-1")
+    status, _, _ = await gw.write(
+        "/to/pay/charges", headers={"traceparent": traceparent, "tracestate": "=,=bad"}
+    )
+    assert status == 201
+    write = only(spans, "sinkgate.write")
+    assert write.parent is None
