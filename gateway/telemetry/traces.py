@@ -158,9 +158,11 @@ def annotate(fields: dict[str, Any], names: Mapping[str, str] = _WRITE_ATTRIBUTE
     fields["span_id"] = format(context.span_id, "016x")
     if not span.is_recording():
         return
-    span.set_attributes(
-        {attr: fields[name] for name, attr in names.items() if fields.get(name) is not None}
-    )
+    for name, attr in names.items():
+        value = fields.get(name)
+        if value is not None:
+            # A reason is a StrEnum: exported as its plain string value.
+            span.set_attribute(attr, str(value) if isinstance(value, str) else value)
 
 
 def annotate_lease(fields: dict[str, Any]) -> None:
@@ -218,7 +220,7 @@ class _TracedStore:
             )
             reason = getattr(decision, "reason", None)
             if reason is not None:
-                span.set_attribute("sinkgate.reason", reason)
+                span.set_attribute("sinkgate.reason", str(reason))
             return verdict
 
     async def record_outcome(self, facts: Any, attempt: str, outcome: Any) -> Any:

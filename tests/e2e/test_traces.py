@@ -184,6 +184,7 @@ async def test_a_replayed_write_carries_reason_duplicate(
     attrs = dict(write.attributes or {})
     assert attrs["sinkgate.decision"] == "replayed"
     assert attrs["sinkgate.reason"] == "duplicate"
+    assert type(attrs["sinkgate.reason"]) is str  # not the Reason enum: exporters see a string
     assert children(spans, write) == ["sinkgate.store.decide"]  # no second forward
     assert len(upstream.received) == 1
 
