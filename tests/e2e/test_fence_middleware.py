@@ -1,0 +1,332 @@
+"""The fence middlewares (SPEC 3.1): `aiohttp_middleware` on a real aiohttp server
+(SQLite and PostgreSQL), and `ASGIFence` around a bare ASGI app and a Starlette
+app, driven through the ASGI interface itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from leases.fence import ASGIFence, Fence, aiohttp_middleware
+from leases.fence import gate as fence_gate
+from tests.harness import serving
+
+BAD_TOKENS = ["0", "05", "-3", "+3", "abc", "1.5", "9223372036854775808", "1 2"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.db'}"
+        return
+    from tests.pg import fresh_database
+
+    async with fresh_database() as url:
+        yield url
+
+
+class Ledger:
+    """A destination recording the effects its handler made; `/slow` waits for
+    `release` so a test can hold a handler open."""
+
+    def __init__(self) -> None:
+        self.effects: list[tuple[str | None, str | None]] = []
+        self.running: set[str] = set()
+        self.overlapped = False
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def effect(self, job: str | None, token: str | None, slow: bool) -> None:
+        if job is not None and self.running:
+            self.overlapped = True
+        if job is not None:
+            self.running.add(token or "")
+            self.started.set()
+        try:
+            if slow:
+                await self.release.wait()
+            self.effects.append((job, token))
+        finally:
+            self.running.discard(token or "")
+
+    async def aiohttp_handler(self, request: web.Request) -> web.Response:
+        await self.effect(
+            request.headers.get("Fencing-Job"),
+            request.headers.get("Fencing-Token"),
+            request.path == "/slow",
+        )
+        return web.json_response({"applied": len(self.effects)}, status=201)
+
+
+@asynccontextmanager
+async def aiohttp_ledger(url: str) -> AsyncIterator[tuple[Ledger, Callable[..., Any], Any]]:
+    ledger = Ledger()
+    middleware = aiohttp_middleware(Fence(), url)
+    app = web.Application(middlewares=[middleware])
+    app.on_cleanup.append(middleware.close)
+    app.router.add_route("*", "/{tail:.*}", ledger.aiohttp_handler)
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+
+        async def send(token: str | None = None, job: str | None = "job-1", path: str = "/e"):
+            headers = {}
+            if job is not None:
+                headers["Fencing-Job"] = job
+            if token is not None:
+                headers["Fencing-Token"] = token
+            async with session.post(base + path, headers=headers) as resp:
+                return resp.status, resp.headers, await resp.read()
+
+        yield ledger, send, middleware
+    assert middleware.gate.database._conn is None  # closed by on_cleanup
+
+
+def problem(status: int, headers: Any, body: bytes, reason: str) -> dict[str, Any]:
+    assert headers["Content-Type"] == "application/problem+json"
+    assert headers["Sinkgate-Rejected"] == reason
+    doc = json.loads(body)
+    assert doc["status"] == status and doc["reason"] == reason
+    assert doc["type"] == f"urn:sinkgate:problem:{reason}"
+    assert {"title", "detail"} <= set(doc)
+    return doc
+
+
+async def test_aiohttp_stale_requests_are_refused_before_the_handler(database_url: str) -> None:
+    async with aiohttp_ledger(database_url) as (ledger, send, _):
+        assert (await send("5"))[0] == 201
+        assert (await send("5"))[0] == 201  # equal tokens pass
+        assert (await send("6"))[0] == 201
+        status, headers, body = await send("4")
+        assert status == 409
+        doc = problem(status, headers, body, "stale_generation")
+        assert (doc["job_id"], doc["generation"], doc["highest_generation"]) == ("job-1", 4, 6)
+        assert (await send("1", job="job-2"))[0] == 201  # another job, its own mark
+        assert ledger.effects == [("job-1", "5"), ("job-1", "5"), ("job-1", "6"), ("job-2", "1")]
+
+
+async def test_aiohttp_requests_without_fencing_headers_pass_through(database_url: str) -> None:
+    async with aiohttp_ledger(database_url) as (ledger, send, _):
+        assert (await send(None, job=None))[0] == 201
+        assert (await send("", job=""))[0] == 201  # empty counts as missing
+        assert ledger.effects == [(None, None), ("", "")]
+
+
+async def test_aiohttp_malformed_fencing_headers_get_400(tmp_path: Path) -> None:
+    async with aiohttp_ledger(f"sqlite:///{tmp_path / 'l.db'}") as (ledger, send, _):
+        for token in BAD_TOKENS:
+            status, headers, body = await send(token)
+            assert status == 400, token
+            problem(status, headers, body, "invalid_fencing_token")
+        status, headers, body = await send("3", job="x" * 257)
+        problem(status, headers, body, "invalid_fencing_token")
+        status, headers, body = await send(None, job="job-1")
+        problem(status, headers, body, "missing_fencing_token")
+        status, headers, body = await send("3", job=None)
+        problem(status, headers, body, "missing_fencing_token")
+        assert ledger.effects == []
+        # Nothing malformed raised the mark: a low token still passes.
+        assert (await send("1"))[0] == 201
+
+
+async def test_aiohttp_an_unusable_database_fails_closed_with_503(tmp_path: Path) -> None:
+    async with aiohttp_ledger(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}") as (
+        ledger,
+        send,
+        _,
+    ):
+        status, headers, body = await send("3")
+        problem(status, headers, body, "store_unavailable")
+        assert (await send(None, job=None))[0] == 201  # unfenced requests still served
+        assert ledger.effects == [(None, None)]
+
+
+async def _one_job_is_serialised(send: Callable[..., Awaitable[Any]], ledger: Ledger) -> None:
+    """Generation 5's handler is held open; 6 and 4 arrive meanwhile. 6 must not run
+    until 5 is done, and 4 must then be refused."""
+    first = asyncio.create_task(send("5", path="/slow"))
+    await asyncio.wait_for(ledger.started.wait(), 10)
+    newer = asyncio.create_task(send("6"))
+    older = asyncio.create_task(send("4"))
+    for _ in range(30):  # give 6 ample time to (wrongly) start
+        await asyncio.sleep(0.01)
+        if ledger.overlapped:
+            break
+    ledger.release.set()
+    statuses = [r[0] for r in await asyncio.gather(first, newer, older)]
+    assert not ledger.overlapped, "a newer generation ran while an older one's handler ran"
+    assert ledger.effects == [("job-1", "5"), ("job-1", "6")]
+    assert statuses == [201, 201, 409]
+
+
+async def test_aiohttp_one_jobs_requests_are_serialised_while_the_handler_runs(
+    database_url: str,
+) -> None:
+    async with aiohttp_ledger(database_url) as (ledger, send, _):
+        await _one_job_is_serialised(send, ledger)
+
+
+@asynccontextmanager
+async def _no_lock(self: Any, job_id: str) -> AsyncIterator[None]:
+    yield
+
+
+async def test_without_the_job_lock_the_serialisation_test_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protection switched off: the test above would catch the overlap."""
+    monkeypatch.setattr(fence_gate.JobLocks, "hold", _no_lock)
+    async with aiohttp_ledger(f"sqlite:///{tmp_path / 'l.db'}") as (ledger, send, _):
+        with pytest.raises(AssertionError, match="newer generation ran"):
+            await _one_job_is_serialised(send, ledger)
+
+
+# --- ASGI --------------------------------------------------------------------------------
+
+
+def bare_app(ledger: Ledger) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        await ledger.effect(
+            headers.get("fencing-job"), headers.get("fencing-token"), scope["path"] == "/slow"
+        )
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+def starlette_app(ledger: Ledger) -> Any:
+    starlette = pytest.importorskip("starlette")
+    del starlette
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def effect(request: Request) -> JSONResponse:
+        await ledger.effect(
+            request.headers.get("fencing-job"),
+            request.headers.get("fencing-token"),
+            request.url.path == "/slow",
+        )
+        return JSONResponse({"applied": len(ledger.effects)}, status_code=201)
+
+    return Starlette(routes=[Route("/{tail:path}", effect, methods=["POST"])])
+
+
+async def asgi_call(app: Any, path: str, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    """One HTTP request through the ASGI interface."""
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = sent[0]
+    assert start["type"] == "http.response.start"
+    got = {k.decode().title(): v.decode() for k, v in start["headers"]}
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], got, body
+
+
+@pytest.fixture(params=["bare", "starlette"])
+def asgi_ledger(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Ledger, ASGIFence, Any]:
+    ledger = Ledger()
+    inner = bare_app(ledger) if request.param == "bare" else starlette_app(ledger)
+    fenced = ASGIFence(inner, Fence(), f"sqlite:///{tmp_path / 'ledger.db'}")
+
+    async def send(token: str | None = None, job: str | None = "job-1", path: str = "/e"):
+        headers = {}
+        if job is not None:
+            headers["Fencing-Job"] = job
+        if token is not None:
+            headers["Fencing-Token"] = token
+        return await asgi_call(fenced, path, headers)
+
+    return ledger, fenced, send
+
+
+async def test_asgi_stale_refused_fresh_passed_unfenced_untouched(
+    asgi_ledger: tuple[Ledger, ASGIFence, Any],
+) -> None:
+    ledger, fenced, send = asgi_ledger
+    try:
+        assert (await send("7"))[0] == 201
+        assert (await send("7"))[0] == 201
+        status, headers, body = await send("6")
+        doc = problem(status, headers, body, "stale_generation")
+        assert (doc["generation"], doc["highest_generation"]) == (6, 7)
+        assert int(headers["Content-Length"]) == len(body)
+        assert (await send(None, job=None))[0] == 201
+        for token in BAD_TOKENS:
+            status, headers, body = await send(token)
+            problem(status, headers, body, "invalid_fencing_token")
+        problem(*(await send(None)), "missing_fencing_token")
+        assert ledger.effects == [("job-1", "7"), ("job-1", "7"), (None, None)]
+    finally:
+        await fenced.close()
+
+
+async def test_asgi_one_jobs_requests_are_serialised(
+    asgi_ledger: tuple[Ledger, ASGIFence, Any],
+) -> None:
+    ledger, fenced, send = asgi_ledger
+    try:
+        await _one_job_is_serialised(send, ledger)
+    finally:
+        await fenced.close()
+
+
+async def test_asgi_lifespan_passes_through_and_shutdown_closes_the_database(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger()
+    fenced = ASGIFence(starlette_app(ledger), Fence(), f"sqlite:///{tmp_path / 'l.db'}")
+    await asgi_call(fenced, "/e", {"Fencing-Job": "j", "Fencing-Token": "2"})
+    assert fenced.gate.database._conn is not None
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    answers: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        answers.append(message["type"])
+
+    await fenced({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert answers == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert fenced.gate.database._conn is None
+
+
+def test_the_middlewares_refuse_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        aiohttp_middleware("not a fence", "sqlite:///x.db")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        aiohttp_middleware(Fence(), "mysql://db/x")
+    with pytest.raises(ValueError):
+        ASGIFence(None, Fence(), "sqlite:///x.db")  # type: ignore[arg-type]
