@@ -17,6 +17,10 @@ The two drops are the cases a gateway cannot tell apart: both leave the key's
 outcome `unknown`. With `--idempotent` the destination deduplicates by
 `Idempotency-Key` itself, as a destination declared `upstream_idempotent` does.
 
+A request marked `Chaos-Late-Write` is held on the way in, as if stuck on the
+wire, and skips the faults above; with `--fence-db` every effect is checked with
+`leases.fence` in that database, in the effect's transaction (see `late.py`).
+
     python -m gateway.tools.chaos.destination --port 0 --seed 7 --fault-rate 0.2
 
 prints `READY <port>` once listening. `GET /_chaos/record` returns the record.
@@ -34,6 +38,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from gateway.tools.chaos.late import (
+    LATE_HEADER,
+    FencedLedger,
+    LateWire,
+    Refusal,
+    refusal_response,
+)
 
 FAULT_KINDS = ("latency", "status_503", "drop_before_apply", "drop_after_apply")
 RECORD_PATH = "/_chaos/record"
@@ -60,6 +72,8 @@ class Recorder:
     fault_rate: float
     max_latency: float
     idempotent: bool = False
+    wire: LateWire | None = None  # holds late writes (--late-writes)
+    ledger: FencedLedger | None = None  # the destination's own fence (--fenced-destination)
     effects: list[Effect] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
     # Keys of requests dropped before they were applied: their absence is explained.
@@ -78,7 +92,8 @@ class Recorder:
         if not job_id:
             return web.json_response({"error": "not an effect"}, status=400)
         self.requests += 1
-        fault = self._pick_fault()
+        # A late write is the fault under test: no second one on top of it.
+        fault = None if LATE_HEADER in request.headers else self._pick_fault()
         key = request.headers.get("Idempotency-Key")
         if fault == "latency":
             await asyncio.sleep(self.rng.uniform(0.05, self.max_latency))
@@ -89,6 +104,8 @@ class Recorder:
                 self.dropped_before[key] = self.dropped_before.get(key, 0) + 1
             return await _drop(request)
         answer = self._apply(request, job_id, key, len(body))
+        if isinstance(answer, Refusal):
+            return refusal_response(answer)
         if fault == "drop_after_apply":
             return await _drop(request)
         return web.json_response(answer, status=201)
@@ -115,19 +132,25 @@ class Recorder:
             self.deduplicated += 1
             return self.answers[key]
         token = request.headers.get("Fencing-Token", "")
-        effect = Effect(
-            seq=len(self.effects) + 1,
-            job_id=job_id,
-            generation=int(token) if token.isdigit() else None,
-            key=key,
-            owner=request.headers.get("Fencing-Owner"),
-            path=request.raw_path,
-        )
-        self.effects.append(effect)
-        answer = {"applied": effect.seq, "bytes": size}
-        if key is not None:
-            self.answers[key] = answer
-        return answer
+
+        def applied() -> Any:
+            effect = Effect(
+                seq=len(self.effects) + 1,
+                job_id=job_id,
+                generation=int(token) if token.isdigit() else None,
+                key=key,
+                owner=request.headers.get("Fencing-Owner"),
+                path=request.raw_path,
+            )
+            self.effects.append(effect)
+            answer = {"applied": effect.seq, "bytes": size}
+            if key is not None:
+                self.answers[key] = answer
+            return answer
+
+        if self.ledger is not None:
+            return self.ledger.apply(job_id, token, key, applied)
+        return applied()
 
     def record(self) -> dict[str, Any]:
         return {
@@ -137,6 +160,8 @@ class Recorder:
             "requests": self.requests,
             "deduplicated": self.deduplicated,
             "idempotent": self.idempotent,
+            "late_writes": {} if self.wire is None else self.wire.record(),
+            "fence": None if self.ledger is None else self.ledger.record(),
         }
 
 
@@ -154,8 +179,11 @@ async def run(args: argparse.Namespace) -> None:
         fault_rate=args.fault_rate,
         max_latency=args.max_latency,
         idempotent=args.idempotent,
+        wire=LateWire(args.late_min_hold, args.late_max_hold),
+        ledger=None if args.fence_db is None else FencedLedger(args.fence_db),
     )
-    app = web.Application(client_max_size=1024 * 1024)
+    assert recorder.wire is not None
+    app = web.Application(client_max_size=1024 * 1024, middlewares=[recorder.wire.middleware])
     app.router.add_route("*", "/{tail:.*}", recorder.handle)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
     await runner.setup()
@@ -171,6 +199,8 @@ async def run(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+        if recorder.ledger is not None:
+            recorder.ledger.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-rate", type=float, default=0.0)
     parser.add_argument("--max-latency", type=float, default=0.4)
     parser.add_argument("--idempotent", action="store_true")
+    parser.add_argument("--late-min-hold", type=float, default=2.5)
+    parser.add_argument("--late-max-hold", type=float, default=8.0)
+    parser.add_argument("--fence-db", default=None, help="check leases.fence in this SQLite file")
     args = parser.parse_args(argv)
     asyncio.run(run(args))
     return 0

@@ -19,8 +19,10 @@ Invariants (names as reported):
    Even then the absence must be explained by the destination's own record - it
    dropped a request with that key before applying it - or, in a run that kills
    gateways, by no request with that key ever arriving (killed between reserving
-   the key and forwarding it). With `--upstream-idempotent` the gateway forwards
-   an unknown key again, so every key of a done job must be applied.
+   the key and forwarding it), or by the destination's own fence refusing it
+   (`--fenced-destination`: a late write of an older generation). With
+   `--upstream-idempotent` the gateway forwards an unknown key again, so every
+   key of a done job must be applied.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def judge(
     unknown_keys: set[str],
     upstream_idempotent: bool,
     gateways_killed: bool,
+    fenced: Mapping[str, int] | None = None,
 ) -> Verdict:
     """Check the four invariants; `jobs` maps each job to its keys, `final` each job
     to its lease in the store, `completions` each job to the generations whose
@@ -101,7 +104,7 @@ def judge(
             job,
             keys,
             applied,
-            dropped_before,
+            {**dropped_before, **(fenced or {})},
             unknown_keys,
             verdict,
             upstream_idempotent=upstream_idempotent,

@@ -93,7 +93,14 @@ class Destination(Managed):
     """The recording destination (gateway.tools.chaos.destination) on a free loopback port."""
 
     def __init__(
-        self, workdir: Path, *, seed: int, fault_rate: float, max_latency: float, idempotent: bool
+        self,
+        workdir: Path,
+        *,
+        seed: int,
+        fault_rate: float,
+        max_latency: float,
+        idempotent: bool,
+        extra_args: list[str] | None = None,
     ) -> None:
         argv = [
             sys.executable,
@@ -110,6 +117,7 @@ class Destination(Managed):
         ]
         if idempotent:
             argv.append("--idempotent")
+        argv += extra_args or []
         super().__init__("destination", argv, workdir / "destination.log")
         self.url = ""
 

@@ -10,6 +10,12 @@ Then it checks the destination's own record and the lease store
 
 `--bypass-gateway` sends the writes straight to the destination (leases still
 come from the gateway's lease API): the same checks must then find violations.
+
+`--late-writes` leaves one write of each freezing worker stuck on the wire past
+the gateway's timeout until a newer generation has written (SPEC 8's last
+window: `no_stale_effect` violations); `--fenced-destination` makes the
+destination check `leases.fence` in its own database, which closes it (see
+`late.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import random
@@ -32,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from gateway.telemetry.logs import configure_logging
+from gateway.tools.chaos import late
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
@@ -110,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the destination deduplicates by key (upstream_idempotent = true)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
+    late.add_options(p)
     return p
 
 
@@ -152,6 +161,8 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         return f"--ttl: {exc}"
     if args.max_pause < args.ttl * 1.3:
         return "--max-pause must be at least 1.3 x --ttl"
+    if (problem := late.settings_problem(args)) is not None:
+        return problem
     if args.json and not Path(args.json).resolve().parent.is_dir():
         return f"--json {args.json}: no such directory for the report"
     return None
@@ -184,6 +195,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         fault_rate=args.upstream_faults,
         max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
         idempotent=args.upstream_idempotent,
+        extra_args=late.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
     )
     gateways: list[GatewayProcess] = []
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -208,7 +220,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
         ctx = _context(args, gateways, destination, stores, session)
         kills = await _work(args, ctx, gateways, session)
-        record = await destination.record(session)
+        record = await late.settled_record(lambda: destination.record(session))
         final = await _final_leases(ctx)
         return _report(args, ctx, record, final, kills, time.monotonic() - started, workdir)
     finally:
@@ -233,7 +245,7 @@ def _context(
     # Pace the work so that the jobs take about --duration (workers idle at the tail).
     step_work = max(0.01, args.duration * busy * 0.45 / (args.jobs * args.steps))
     loop = asyncio.get_running_loop()
-    return RunContext(
+    ctx = RunContext(
         jobs=jobs,
         steps=args.steps,
         ttl=args.ttl,
@@ -248,6 +260,9 @@ def _context(
         deadline=loop.time() + 2 * args.duration + 10,
         write_timeout=GATEWAY_TIMEOUT_S + 3,
     )
+    if args.late_writes:
+        ctx.late_write = functools.partial(late.late_write, ctx)
+    return ctx
 
 
 async def _work(
@@ -271,6 +286,7 @@ async def _work(
         for task in late:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+        await asyncio.gather(*ctx.background, return_exceptions=True)  # late writes
         for task in workers:
             if not task.cancelled() and task.exception() is not None:
                 ctx.tally.unexpected.append(f"worker crashed: {task.exception()!r}")
@@ -339,12 +355,14 @@ def _report(
         unknown_keys=tally.unknown_keys,
         upstream_idempotent=args.upstream_idempotent,
         gateways_killed=kills > 0,
+        fenced=late.fenced_keys(record),
     )
     skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
     return {
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
         "mode": "bypass-gateway" if args.bypass_gateway else "gateway",
+        "destination_fence": args.fenced_destination,
         "elapsed_s": round(elapsed, 2),
         "jobs": {"total": len(ctx.jobs), "completed": done, "steps_per_job": ctx.steps},
         "claims": {
@@ -382,6 +400,7 @@ def _report(
             "competing_claims": tally.claim_conflicts,
             "skewed_clocks": len(skewed),
             "gateway_kills": kills,
+            "late_writes": tally.late_writes_sent,
         },
         "clock_rates": [
             round(min(tally.clock_rates, default=1), 3),
@@ -391,6 +410,9 @@ def _report(
             "requests": record["requests"],
             "effects": len(record["effects"]),
             "deduplicated": record["deduplicated"],
+            "late_writes": record.get("late_writes", {}),
+            "late_write_answers": dict(tally.late_write_answers),
+            "fence_refused": (record.get("fence") or {}).get("refused", {}),
         },
         "unexpected": tally.unexpected[:20],
         "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
@@ -421,6 +443,7 @@ def render(report: dict[str, Any]) -> str:
         lines.extend(f"    - {item}" for item in items)
     for item in report["unexpected"]:
         lines.append(f"  unexpected: {item}")
+    lines.extend(late.report_lines(report))
     verdict = "FAILED" if report["violation_count"] else "OK"
     lines.append(f"{verdict}: {report['violation_count']} violation(s)")
     return "\n".join(lines)

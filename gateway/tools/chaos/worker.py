@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -81,6 +81,8 @@ class Tally:
     completions_confirmed: dict[str, int] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     clock_rates: list[float] = field(default_factory=list)
+    late_writes_sent: int = 0  # --late-writes
+    late_write_answers: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -101,6 +103,9 @@ class RunContext:
     deadline: float  # loop time after which no new job is started
     write_timeout: float
     tally: Tally = field(default_factory=Tally)
+    # --late-writes: a freezing worker leaves one write stuck on the wire (late.py)
+    late_write: Callable[[Lease, int, int], Awaitable[None]] | None = None
+    background: list[asyncio.Task[None]] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
 
     def pending(self) -> list[str]:
@@ -248,6 +253,8 @@ async def _one_job(
     tally = ctx.tally
     loop = asyncio.get_running_loop()
     pause_at = rng.randrange(1, ctx.steps) if ctx.steps > 1 else 0
+    if ctx.late_write:  # the late write is step pause_at: a newer generation writes after it
+        pause_at = rng.randrange(0, ctx.steps - 1)
     paused = rng.random() < ctx.pause_rate
     # Long enough that even the slowest clock's local deadline has passed.
     pause_min = ctx.ttl * 1.3 / (1.0 - ctx.clock_skew)
@@ -262,6 +269,9 @@ async def _one_job(
             for step in range(ctx.steps):
                 await asyncio.sleep(rng.uniform(0.5, 1.5) * ctx.step_work)
                 if paused and step == pause_at:
+                    if ctx.late_write:
+                        late = ctx.late_write(_plain(lease), step, index)
+                        ctx.background.append(asyncio.create_task(late))
                     zombie = _Zombie(_plain(lease), step, loop.time() + pause)
                     tally.pauses_past_lease += 1
                     store.freeze()
