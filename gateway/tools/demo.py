@@ -7,7 +7,9 @@ store and `FencedWriter`) with real short TTLs:
   A claims generation 7 and pauses past its lease; B claims generation 8;
   A's late completion is refused; A's delayed write is refused by the gateway
   and never reaches the destination; B's write lands; B's duplicate is replayed
-  and the destination sees it once.
+  and the destination sees it once. Last, A's write arrives late straight at the
+  destination (as a request the gateway timed out could): the destination's own
+  fence (`leases.fence`) refuses it.
 
 Each step states what the contract expects; the exit code is 0 only if every
 step behaved.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sqlite3
 import sys
 import tempfile
 import time
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+import aiohttp
 from aiohttp import web
 
 from gateway.app import create_app
@@ -33,6 +37,8 @@ from gateway.config.model import Config, DestinationConfig
 from gateway.http.server import GatewayRunner
 from gateway.telemetry.logs import configure_logging
 from leases import JobCompleted, LeaseLost, open_store
+from leases.fence import Fence, StaleToken
+from leases.fence.gate import stale_refusal
 from leases.reasons import Reason
 from leases.writer import FencedWriter, GatewayRejected
 
@@ -52,12 +58,24 @@ class Effect:
 
 @dataclass
 class Recorder:
-    """The destination: applies every request it receives and remembers it."""
+    """The destination: applies every request it receives and remembers it, after
+    checking its own fence (in its own database) on the forwarded Fencing-Token."""
 
     effects: list[Effect] = field(default_factory=list)
+    db: sqlite3.Connection = field(default_factory=lambda: sqlite3.connect(":memory:"))
+    fence: Fence = field(default_factory=Fence)
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
+        token = request.headers.get("Fencing-Token", "")
+        if token.isdigit():
+            try:
+                with self.db:  # the effect's transaction: here only the fence's mark
+                    self.fence.setup_sync(self.db)
+                    self.fence.check_sync(self.db, request.headers["Fencing-Job"], int(token))
+            except StaleToken as exc:
+                refused = stale_refusal(exc)
+                return web.Response(status=409, body=refused.body, headers=refused.headers)
         effect = Effect(
             request.headers.get("Fencing-Job", "?"),
             request.headers.get("Fencing-Token", "?"),
@@ -113,6 +131,7 @@ async def run_demo(out: Callable[[str], None] = print) -> bool:
                 out("")
                 timeline = Timeline(out)
                 await _worked_example(gateway_url, recorder, timeline)
+                await _late_at_destination(upstream_url, timeline)
                 out("")
                 out(f"destination received {len(recorder.effects)} effect(s):")
                 for e in recorder.effects:
@@ -211,6 +230,21 @@ async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> 
         )
         await writer_a.close()
         await writer_b.close()
+
+
+async def _late_at_destination(upstream_url: str, t: Timeline) -> None:
+    """A's generation-7 write landing after B's, as a request the gateway timed out
+    could: the destination's own fence refuses it (SPEC 3.1)."""
+    headers = {"Fencing-Job": JOB, "Fencing-Token": "7", "Idempotency-Key": "late-a"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{upstream_url}/payments/charges", headers=headers) as resp:
+            reason = resp.headers.get("Sinkgate-Rejected", "applied")
+            t.say(
+                "destination",
+                "A's write arrives late, not via the gateway (gen 7)",
+                f"{resp.status} {reason} (leases.fence)",
+                resp.status == 409 and reason == "stale_generation",
+            )
 
 
 def _config(tmp: Path, upstream_url: str) -> Config:
