@@ -222,8 +222,10 @@ def starlette_app(ledger: Ledger) -> Any:
     return Starlette(routes=[Route("/{tail:path}", effect, methods=["POST"])])
 
 
-async def asgi_call(app: Any, path: str, headers: dict[str, str]) -> tuple[int, Any, bytes]:
-    """One HTTP request through the ASGI interface."""
+async def asgi_call(
+    app: Any, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, Any, bytes]:
+    """One HTTP POST through the ASGI interface."""
     sent: list[dict[str, Any]] = []
     scope = {
         "type": "http",
@@ -241,7 +243,7 @@ async def asgi_call(app: Any, path: str, headers: dict[str, str]) -> tuple[int, 
     }
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
