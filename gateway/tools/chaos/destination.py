@@ -39,13 +39,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.tools.chaos.late import (
-    LATE_HEADER,
-    FencedLedger,
-    LateWire,
-    Refusal,
-    refusal_response,
-)
+from gateway.tools.chaos.late import LATE_HEADER, FencedLedger, LateWire, refusal_response
+from leases.fence.gate import Refusal
 
 FAULT_KINDS = ("latency", "status_503", "drop_before_apply", "drop_after_apply")
 RECORD_PATH = "/_chaos/record"

@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -104,7 +104,7 @@ class RunContext:
     write_timeout: float
     tally: Tally = field(default_factory=Tally)
     # --late-writes: a freezing worker leaves one write stuck on the wire (late.py)
-    late_write: Callable[[Lease, int, int], Awaitable[None]] | None = None
+    late_write: Callable[[Lease, int, int], Coroutine[Any, Any, None]] | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
 
