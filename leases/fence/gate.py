@@ -1,10 +1,9 @@
 """What the two middlewares share: reading the fencing headers, the per-job
-serialisation, the problem+json answers, and the database a URL names.
+serialisation and the problem+json answers.
 
 Framework-free: the aiohttp and ASGI adapters only translate requests and
-answers. The database is opened on first use (so building an app never does
-I/O) and each check runs in a short transaction of its own, committed before
-the handler is called.
+answers. Each check runs in a short transaction of its own (`database.py`),
+committed before the handler is called.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 
 from ..model import IDENT, MAX_GENERATION
 from .core import Fence, StaleToken
+from .database import FenceDatabase
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_TYPE_BASE = "urn:sinkgate:problem:"  # the gateway's own problem types
@@ -128,98 +128,6 @@ class JobLocks:
 
     def __len__(self) -> int:
         return len(self._locks)
-
-
-class FenceDatabase:
-    """The database a middleware checks in: `sqlite:///path` or `postgresql://...`.
-
-    SQLite: one aiosqlite connection, each check one `BEGIN IMMEDIATE` transaction
-    (checks of one process queue on a lock; other processes on SQLite's write
-    lock). PostgreSQL: a small asyncpg pool, each check one transaction.
-    """
-
-    def __init__(self, fence: Fence, url: str) -> None:
-        if not isinstance(fence, Fence):
-            raise ValueError(f"fence must be a Fence, not {type(fence).__name__}")
-        if not isinstance(url, str):
-            raise ValueError(f"database_url must be a string, not {type(url).__name__}")
-        scheme = url.split(":", 1)[0].lower()
-        if scheme == "sqlite":
-            from ..sqlite import sqlite_path
-
-            self._path: str | None = sqlite_path(url)
-        elif scheme in ("postgresql", "postgres"):
-            self._path = None
-        else:
-            raise ValueError(
-                f"database_url must be sqlite:///path or postgresql://..., not {url!r}"
-            )
-        self.fence = fence
-        self.url = url
-        self._conn: Any = None  # aiosqlite connection or asyncpg pool, once opened
-        self._opening = asyncio.Lock()
-        self._serial = asyncio.Lock()
-
-    async def _open(self) -> Any:
-        async with self._opening:
-            if self._conn is None:
-                self._conn = await (self._open_sqlite() if self._path else self._open_postgres())
-            return self._conn
-
-    async def _open_sqlite(self) -> Any:
-        import aiosqlite
-
-        assert self._path is not None
-        pending = aiosqlite.connect(self._path, timeout=10.0, isolation_level=None)
-        pending._thread.daemon = True  # as leases.sqlite does: never hang the exit
-        try:
-            conn = await pending
-        except BaseException:
-            # A failed connect leaves aiosqlite's thread stopping on its own, with a
-            # result to hand to this loop: let it finish while the loop still runs.
-            await asyncio.to_thread(pending._thread.join, 5.0)
-            raise
-        try:
-            await conn.execute_fetchall("PRAGMA journal_mode=WAL")
-            await self.fence.setup(conn)
-        except BaseException:
-            await conn.close()
-            raise
-        return conn
-
-    async def _open_postgres(self) -> Any:
-        import asyncpg  # type: ignore[import-untyped]
-
-        pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4)
-        try:
-            async with pool.acquire() as conn:
-                await self.fence.setup(conn)
-        except BaseException:
-            await pool.close()
-            raise
-        return pool
-
-    async def check(self, job_id: str, token: int) -> None:
-        """One committed check; `StaleToken` if refused, `OSError`-like errors if the
-        database cannot be reached (the caller answers 503)."""
-        conn = await self._open()
-        if self._path is not None:
-            async with self._serial:
-                await conn.execute_fetchall("BEGIN IMMEDIATE")
-                try:
-                    await self.fence.check(conn, job_id, token)
-                except BaseException:
-                    await conn.execute_fetchall("ROLLBACK")
-                    raise
-                await conn.execute_fetchall("COMMIT")
-            return
-        async with conn.acquire() as pg, pg.transaction():
-            await self.fence.check(pg, job_id, token)
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.close()
 
 
 class FenceGate:
