@@ -131,6 +131,10 @@ class Fence:
         conn.execute(self._sqlite_ddl)
 
     async def _setup_async(self, driver: str, conn: Any) -> None:
+        if driver == ASYNCPG and not hasattr(conn, "transaction"):  # an asyncpg pool
+            async with conn.acquire() as pooled:
+                await self._setup_async(driver, pooled)
+            return
         if driver == AIOSQLITE:
             await conn.execute_fetchall(self._sqlite_ddl)
             return

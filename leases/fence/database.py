@@ -11,6 +11,8 @@ from typing import Any
 
 from .core import Fence
 
+CONNECT_TIMEOUT_S = 10.0
+
 
 class FenceDatabase:
     """The database a middleware checks in: `sqlite:///path` or `postgresql://...`.
@@ -33,8 +35,9 @@ class FenceDatabase:
         elif scheme in ("postgresql", "postgres"):
             self._path = None
         else:
+            # The scheme only: a URL may carry a password.
             raise ValueError(
-                f"database_url must be sqlite:///path or postgresql://..., not {url!r}"
+                f"database_url must be sqlite:///path or postgresql://..., not {scheme}://..."
             )
         self.fence = fence
         self.url = url
@@ -72,7 +75,9 @@ class FenceDatabase:
     async def _open_postgres(self) -> Any:
         import asyncpg  # type: ignore[import-untyped]
 
-        pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4)
+        pool = await asyncpg.create_pool(
+            self.url, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT_S
+        )
         try:
             async with pool.acquire() as conn:
                 await self.fence.setup(conn)

@@ -323,3 +323,21 @@ def test_a_fence_in_its_own_table(tmp_path: Path) -> None:
         mine.setup_sync(db)
         mine.check_sync(db, "job", 4)
         assert db.execute("SELECT job_id, highest FROM ledger_fence").fetchall() == [("job", 4)]
+
+
+async def test_setup_and_check_accept_an_asyncpg_pool() -> None:
+    """A pool is not a transaction: setup takes a connection of its own, a check on
+    the pool commits by itself (there is no caller's transaction to join)."""
+    import asyncpg
+
+    from tests.pg import fresh_database
+
+    async with fresh_database() as url:
+        pool = await asyncpg.create_pool(url, min_size=1, max_size=2)
+        try:
+            await FENCE.setup(pool)
+            await FENCE.check(pool, "job", 3)
+            with pytest.raises(StaleToken):
+                await FENCE.check(pool, "job", 2)
+        finally:
+            await pool.close()

@@ -99,7 +99,7 @@ def problem(status: int, headers: Any, body: bytes, reason: str) -> dict[str, An
 
 
 async def test_aiohttp_stale_requests_are_refused_before_the_handler(database_url: str) -> None:
-    async with aiohttp_ledger(database_url) as (ledger, send, _):
+    async with aiohttp_ledger(database_url) as (ledger, send, middleware):
         assert (await send("5"))[0] == 201
         assert (await send("5"))[0] == 201  # equal tokens pass
         assert (await send("6"))[0] == 201
@@ -109,6 +109,7 @@ async def test_aiohttp_stale_requests_are_refused_before_the_handler(database_ur
         assert (doc["job_id"], doc["generation"], doc["highest_generation"]) == ("job-1", 4, 6)
         assert (await send("1", job="job-2"))[0] == 201  # another job, its own mark
         assert ledger.effects == [("job-1", "5"), ("job-1", "5"), ("job-1", "6"), ("job-2", "1")]
+        assert len(middleware.gate.locks) == 0  # no lock kept for jobs nobody is writing
 
 
 async def test_aiohttp_requests_without_fencing_headers_pass_through(database_url: str) -> None:
@@ -328,7 +329,8 @@ async def test_asgi_lifespan_passes_through_and_shutdown_closes_the_database(
 def test_the_middlewares_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError):
         aiohttp_middleware("not a fence", "sqlite:///x.db")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
-        aiohttp_middleware(Fence(), "mysql://db/x")
+    with pytest.raises(ValueError) as refused:
+        aiohttp_middleware(Fence(), "mysql://user:secret@db/x")
+    assert "secret" not in str(refused.value)
     with pytest.raises(ValueError):
         ASGIFence(None, Fence(), "sqlite:///x.db")  # type: ignore[arg-type]
