@@ -32,6 +32,7 @@ from gateway.tools.chaos.worker import (
     DESTINATION,
     UNKNOWN_REASONS,
     RunContext,
+    Tally,
     step_name,
 )
 from leases import Lease
@@ -237,6 +238,24 @@ def fenced_keys(record: dict[str, Any]) -> dict[str, int]:
     """Keys the destination's fence refused: their absence is explained."""
     fence = record.get("fence")
     return dict(fence["refused_keys"]) if fence else {}
+
+
+def fault_counts(args: argparse.Namespace, tally: Tally) -> dict[str, int]:
+    """The report's `faults.late_writes`, in a run with --late-writes."""
+    return {"late_writes": tally.late_writes_sent} if args.late_writes else {}
+
+
+def destination_counts(
+    args: argparse.Namespace, record: dict[str, Any], tally: Tally
+) -> dict[str, Any]:
+    """The report's `destination.late_writes…` and `destination.fence_refused`."""
+    counts: dict[str, Any] = {}
+    if args.late_writes:
+        counts["late_writes"] = record.get("late_writes", {})
+        counts["late_write_answers"] = dict(tally.late_write_answers)
+    if args.fenced_destination:
+        counts["fence_refused"] = (record.get("fence") or {}).get("refused", {})
+    return counts
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:

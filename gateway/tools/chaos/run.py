@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 
 from gateway.telemetry.logs import configure_logging
-from gateway.tools.chaos import late
+from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the destination deduplicates by key (upstream_idempotent = true)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
-    late.add_options(p)
+    late_mode.add_options(p)
     return p
 
 
@@ -161,7 +161,7 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         return f"--ttl: {exc}"
     if args.max_pause < args.ttl * 1.3:
         return "--max-pause must be at least 1.3 x --ttl"
-    if (problem := late.settings_problem(args)) is not None:
+    if (problem := late_mode.settings_problem(args)) is not None:
         return problem
     if args.json and not Path(args.json).resolve().parent.is_dir():
         return f"--json {args.json}: no such directory for the report"
@@ -195,7 +195,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         fault_rate=args.upstream_faults,
         max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
         idempotent=args.upstream_idempotent,
-        extra_args=late.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
+        extra_args=late_mode.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
     )
     gateways: list[GatewayProcess] = []
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -220,7 +220,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
         ctx = _context(args, gateways, destination, stores, session)
         kills = await _work(args, ctx, gateways, session)
-        record = await late.settled_record(lambda: destination.record(session))
+        record = await late_mode.settled_record(lambda: destination.record(session))
         final = await _final_leases(ctx)
         return _report(args, ctx, record, final, kills, time.monotonic() - started, workdir)
     finally:
@@ -261,7 +261,7 @@ def _context(
         write_timeout=GATEWAY_TIMEOUT_S + 3,
     )
     if args.late_writes:
-        ctx.late_write = functools.partial(late.late_write, ctx)
+        ctx.late_write = functools.partial(late_mode.late_write, ctx)
     return ctx
 
 
@@ -355,7 +355,7 @@ def _report(
         unknown_keys=tally.unknown_keys,
         upstream_idempotent=args.upstream_idempotent,
         gateways_killed=kills > 0,
-        fenced=late.fenced_keys(record),
+        fenced=late_mode.fenced_keys(record),
     )
     skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
@@ -400,7 +400,7 @@ def _report(
             "competing_claims": tally.claim_conflicts,
             "skewed_clocks": len(skewed),
             "gateway_kills": kills,
-            "late_writes": tally.late_writes_sent,
+            **late_mode.fault_counts(args, tally),
         },
         "clock_rates": [
             round(min(tally.clock_rates, default=1), 3),
@@ -410,9 +410,7 @@ def _report(
             "requests": record["requests"],
             "effects": len(record["effects"]),
             "deduplicated": record["deduplicated"],
-            "late_writes": record.get("late_writes", {}),
-            "late_write_answers": dict(tally.late_write_answers),
-            "fence_refused": (record.get("fence") or {}).get("refused", {}),
+            **late_mode.destination_counts(args, record, tally),
         },
         "unexpected": tally.unexpected[:20],
         "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
@@ -443,7 +441,7 @@ def render(report: dict[str, Any]) -> str:
         lines.extend(f"    - {item}" for item in items)
     for item in report["unexpected"]:
         lines.append(f"  unexpected: {item}")
-    lines.extend(late.report_lines(report))
+    lines.extend(late_mode.report_lines(report))
     verdict = "FAILED" if report["violation_count"] else "OK"
     lines.append(f"{verdict}: {report['violation_count']} violation(s)")
     return "\n".join(lines)
