@@ -9,10 +9,15 @@ they land as stale effects: the window is real and the judge sees it. With
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from gateway.tools.chaos import run as chaos
-from tests.processes.test_chaos import run_chaos
 
 LATE = [
     *("--workers", "5", "--jobs", "6", "--duration", "4", "--ttl", "0.8", "--max-pause", "2"),
@@ -20,8 +25,21 @@ LATE = [
 ]
 
 
+def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert report_path.exists(), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(report_path.read_text()), proc.stdout
+
+
 @pytest.mark.slow
-def test_late_writes_without_a_destination_fence_land_as_stale_effects(tmp_path) -> None:
+def test_late_writes_without_a_destination_fence_land_as_stale_effects(tmp_path: Path) -> None:
     code, report, out = run_chaos(tmp_path, *LATE, "--late-writes")
     assert code == 1, out
     assert report["destination_fence"] is False
@@ -33,7 +51,7 @@ def test_late_writes_without_a_destination_fence_land_as_stale_effects(tmp_path)
 
 
 @pytest.mark.slow
-def test_late_writes_are_refused_by_the_destination_fence(tmp_path) -> None:
+def test_late_writes_are_refused_by_the_destination_fence(tmp_path: Path) -> None:
     code, report, out = run_chaos(tmp_path, *LATE, "--late-writes", "--fenced-destination")
     assert code == 0, out
     assert report["destination"]["late_writes"]["landed_after_newer_generation"] >= 1
@@ -44,7 +62,7 @@ def test_late_writes_are_refused_by_the_destination_fence(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_bypassing_the_gateway_the_fence_still_stops_stale_effects(tmp_path) -> None:
+def test_bypassing_the_gateway_the_fence_still_stops_stale_effects(tmp_path: Path) -> None:
     """Straight to a fenced destination: no stale effect, but duplicates may remain
     (the fence is not an idempotency store), and the report says so."""
     code, report, out = run_chaos(
