@@ -36,7 +36,7 @@ from gateway.app import create_app
 from gateway.config.model import Config, DestinationConfig
 from gateway.http.server import GatewayRunner
 from gateway.telemetry.logs import configure_logging
-from leases import JobCompleted, LeaseLost, open_store
+from leases import JobCompleted, Lease, LeaseLost, LeaseStore, open_store
 from leases.fence import Fence, StaleToken
 from leases.fence.gate import stale_refusal
 from leases.reasons import Reason
@@ -142,85 +142,19 @@ async def run_demo(out: Callable[[str], None] = print) -> bool:
                 return all(timeline.results) and bool(timeline.results)
 
 
+CHARGE = {"amount": 1999, "currency": "EUR", "customer": "c_1"}
+
+
 async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> None:
+    """SPEC 1's worked example, in three acts: two claims across a pause, A's late
+    attempts refused, B's write applied once."""
     store = await open_store(gateway_url)
     async with store:
-        for _ in range(6):  # earlier attempts of the job, so that A gets generation 7
-            earlier = await store.claim(JOB, owner="setup", ttl=5)
-            await store.release(earlier)
-        t.say("setup", f"{JOB} claimed and released 6 times", f"generation {earlier.generation}")
-
-        a = await store.claim(JOB, owner="worker-a", ttl=TTL_A)
-        t.say(
-            "worker A",
-            f"claim {JOB} (ttl {TTL_A}s)",
-            f"generation {a.generation}",
-            a.generation == 7,
-        )
-        writer_a = FencedWriter(gateway_url, a, max_retries=0)
-
-        t.say("worker A", f"pauses {PAUSE_S}s (GC, VM freeze): no renewals")
-        await asyncio.sleep(PAUSE_S)
-
-        b = await store.claim(JOB, owner="worker-b", ttl=10)
-        t.say(
-            "worker B",
-            f"claim {JOB} after A's lease expired",
-            f"generation {b.generation}",
-            b.generation == 8,
-        )
-        writer_b = FencedWriter(gateway_url, b)
-
-        try:
-            await store.complete(a)
-            t.say("worker A", "complete with generation 7", "accepted", False)
-        except LeaseLost as exc:
-            t.say(
-                "worker A",
-                "complete with generation 7",
-                f"refused: {exc.reason}",
-                exc.reason == Reason.STALE_GENERATION,
-            )
-
-        charge = {"amount": 1999, "currency": "EUR", "customer": "c_1"}
-        try:
-            result = await writer_a.post("payments", "/charges", json=charge, step="charge")
-            t.say(
-                "worker A",
-                "POST /to/payments/charges (generation 7)",
-                f"{result.status} forwarded",
-                False,
-            )
-        except GatewayRejected as exc:
-            t.say(
-                "worker A",
-                "POST /to/payments/charges (generation 7)",
-                f"{exc.status} {exc.reason} (rejection #{exc.rejection_id})",
-                exc.reason == Reason.STALE_GENERATION and not recorder.effects,
-            )
-
-        first = await writer_b.post("payments", "/charges", json=charge, step="charge")
-        t.say(
-            "worker B",
-            "POST /to/payments/charges (generation 8)",
-            f"{first.status} applied",
-            first.status == 201 and not first.replayed,
-        )
-        again = await writer_b.post("payments", "/charges", json=charge, step="charge")
-        t.say(
-            "worker B",
-            "same write again (a retry after a lost answer)",
-            f"{again.status} replayed" if again.replayed else f"{again.status} forwarded",
-            again.replayed and again.body == first.body,
-        )
-        done = await store.complete(b)
-        t.say("worker B", "complete with generation 8", f"state {done.state}", done.state == "done")
-        try:
-            await store.claim(JOB, owner="worker-c", ttl=5)
-            t.say("worker C", f"claim {JOB}", "claimed", False)
-        except JobCompleted as exc:
-            t.say("worker C", f"claim {JOB}", f"refused: {exc.reason}", True)
-
+        a, b = await _a_pauses_and_b_claims(store, t)
+        async with FencedWriter(gateway_url, a, max_retries=0) as writer_a:
+            await _a_wakes_up_stale(store, a, writer_a, recorder, t)
+        async with FencedWriter(gateway_url, b) as writer_b:
+            await _b_writes_once(store, b, writer_b, t)
         applied = [(e.generation, e.key) for e in recorder.effects]
         t.say(
             "destination",
@@ -228,8 +162,77 @@ async def _worked_example(gateway_url: str, recorder: Recorder, t: Timeline) -> 
             ", ".join(f"gen {g}" for g, _ in applied) or "none",
             applied == [("8", applied[0][1])] if applied else False,
         )
-        await writer_a.close()
-        await writer_b.close()
+
+
+async def _a_pauses_and_b_claims(store: LeaseStore, t: Timeline) -> tuple[Lease, Lease]:
+    for _ in range(6):  # earlier attempts of the job, so that A gets generation 7
+        earlier = await store.claim(JOB, owner="setup", ttl=5)
+        await store.release(earlier)
+    t.say("setup", f"{JOB} claimed and released 6 times", f"generation {earlier.generation}")
+    a = await store.claim(JOB, owner="worker-a", ttl=TTL_A)
+    t.say(
+        "worker A", f"claim {JOB} (ttl {TTL_A}s)", f"generation {a.generation}", a.generation == 7
+    )
+    t.say("worker A", f"pauses {PAUSE_S}s (GC, VM freeze): no renewals")
+    await asyncio.sleep(PAUSE_S)
+    b = await store.claim(JOB, owner="worker-b", ttl=10)
+    t.say(
+        "worker B",
+        f"claim {JOB} after A's lease expired",
+        f"generation {b.generation}",
+        b.generation == 8,
+    )
+    return a, b
+
+
+async def _a_wakes_up_stale(
+    store: LeaseStore, a: Lease, writer_a: FencedWriter, recorder: Recorder, t: Timeline
+) -> None:
+    try:
+        await store.complete(a)
+        t.say("worker A", "complete with generation 7", "accepted", False)
+    except LeaseLost as exc:
+        t.say(
+            "worker A",
+            "complete with generation 7",
+            f"refused: {exc.reason}",
+            exc.reason == Reason.STALE_GENERATION,
+        )
+    what = "POST /to/payments/charges (generation 7)"
+    try:
+        result = await writer_a.post("payments", "/charges", json=CHARGE, step="charge")
+        t.say("worker A", what, f"{result.status} forwarded", False)
+    except GatewayRejected as exc:
+        t.say(
+            "worker A",
+            what,
+            f"{exc.status} {exc.reason} (rejection #{exc.rejection_id})",
+            exc.reason == Reason.STALE_GENERATION and not recorder.effects,
+        )
+
+
+async def _b_writes_once(store: LeaseStore, b: Lease, writer_b: FencedWriter, t: Timeline) -> None:
+    first = await writer_b.post("payments", "/charges", json=CHARGE, step="charge")
+    t.say(
+        "worker B",
+        "POST /to/payments/charges (generation 8)",
+        f"{first.status} applied",
+        first.status == 201 and not first.replayed,
+    )
+    again = await writer_b.post("payments", "/charges", json=CHARGE, step="charge")
+    t.say(
+        "worker B",
+        "same write again (a retry after a lost answer)",
+        f"{again.status} replayed" if again.replayed else f"{again.status} forwarded",
+        again.replayed and again.body == first.body,
+    )
+    done = await store.complete(b)
+    t.say("worker B", "complete with generation 8", f"state {done.state}", done.state == "done")
+    try:
+        await store.claim(JOB, owner="worker-c", ttl=5)
+        t.say("worker C", f"claim {JOB}", "claimed", False)
+    except JobCompleted as exc:
+        t.say("worker C", f"claim {JOB}", f"refused: {exc.reason}", True)
 
 
 async def _late_at_destination(upstream_url: str, t: Timeline) -> None:
