@@ -51,15 +51,31 @@ async def purge_once(
         if k < batch and r < batch:
             break
         await asyncio.sleep(0)  # let queued writes in before the next batch
-    if keys or rejections:
+    # The audit log is kept as long as the rejections it explains (SPEC 4).
+    audit = await _purge_audit(store, rejections_before, batch)
+    metrics.purged.labels(kind="audit").inc(audit)
+    if keys or rejections or audit:
         log.info(
             "retention_purged",
             keys=keys,
             rejections=rejections,
+            audit=audit,
             batches=batches,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
         )
     return keys, rejections
+
+
+async def _purge_audit(store: PurgeStore, before: float, batch: int) -> int:
+    purge = getattr(store, "purge_audit", None)  # a store without an audit log has none
+    total = 0
+    while purge is not None:
+        deleted: int = await purge(before=before, batch=batch)
+        total += deleted
+        if deleted < batch:
+            break
+        await asyncio.sleep(0)
+    return total
 
 
 async def run_janitor(

@@ -51,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+from gateway.store import postgres_admin
 from gateway.store.plan import plan_write
 from gateway.store.records import (
     KEY_COLUMNS,
@@ -87,7 +88,7 @@ from leases.postgres import (
 
 T = TypeVar("T")
 
-GATEWAY_SCHEMA_VERSION = 1
+GATEWAY_SCHEMA_VERSION = 2  # v2: the audit log and the summary's index (postgres_admin)
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -245,7 +246,7 @@ _UNKNOWN_SQL = _OUTCOME_SQL.format(
 )
 
 
-class PostgresStore(PostgresLeaseStore):
+class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     """Gateway store on PostgreSQL; also the lease store the lease API uses.
 
     Several gateway processes may share one database: every decision is taken
@@ -428,6 +429,7 @@ async def _init_schema(conn: Conn) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
         await conn.execute(GATEWAY_DDL)
+        await postgres_admin.migrate(conn)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
 
 

@@ -13,6 +13,7 @@ import sqlite3
 import time
 from typing import Any
 
+from gateway.store import sqlite_admin
 from gateway.store.plan import Reservation, plan_write
 from gateway.store.records import (
     KEY_COLUMNS,
@@ -47,7 +48,7 @@ from leases.sqlite import (
     read_lease,
 )
 
-GATEWAY_SCHEMA_VERSION = 1
+GATEWAY_SCHEMA_VERSION = 2  # v2: the audit log and the summary's index (sqlite_admin)
 
 GATEWAY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -114,7 +115,7 @@ _KEY_COLUMNS = KEY_COLUMNS_SQL
 _REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
 
 
-class SQLiteStore(SQLiteLeaseStore):
+class SQLiteStore(sqlite_admin.SQLiteAdmin, SQLiteLeaseStore):
     """Gateway store on one SQLite file; also the lease store the lease API uses."""
 
     def __init__(self, executor: SQLiteExecutor, clock: Clock = time.time) -> None:
@@ -188,6 +189,7 @@ def _init_schema(conn: sqlite3.Connection) -> None:
     conn.executescript("BEGIN IMMEDIATE;" + GATEWAY_SCHEMA + "COMMIT;")
     conn.execute("BEGIN IMMEDIATE")
     try:
+        sqlite_admin.migrate(conn)
         ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
         conn.execute("COMMIT")
     except BaseException:

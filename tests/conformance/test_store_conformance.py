@@ -440,7 +440,8 @@ async def test_replicas_opening_an_empty_database_at_once_create_the_schema_once
             rows = await conn.fetch("SELECT component, version FROM sinkgate_schema ORDER BY 1")
         finally:
             await conn.close()
-        assert [tuple(r) for r in rows] == [("gateway", 1), ("leases", 1)]
+        gateway = ("gateway", postgres_store.GATEWAY_SCHEMA_VERSION)
+        assert [tuple(r) for r in rows] == [gateway, ("leases", 1)]
 
 
 @pytest.mark.postgres

@@ -1,0 +1,276 @@
+"""The operator's verbs on PostgreSQL: key listing, resolve, audit log, summary.
+
+A mixin of `PostgresStore`, kept apart from the write path. Resolve is one READ
+COMMITTED transaction that first takes the key's advisory lock, the very lock a
+write decision of that key takes (`postgres._LOCK_SQL`), so an operator, a
+worker's retry on another replica and a second operator are serialised on the
+key; its guard (`RESOLVE_GUARD`, in the `UPDATE`/`DELETE` itself) is then
+evaluated on the latest committed row, by the server's clock. The janitor's
+purge only ever deletes completed keys older than the retention, and a key
+resolved `applied` is completed now, so it is not purged under the operator.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from gateway.store.admin_records import (
+    AuditEntry,
+    AuditQuery,
+    KeyQuery,
+    Resolution,
+    ResolveRefused,
+    Summary,
+    bucket_width,
+)
+from gateway.store.records import KEY_COLUMNS, KEY_COLUMNS_SQL, key_record, new_attempt_id
+from gateway.store.sqlite_admin import add_counts
+from gateway.write.decision import KeyRecord, KeyState
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from leases.postgres import Conn
+
+ADMIN_DDL = """
+CREATE TABLE IF NOT EXISTS audit (
+    id bigserial PRIMARY KEY,
+    at double precision NOT NULL,
+    action text NOT NULL,
+    destination text,
+    key text,
+    attempt text,
+    note text,
+    remote text
+);
+CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
+CREATE INDEX IF NOT EXISTS rejections_window ON rejections (at, reason, destination);
+"""
+
+_NOW = "extract(epoch FROM clock_timestamp())::float8 + $1::float8"
+_KEY_LOCK = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('key:' || $1::text || chr(10) || $2::text, 0))"
+)
+
+# $1 destination, $2 key, $3 attempt, $4 now. Tests switch it off to show the
+# races it closes.
+RESOLVE_GUARD = "attempt = $3 AND (state = 'unknown' OR (state = 'in_flight' AND deadline <= $4))"
+
+# The effective state of SPEC 4 as a predicate; `{}` is the placeholder of now.
+_STATE_SQL = {
+    KeyState.UNKNOWN: (
+        "state IN ('unknown', 'in_flight') AND (state = 'unknown' OR deadline <= {})"
+    ),
+    KeyState.IN_FLIGHT: "state = 'in_flight' AND deadline > {}",
+    KeyState.COMPLETED: "state = 'completed'",
+}
+_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
+
+
+async def migrate(conn: Conn) -> None:
+    """Gateway schema v1 -> v2, under the caller's schema lock (idempotent)."""
+    await conn.execute(ADMIN_DDL)
+
+
+class PostgresAdmin:
+    """`OperatorStore` on PostgreSQL; mixed into `PostgresStore`."""
+
+    if TYPE_CHECKING:  # provided by PostgresStore; declared only, never shadowed
+        clock_offset: float
+
+        def _offset(self) -> float: ...
+        async def _read(self, fn: Callable[[Conn], Awaitable[Any]]) -> Any: ...
+        async def _write_tx(self, fn: Callable[[Conn], Awaitable[Any]]) -> Any: ...
+
+    async def list_keys(self, query: KeyQuery) -> list[KeyRecord]:
+        offset = self._offset()
+        result: list[KeyRecord] = await self._read(lambda c: _list_keys(c, query, offset))
+        return result
+
+    async def resolve_key(self, resolution: Resolution) -> KeyRecord | None:
+        offset = self._offset()
+        result: KeyRecord | None = await self._write_tx(
+            lambda c: _resolve_tx(c, resolution, offset)
+        )
+        return result
+
+    async def record_audit(
+        self,
+        *,
+        action: str,
+        destination: str | None = None,
+        key: str | None = None,
+        attempt: str | None = None,
+        note: str | None = None,
+        remote: str | None = None,
+    ) -> int:
+        offset = self._offset()
+        row = (action, destination, key, attempt, note, remote)
+
+        async def insert(conn: Conn) -> int:
+            return await _insert_audit(conn, await conn.fetchval(f"SELECT {_NOW}", offset), *row)
+
+        result: int = await self._write_tx(insert)
+        return result
+
+    async def list_audit(self, query: AuditQuery) -> list[AuditEntry]:
+        result: list[AuditEntry] = await self._read(lambda c: _list_audit(c, query))
+        return result
+
+    async def summary(self, since: float, until: float) -> Summary:
+        offset = self._offset()
+        result: Summary = await self._read(lambda c: _summary(c, since, until, offset))
+        return result
+
+    async def unknown_counts(self) -> dict[str, int]:
+        offset = self._offset()
+        rows = await self._read(
+            lambda c: c.fetch(
+                f"WITH n AS MATERIALIZED (SELECT {_NOW} AS now) "
+                "SELECT destination, count(*) AS n FROM idempotency, n WHERE "
+                f"{_STATE_SQL[KeyState.UNKNOWN].format('n.now')} GROUP BY destination",
+                offset,
+            )
+        )
+        return {row["destination"]: row["n"] for row in rows}
+
+    async def purge_audit(self, *, before: float, batch: int) -> int:
+        status: str = await self._write_tx(
+            lambda c: c.execute(
+                "WITH doomed AS MATERIALIZED (SELECT id FROM audit WHERE at < $1 "
+                "ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) "
+                "DELETE FROM audit a USING doomed d WHERE a.id = d.id",
+                before,
+                batch,
+            )
+        )
+        return int(status.rsplit(" ", 1)[-1])
+
+
+def _record(row: Any) -> KeyRecord:
+    return key_record([row[name] for name in KEY_COLUMNS])
+
+
+async def _list_keys(conn: Conn, query: KeyQuery, offset: float) -> list[KeyRecord]:
+    params: list[Any] = [offset]
+    clauses: list[str] = []
+    for clause, value in (
+        ("destination = ", query.destination),
+        ("job_id = ", query.job_id),
+        ("updated_at >= ", query.since),
+        ("updated_at <= ", query.until),
+    ):
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{clause}${len(params)}")
+    if query.state is not None:
+        clauses.append(f"({_STATE_SQL[query.state].format('n.now')})")
+    if query.after is not None:
+        params.extend(query.after)
+        n = len(params)
+        clauses.append(f"(updated_at, destination, key) < (${n - 2}, ${n - 1}, ${n})")
+    params.append(query.limit)
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    rows = await conn.fetch(
+        f"WITH n AS MATERIALIZED (SELECT {_NOW} AS now) "
+        f"SELECT {KEY_COLUMNS_SQL} FROM idempotency, n {where}"
+        f"ORDER BY updated_at DESC, destination DESC, key DESC LIMIT ${len(params)}",
+        *params,
+    )
+    return [_record(row) for row in rows]
+
+
+async def _read_key(conn: Conn, destination: str, key: str) -> KeyRecord | None:
+    row = await conn.fetchrow(
+        f"SELECT {KEY_COLUMNS_SQL} FROM idempotency WHERE destination = $1 AND key = $2",
+        destination,
+        key,
+    )
+    return None if row is None else _record(row)
+
+
+async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord | None:
+    await conn.execute(_KEY_LOCK, r.destination, r.key)
+    now: float = await conn.fetchval(f"SELECT {_NOW}", offset)
+    where = f" WHERE destination = $1 AND key = $2 AND {RESOLVE_GUARD}"
+    ident = (r.destination, r.key, r.attempt, now)
+    if r.applied:
+        # A new attempt id: the dead attempt can no longer record over the verdict.
+        row = await conn.fetchrow(
+            "UPDATE idempotency SET state = 'completed', attempt = $5, status = $6, "
+            "headers = $7, body = $8, body_omitted = false, completed_at = $4, updated_at = $4"
+            + where
+            + f" RETURNING {KEY_COLUMNS_SQL}",
+            *ident,
+            new_attempt_id(),
+            r.status,
+            json.dumps([["Content-Type", r.content_type]]),
+            r.body,
+        )
+        done = row is not None
+    else:
+        done = await conn.fetchval("DELETE FROM idempotency" + where + " RETURNING 1", *ident)
+        row = None
+    if not done:
+        record = await _read_key(conn, r.destination, r.key)
+        if record is None:
+            raise ResolveRefused("not_found", None)
+        if record.state_at(now) is not KeyState.UNKNOWN:
+            raise ResolveRefused("key_not_unknown", record)
+        raise ResolveRefused("attempt_mismatch", record)
+    action = "resolve_applied" if r.applied else "resolve_not_applied"
+    await _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
+    return None if row is None else _record(row)
+
+
+async def _insert_audit(conn: Conn, now: float, *row: str | None) -> int:
+    audit_id: int = await conn.fetchval(
+        "INSERT INTO audit (at, action, destination, key, attempt, note, remote) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
+        now,
+        *row,
+    )
+    return audit_id
+
+
+async def _list_audit(conn: Conn, query: AuditQuery) -> list[AuditEntry]:
+    params: list[Any] = []
+    clauses: list[str] = []
+    bounds = (("at >= ", query.since), ("at <= ", query.until), ("id < ", query.before_id))
+    for clause, value in bounds:
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{clause}${len(params)}")
+    params.append(query.limit)
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    rows = await conn.fetch(
+        f"SELECT {_AUDIT_COLUMNS} FROM audit {where}ORDER BY id DESC LIMIT ${len(params)}",
+        *params,
+    )
+    return [AuditEntry(*row) for row in rows]
+
+
+async def _summary(conn: Conn, since: float, until: float, offset: float) -> Summary:
+    width, start = bucket_width(since, until)
+    summary = Summary(since=since, until=until, bucket_seconds=width, first_bucket=start)
+    rows = await conn.fetch(
+        "SELECT floor((at - $1) / $2)::int AS b, reason, destination, count(*) AS n "
+        "FROM rejections WHERE at >= $3 AND at <= $4 GROUP BY 1, 2, 3",
+        float(start),
+        float(width),
+        since,
+        until,
+    )
+    for row in rows:
+        add_counts(summary, row["b"], row["reason"], row["destination"], row["n"])
+    keys = await conn.fetch(
+        f"WITH n AS MATERIALIZED (SELECT {_NOW} AS now) "
+        "SELECT destination, CASE WHEN state = 'in_flight' AND deadline <= n.now "
+        "THEN 'unknown' ELSE state END AS s, count(*) AS c FROM idempotency, n GROUP BY 1, 2",
+        offset,
+    )
+    for row in keys:
+        by_state = summary.keys_by_state.setdefault(row["destination"], {})
+        by_state[row["s"]] = by_state.get(row["s"], 0) + row["c"]
+    return summary

@@ -1,0 +1,269 @@
+"""The operator's verbs on SQLite: key listing, resolve, audit log, summary.
+
+A mixin of `SQLiteStore` (it uses the store's executor and clock), kept apart
+from the write path. Resolve is one function handed to the group-commit
+executor, so it is serialised with every decision and outcome: its guard (the
+`WHERE` of `RESOLVE_GUARD`) is evaluated against the key as it is at commit
+order, never as an earlier read saw it.
+
+Schema v2 (`ADMIN_SCHEMA`, applied by `migrate`): the audit table, and a
+covering index of rejections by time, reason and destination that the summary
+reads without touching the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import TYPE_CHECKING, Any
+
+from gateway.store.admin_records import (
+    AuditEntry,
+    AuditQuery,
+    KeyQuery,
+    Resolution,
+    ResolveRefused,
+    Summary,
+    bucket_width,
+)
+from gateway.store.records import KEY_COLUMNS_SQL, key_record, new_attempt_id
+from gateway.write.decision import KeyRecord, KeyState
+
+if TYPE_CHECKING:
+    from gateway.store.records import Clock
+    from leases.sqlite import SQLiteExecutor
+
+ADMIN_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    action TEXT NOT NULL,
+    destination TEXT,
+    key TEXT,
+    attempt TEXT,
+    note TEXT,
+    remote TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
+CREATE INDEX IF NOT EXISTS rejections_window ON rejections (at, reason, destination);
+"""
+
+# Only a key that is unknown now, held by the named attempt, is resolved. Named
+# parameters :attempt and :now. Tests switch it off to show the races it closes.
+RESOLVE_GUARD = (
+    "attempt = :attempt AND (state = 'unknown' OR (state = 'in_flight' AND deadline <= :now))"
+)
+
+# The effective state of SPEC 4 as a predicate on a row (:now bound); each starts
+# with a `state` test the (state, completed_at) index can answer.
+_STATE_SQL = {
+    KeyState.UNKNOWN: (
+        "state IN ('unknown', 'in_flight') AND (state = 'unknown' OR deadline <= :now)"
+    ),
+    KeyState.IN_FLIGHT: "state = 'in_flight' AND deadline > :now",
+    KeyState.COMPLETED: "state = 'completed'",
+}
+# ?1 first bucket's start, ?2 bucket width, ?3 since, ?4 until.
+SUMMARY_SQL = (
+    "SELECT CAST((at - ?) / ? AS INTEGER), reason, destination, count(*) "
+    "FROM rejections INDEXED BY rejections_window WHERE at >= ? AND at <= ? GROUP BY 1, 2, 3"
+)
+_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Gateway schema v1 -> v2, inside the caller's transaction (idempotent)."""
+    for statement in ADMIN_SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+
+
+class SQLiteAdmin:
+    """`OperatorStore` on SQLite; mixed into `SQLiteStore`."""
+
+    _executor: SQLiteExecutor
+    clock: Clock
+
+    async def list_keys(self, query: KeyQuery) -> list[KeyRecord]:
+        now = self.clock()
+        return await self._executor.read(lambda c: _list_keys(c, query, now))
+
+    async def resolve_key(self, resolution: Resolution) -> KeyRecord | None:
+        clock = self.clock
+        return await self._executor.run(lambda c: _resolve_tx(c, resolution, clock()))
+
+    async def record_audit(
+        self,
+        *,
+        action: str,
+        destination: str | None = None,
+        key: str | None = None,
+        attempt: str | None = None,
+        note: str | None = None,
+        remote: str | None = None,
+    ) -> int:
+        row = (action, destination, key, attempt, note, remote)
+        clock = self.clock
+        return await self._executor.run(lambda c: _insert_audit(c, clock(), *row))
+
+    async def list_audit(self, query: AuditQuery) -> list[AuditEntry]:
+        return await self._executor.read(lambda c: _list_audit(c, query))
+
+    async def summary(self, since: float, until: float) -> Summary:
+        now = self.clock()
+        return await self._executor.read(lambda c: _summary(c, since, until, now))
+
+    async def unknown_counts(self) -> dict[str, int]:
+        now = self.clock()
+        rows = await self._executor.read(
+            lambda c: c.execute(
+                "SELECT destination, count(*) FROM idempotency WHERE "
+                f"{_STATE_SQL[KeyState.UNKNOWN]} GROUP BY destination",
+                {"now": now},
+            ).fetchall()
+        )
+        return {destination: count for destination, count in rows}
+
+    async def purge_audit(self, *, before: float, batch: int) -> int:
+        return await self._executor.run(
+            lambda c: c.execute(
+                "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < ? "
+                "ORDER BY id LIMIT ?)",
+                (before, batch),
+            ).rowcount
+        )
+
+
+def _list_keys(conn: sqlite3.Connection, query: KeyQuery, now: float) -> list[KeyRecord]:
+    clauses: list[str] = []
+    params: dict[str, Any] = {"now": now, "limit": query.limit}
+    for clause, name, value in (
+        ("destination = :destination", "destination", query.destination),
+        ("job_id = :job_id", "job_id", query.job_id),
+        ("updated_at >= :since", "since", query.since),
+        ("updated_at <= :until", "until", query.until),
+    ):
+        if value is not None:
+            clauses.append(clause)
+            params[name] = value
+    if query.state is not None:
+        clauses.append(f"({_STATE_SQL[query.state]})")
+    if query.after is not None:
+        clauses.append("(updated_at, destination, key) < (:a_at, :a_destination, :a_key)")
+        params.update(a_at=query.after[0], a_destination=query.after[1], a_key=query.after[2])
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    rows = conn.execute(
+        f"SELECT {KEY_COLUMNS_SQL} FROM idempotency {where}"
+        "ORDER BY updated_at DESC, destination DESC, key DESC LIMIT :limit",
+        params,
+    ).fetchall()
+    return [key_record(row) for row in rows]
+
+
+def _read_key(conn: sqlite3.Connection, destination: str, key: str) -> KeyRecord | None:
+    row = conn.execute(
+        f"SELECT {KEY_COLUMNS_SQL} FROM idempotency WHERE destination = ? AND key = ?",
+        (destination, key),
+    ).fetchone()
+    return None if row is None else key_record(row)
+
+
+def _resolve_tx(conn: sqlite3.Connection, r: Resolution, now: float) -> KeyRecord | None:
+    params: dict[str, Any] = {
+        "destination": r.destination,
+        "key": r.key,
+        "attempt": r.attempt,
+        "now": now,
+    }
+    where = f" WHERE destination = :destination AND key = :key AND {RESOLVE_GUARD}"
+    if r.applied:
+        # A new attempt id: the dead attempt, should it still record an outcome,
+        # no longer holds the key (`record_outcome` answers False) and cannot undo
+        # the operator's verdict.
+        params.update(
+            new_attempt=new_attempt_id(),
+            status=r.status,
+            headers=json.dumps([["Content-Type", r.content_type]]),
+            body=r.body,
+        )
+        cursor = conn.execute(
+            "UPDATE idempotency SET state = 'completed', attempt = :new_attempt, "
+            "status = :status, headers = :headers, body = :body, body_omitted = 0, "
+            "completed_at = :now, updated_at = :now" + where,
+            params,
+        )
+    else:
+        cursor = conn.execute("DELETE FROM idempotency" + where, params)
+    if cursor.rowcount != 1:
+        _refuse(_read_key(conn, r.destination, r.key), r, now)
+    action = "resolve_applied" if r.applied else "resolve_not_applied"
+    _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
+    return _read_key(conn, r.destination, r.key) if r.applied else None
+
+
+def _refuse(record: KeyRecord | None, r: Resolution, now: float) -> None:
+    """Why the guard matched no row: raise the refusal that says so."""
+    if record is None:
+        raise ResolveRefused("not_found", None)
+    if record.state_at(now) is not KeyState.UNKNOWN:
+        raise ResolveRefused("key_not_unknown", record)
+    raise ResolveRefused("attempt_mismatch", record)
+
+
+def _insert_audit(conn: sqlite3.Connection, now: float, *row: str | None) -> int:
+    cursor = conn.execute(
+        "INSERT INTO audit (at, action, destination, key, attempt, note, remote) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (now, *row),
+    )
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid
+
+
+def _list_audit(conn: sqlite3.Connection, query: AuditQuery) -> list[AuditEntry]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, value in (
+        ("at >= ?", query.since),
+        ("at <= ?", query.until),
+        ("id < ?", query.before_id),
+    ):
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    rows = conn.execute(
+        f"SELECT {_AUDIT_COLUMNS} FROM audit {where}ORDER BY id DESC LIMIT ?",
+        (*params, query.limit),
+    ).fetchall()
+    return [AuditEntry(*row) for row in rows]
+
+
+def _summary(conn: sqlite3.Connection, since: float, until: float, now: float) -> Summary:
+    width, start = bucket_width(since, until)
+    summary = Summary(since=since, until=until, bucket_seconds=width, first_bucket=start)
+    # One pass over the window, on the covering index (at, reason, destination).
+    rows = conn.execute(SUMMARY_SQL, (start, width, since, until)).fetchall()
+    for bucket, reason, destination, count in rows:
+        add_counts(summary, bucket, reason, destination, count)
+    keys = conn.execute(
+        "SELECT destination, CASE WHEN state = 'in_flight' AND deadline <= ? THEN 'unknown' "
+        "ELSE state END, count(*) FROM idempotency GROUP BY 1, 2",
+        (now,),
+    ).fetchall()
+    for destination, state, count in keys:
+        summary.keys_by_state.setdefault(destination, {})
+        by_state = summary.keys_by_state[destination]
+        by_state[state] = by_state.get(state, 0) + count
+    return summary
+
+
+def add_counts(
+    summary: Summary, bucket: int, reason: str, destination: str | None, count: int
+) -> None:
+    """Fold one (bucket, reason, destination) count into the summary's three views."""
+    summary.by_reason[reason] = summary.by_reason.get(reason, 0) + count
+    if destination is not None:
+        summary.by_destination[destination] = summary.by_destination.get(destination, 0) + count
+    series = summary.series.setdefault(bucket, {})
+    series[reason] = series.get(reason, 0) + count
