@@ -28,15 +28,11 @@ from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
-from tests.conformance.test_store_conformance import (  # noqa: F401 - the fixture
-    CONTEXT,
-    TIMEOUT,
-    Backend,
-    backend,
-    reason,
-    write,
-)
+from tests.conformance import test_store_conformance as base
+from tests.conformance.test_store_conformance import CONTEXT, TIMEOUT, Backend, reason, write
 from tests.conftest import FakeClock
+
+backend = base.backend  # the same fixture: an empty store on each backend
 
 PAST_DEADLINE = TIMEOUT + RESERVATION_GRACE_S + 1
 DAY = 86400.0
