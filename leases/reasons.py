@@ -44,6 +44,9 @@ class Reason(StrEnum):
     REQUEST_IN_PROGRESS = "request_in_progress"
     OUTCOME_UNKNOWN = "outcome_unknown"
     DUPLICATE = "duplicate"
+    # SPEC 4: an operator's resolve of an unknown outcome
+    KEY_NOT_UNKNOWN = "key_not_unknown"
+    ATTEMPT_MISMATCH = "attempt_mismatch"
     # SPEC 2 step 8: the forward
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     UPSTREAM_DISCONNECTED = "upstream_disconnected"
@@ -106,6 +109,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     R.REQUEST_IN_PROGRESS: ReasonInfo(409, F.IDEMPOTENCY, recorded=True, retry_later=True),
     R.OUTCOME_UNKNOWN: ReasonInfo(409, F.IDEMPOTENCY, recorded=True),
     R.DUPLICATE: ReasonInfo(200, F.IDEMPOTENCY, recorded=True),
+    R.KEY_NOT_UNKNOWN: ReasonInfo(409, F.IDEMPOTENCY),
+    R.ATTEMPT_MISMATCH: ReasonInfo(409, F.IDEMPOTENCY),
     R.UPSTREAM_UNREACHABLE: ReasonInfo(502, F.UPSTREAM),
     R.UPSTREAM_DISCONNECTED: ReasonInfo(502, F.UPSTREAM),
     R.UPSTREAM_TIMEOUT: ReasonInfo(504, F.UPSTREAM),

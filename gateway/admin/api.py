@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from gateway.admin.ops_api import EXPORT_TYPES, OpsApi, add_ops_routes
+from gateway.admin.ops_page import OpsPage
 from gateway.admin.page import Page, login_page
 from gateway.admin.session import SessionAuth
 from gateway.admin.views import (
@@ -38,8 +40,10 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.problem import problem_response, router_refusal
+from gateway.store.admin_records import AdminOpsStore
 from gateway.store.protocol import AdminStore
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
 from leases.model import IDENT
 from leases.reasons import Reason
 
@@ -54,24 +58,31 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_admin_app(
-    store: AdminStore,
+    store: AdminOpsStore,
     metrics: Metrics,
     *,
     token: str | None,
     clock: Callable[[], float] = time.time,
+    gauge_interval: float | None = REFRESH_INTERVAL_S,
 ) -> web.Application:
     """The admin listener's app. `token=None` leaves /admin open (loopback only,
-    see `admin_bind_allowed`). `clock` only times login sessions."""
+    see `admin_bind_allowed`). `clock` only times login sessions. The unknown-keys
+    gauge is refreshed every `gauge_interval` seconds while the app runs (None:
+    only after a resolve)."""
     auth = SessionAuth(token, clock, login_page=_signin_instead)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     add_health_routes(app, lambda: store)
+    ops = OpsApi(store, UnknownKeysGauge(store, metrics))
+    if gauge_interval is not None:
+        app.cleanup_ctx.append(_background(ops.gauge.run(gauge_interval)))
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body, content_type = metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    page = Page(store, auth)
-    api = _Api(store, page)
+    ops_page = OpsPage(store, auth, ops)
+    page = Page(store, auth, glance=ops_page.glance)
+    api = _Api(store, page, ops, ops_page)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)
     app.router.add_get("/admin/", page.listing)
@@ -81,8 +92,22 @@ def create_admin_app(
     app.router.add_get("/admin/rejections", api.list_rejections)
     app.router.add_get("/admin/rejections/{id}", api.get_rejection)
     app.router.add_get("/admin/jobs/{job_id}", api.get_job)
+    add_ops_routes(app, ops, audit_page=ops_page.audit)
+    ops_page.add_routes(app)
     app.router.add_get("/admin/keys/{destination}/{key:.+}", api.get_key)
     return app
+
+
+def _background(job: Coroutine[Any, Any, None]) -> Callable[[web.Application], Any]:
+    """A cleanup context running `job` while the app runs."""
+
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(job, name="unknown-keys-gauge")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return context
 
 
 def _signin_instead(request: web.Request) -> web.StreamResponse:
@@ -153,12 +178,16 @@ def _errors_middleware(metrics: Metrics) -> Any:
 
 
 class _Api:
-    def __init__(self, store: AdminStore, page: Page) -> None:
+    def __init__(self, store: AdminOpsStore, page: Page, ops: OpsApi, ops_page: OpsPage) -> None:
         self._store = store
         self.page = page
+        self._ops = ops
+        self._ops_page = ops_page
 
-    async def list_rejections(self, request: web.Request) -> web.Response:
-        query = parse_rejection_query(request.query)
+    async def list_rejections(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("format") in EXPORT_TYPES:
+            return await self._ops.export(request)
+        query = parse_rejection_query(request.query, self._store.clock())
         items, next_cursor = await fetch_page(self._store, query)
         return web.json_response(
             {"items": [rejection_item(r) for r in items], "next_cursor": next_cursor}
@@ -173,6 +202,8 @@ class _Api:
 
     async def get_job(self, request: web.Request) -> web.Response:
         only_params(request.query, ())
+        if request.query.get("format") == "html":
+            return await self._ops_page.job(request)
         job_id = request.match_info["job_id"]
         state = None
         if IDENT.fullmatch(job_id):
@@ -183,6 +214,8 @@ class _Api:
 
     async def get_key(self, request: web.Request) -> web.Response:
         only_params(request.query, ())
+        if request.query.get("format") == "html":
+            return await self._ops_page.key(request)
         destination, key = request.match_info["destination"], request.match_info["key"]
         record = await self._store.key_record(destination, key)
         if record is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import html
 import string
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
 from urllib.parse import parse_qs, quote, urlencode
 
@@ -19,6 +19,7 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
+from gateway.admin.ops_views import PRESETS, REFRESH_S
 from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
 from gateway.admin.views import (
     FILTERS,
@@ -30,7 +31,7 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection
 from gateway.http.bodies import read_body
-from gateway.store.protocol import AdminStore
+from gateway.store.admin_records import AdminOpsStore
 from gateway.store.records import StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 
@@ -58,10 +59,17 @@ def _template(name: str) -> string.Template:
 
 
 def html_response(
-    title: str, body: str, *, status: int = 200, logout: bool = False
+    title: str, body: str, *, status: int = 200, logout: bool = False, refresh: int = 0
 ) -> web.Response:
+    """A page in the layout; `refresh` > 0 reloads it every that many seconds
+    (a meta refresh: no script)."""
+    head = Safe(f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh > 0 else "")
     page = render(
-        "admin_layout.html", title=title, body=Safe(body), logout=Safe(_LOGOUT if logout else "")
+        "admin_layout.html",
+        title=title,
+        body=Safe(body),
+        logout=Safe(_LOGOUT if logout else ""),
+        head=head,
     )
     return web.Response(
         status=status,
@@ -106,9 +114,15 @@ def _safe_next(url: str) -> str:
 class Page:
     """The page's routes: the listing, one rejection, and sign-in/sign-out."""
 
-    def __init__(self, store: AdminStore, auth: SessionAuth) -> None:
+    def __init__(
+        self,
+        store: AdminOpsStore,
+        auth: SessionAuth,
+        glance: Callable[[str], Awaitable[str]] | None = None,
+    ) -> None:
         self._store = store
         self._auth = auth
+        self._glance = glance  # the day at a glance above the listing (`ops_page`)
 
     async def redirect_to_page(self, request: web.Request) -> web.Response:
         query = request.query_string
@@ -157,12 +171,15 @@ class Page:
         raise response
 
     async def listing(self, request: web.Request) -> web.Response:
-        params = MultiDict((k, v) for k, v in request.query.items() if k != "format")
+        refresh = request.query.get("refresh") == str(REFRESH_S)
+        params = MultiDict(
+            (k, v) for k, v in request.query.items() if k not in ("format", "refresh")
+        )
         error: str | None = None
         rows: list[StoredRejection] = []
         next_cursor: str | None = None
         try:
-            query = parse_rejection_query(params)
+            query = parse_rejection_query(params, self._store.clock())
             rows, next_cursor = await fetch_page(self._store, query)
         except Rejection as rejection:
             if rejection.reason != Reason.INVALID_REQUEST:
@@ -171,6 +188,8 @@ class Page:
         shown = {k: params.get(k, "") for k in FILTERS if params.get(k)}
         body = render(
             "admin_rejections.html",
+            glance=Safe(await self._glance(shown.get("since", "")) if self._glance else ""),
+            presets=Safe(_presets(shown, refresh)),
             filters=Safe(_filter_form(shown)),
             error=Safe(f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""),
             count=f"{len(rows)} rejection{'s' * (len(rows) != 1)}",
@@ -178,7 +197,11 @@ class Page:
             pager=Safe(_pager(shown, next_cursor)),
         )
         return html_response(
-            "rejected writes", body, status=400 if error else 200, logout=not self._auth.open
+            "rejected writes",
+            body,
+            status=400 if error else 200,
+            logout=not self._auth.open,
+            refresh=REFRESH_S if refresh else 0,
         )
 
     async def detail(self, request: web.Request) -> web.Response:
@@ -190,11 +213,13 @@ class Page:
         )
         links = []
         if found.record.job_id:
-            links.append(_link("/admin/jobs/" + _quote(found.record.job_id), "job state (JSON)"))
+            links.append(
+                _link("/admin/jobs/" + _quote(found.record.job_id) + "?format=html", "job state")
+            )
         if found.record.destination and found.record.idempotency_key:
             path = f"/admin/keys/{_quote(found.record.destination)}/"
             path += _quote(found.record.idempotency_key)
-            links.append(_link(path, "idempotency record (JSON)"))
+            links.append(_link(path + "?format=html", "idempotency record"))
         links.append(_link(f"/admin/rejections/{found.id}", "this rejection (JSON)"))
         body = render(
             "admin_rejection.html",
@@ -243,6 +268,37 @@ def _filter_form(shown: Mapping[str, str]) -> str:
         since=shown.get("since", ""),
         until=shown.get("until", ""),
         limit=shown.get("limit", ""),
+    )
+
+
+def _presets(shown: Mapping[str, str], refresh: bool) -> str:
+    """Links that set `since` to 15m, 1h, 24h or 7d (other filters kept), and the
+    auto-refresh toggle."""
+    base = {k: v for k, v in shown.items() if k not in ("since", "until", "cursor")}
+    if refresh:
+        base["refresh"] = str(REFRESH_S)
+    links = []
+    for preset in PRESETS:
+        current = ' class="current"' if shown.get("since") == preset else ""
+        href = "/admin/?" + urlencode({**base, "since": preset})
+        links.append(f'<a{current} href="{html.escape(href)}">{preset}</a>')
+    toggle = {k: v for k, v in shown.items() if k != "cursor"}
+    if not refresh:
+        toggle["refresh"] = str(REFRESH_S)
+    label = f"auto-refresh: on ({REFRESH_S} s), turn off" if refresh else "auto-refresh: off"
+    refresh_link = (
+        f'<a id="refresh" href="{html.escape("/admin/?" + urlencode(toggle))}">{label}</a>'
+    )
+    return (
+        '<nav class="presets" id="presets">last: '
+        + " ".join(links)
+        + " · "
+        + _link("/admin/queue", "unknown outcomes")
+        + " · "
+        + _link("/admin/audit?format=html", "audit log")
+        + " · "
+        + refresh_link
+        + "</nav>"
     )
 
 

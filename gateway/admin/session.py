@@ -29,7 +29,9 @@ SESSION_TTL_S = 12 * 3600
 
 def wants_html(request: web.Request) -> bool:
     """The page routes answer HTML; everything else problem+json."""
-    return request.path in ("/admin", "/admin/") or request.query.get("format") == "html"
+    return request.path in ("/admin", "/admin/", "/admin/queue") or (
+        request.query.get("format") == "html"
+    )
 
 
 class SessionAuth:
@@ -49,6 +51,12 @@ class SessionAuth:
     @property
     def open(self) -> bool:
         return self._token is None
+
+    @property
+    def secret(self) -> bytes:
+        """The key of the page's HMACs (sessions, CSRF tokens); only with a token."""
+        assert self._token is not None
+        return self._token
 
     def check_token(self, presented: str) -> bool:
         if self._token is None:

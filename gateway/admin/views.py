@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -39,6 +40,9 @@ _RFC3339 = re.compile(
     r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
 )
 _CURSOR_PREFIX = "r1:"
+_RELATIVE = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,6})?)(s|m|h|d|w)")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+MAX_LOOKBACK_S = 100 * 365 * 86400
 
 
 # --- reading rejections --------------------------------------------------------------------
@@ -71,19 +75,19 @@ async def find_rejection(store: AdminStore, raw_id: str) -> StoredRejection:
 # --- query parsing -------------------------------------------------------------------------
 
 
-def parse_rejection_query(params: Mapping[str, str]) -> RejectionQuery:
-    """The filters of SPEC 4; an empty value means "not set" (as a form sends it)."""
-    only_params(params, FILTERS)
+def parse_rejection_query(
+    params: Mapping[str, str], now: float | None = None, *, formats: tuple[str, ...] = ()
+) -> RejectionQuery:
+    """The filters of SPEC 4; an empty value means "not set" (as a form sends it).
+    `now` (the store's clock) anchors relative times such as `since=1h`."""
+    only_params(params, FILTERS, formats=formats)
     value = {name: params.get(name, "") for name in FILTERS}
     for name in ("destination", "job_id"):
         if value[name] and not IDENT.fullmatch(value[name]):
             raise invalid_request(f"{name} must be 1-256 visible ASCII characters")
     if value["reason"] and value["reason"] not in STATUS_BY_REASON:
         raise invalid_request(f"unknown reason {value['reason'][:60]!r}")
-    since = parse_time(value["since"], "since") if value["since"] else None
-    until = parse_time(value["until"], "until") if value["until"] else None
-    if since is not None and until is not None and since > until:
-        raise invalid_request("since is after until")
+    since, until = parse_window(value["since"], value["until"], now)
     limit = DEFAULT_LIMIT
     if value["limit"]:
         if not re.fullmatch(r"[0-9]{1,7}", value["limit"]) or not (
@@ -102,8 +106,11 @@ def parse_rejection_query(params: Mapping[str, str]) -> RejectionQuery:
     )
 
 
-def only_params(params: Mapping[str, str], allowed: tuple[str, ...]) -> None:
-    """Refuse unknown or repeated query parameters; `format` (json or html) is always allowed."""
+def only_params(
+    params: Mapping[str, str], allowed: tuple[str, ...], *, formats: tuple[str, ...] = ()
+) -> None:
+    """Refuse unknown or repeated query parameters; `format` (json, html, or one of
+    `formats`) is always allowed."""
     names = [name for name, _ in params.items()]
     unknown = sorted({n for n in names if n not in allowed and n != "format"})
     if unknown:
@@ -111,15 +118,37 @@ def only_params(params: Mapping[str, str], allowed: tuple[str, ...]) -> None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise invalid_request(f"query parameter(s) given twice: {', '.join(repeated)}")
-    if params.get("format", "json") not in ("json", "html"):
-        raise invalid_request("format must be json or html")
+    known = ("json", "html", *formats)
+    if params.get("format", "json") not in known:
+        raise invalid_request(f"format must be one of {', '.join(known)}")
 
 
-def parse_time(text: str, name: str) -> float:
-    """RFC 3339 date-time with an offset (`Z` or `+hh:mm`) -> seconds since the epoch."""
+def parse_window(
+    since_text: str, until_text: str, now: float | None
+) -> tuple[float | None, float | None]:
+    """`since` and `until` (either may be empty: not set), in epoch seconds."""
+    since = parse_time(since_text, "since", now) if since_text else None
+    until = parse_time(until_text, "until", now) if until_text else None
+    if since is not None and until is not None and since > until:
+        raise invalid_request("since is after until")
+    return since, until
+
+
+def parse_time(text: str, name: str, now: float | None = None) -> float:
+    """RFC 3339 date-time with an offset (`Z` or `+hh:mm`), or a duration back from
+    `now` (`15m`, `1h`, `7d`; units s, m, h, d, w) -> seconds since the epoch."""
+    relative = _RELATIVE.fullmatch(text)
+    if relative is not None:
+        seconds = float(relative.group(1)) * _UNITS[relative.group(2)]
+        if seconds > MAX_LOOKBACK_S:
+            raise invalid_request(f"{name} reaches back more than 100 years")
+        return (time.time() if now is None else now) - seconds
     match = _RFC3339.fullmatch(text)
     if match is None:
-        raise invalid_request(f"{name} must be an RFC 3339 date-time, e.g. 2024-05-01T12:00:00Z")
+        raise invalid_request(
+            f"{name} must be a duration back from now (15m, 1h, 7d) or an RFC 3339 "
+            "date-time, e.g. 2024-05-01T12:00:00Z"
+        )
     day, clock, fraction, offset = match.groups()
     offset = "+00:00" if offset in ("Z", "z") else offset
     iso = f"{day}T{clock}{'.' + (fraction + '00000')[:6] if fraction else ''}{offset}"
@@ -222,6 +251,7 @@ def key_view(record: KeyRecord, now: float) -> dict[str, Any]:
         "key": record.key,
         "state": str(record.state_at(now)),
         "fingerprint": record.fingerprint,
+        "attempt": record.attempt,
         "status": record.status,
         "attempts": record.attempts,
         "job_id": record.job_id,

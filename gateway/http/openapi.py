@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import STATUS_BY_REASON
+from gateway.store.admin_records import AUDIT_ACTIONS
 from leases.model import LOST_REASONS, MAX_GENERATION, TTL_MAX, TTL_MIN
 from leases.reasons import Reason
 
@@ -58,6 +59,108 @@ _GENERATION = {"type": "integer", "minimum": 1, "maximum": MAX_GENERATION}
 _TIME = {"type": "string", "format": "date-time"}
 _OWNER = {"type": "string", "pattern": IDENT_PATTERN}
 _TTL = {"type": "number", "minimum": TTL_MIN, "maximum": TTL_MAX}
+
+# Relative times (SPEC 4): a duration back from now, as the CLI accepts.
+_DURATION = {"type": "string", "pattern": "^[0-9]{1,9}(\\.[0-9]{1,6})?[smhdw]$"}
+_WHEN = {"anyOf": [{"type": "string", "format": "date-time"}, _DURATION]}
+_KEY_STATES = ["in_flight", "completed", "unknown"]
+_COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
+
+_OPS_SCHEMAS: dict[str, Any] = {
+    "KeyPage": {
+        "type": "object",
+        "required": ["items", "next_cursor"],
+        "properties": {
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/KeyRecord"}},
+            "next_cursor": {"type": ["string", "null"]},
+        },
+    },
+    "ResolveRequest": {
+        "type": "object",
+        "required": ["outcome", "attempt", "note"],
+        "additionalProperties": False,
+        "properties": {
+            "outcome": {"type": "string", "enum": ["applied", "not_applied"]},
+            "attempt": {"type": "string", "pattern": IDENT_PATTERN},
+            "note": {"type": "string", "minLength": 1, "maxLength": 1000, "pattern": "\\S"},
+            "status": {"type": "integer", "minimum": 200, "maximum": 599},
+            "body": {"type": "string"},
+            "content_type": {"type": "string", "pattern": "^[\\x21-\\x7e][\\x20-\\x7e]{0,254}$"},
+        },
+    },
+    "ResolvedKey": {
+        "type": "object",
+        "description": "The key after the change; a released key is shown as it was.",
+        "required": ["destination", "key", "state", "attempt"],
+        "properties": {
+            "destination": {"type": "string"},
+            "key": {"type": "string"},
+            "state": {"type": "string", "enum": ["completed", "released"]},
+            "attempt": {"type": "string"},
+            "status": {"type": ["integer", "null"]},
+        },
+    },
+    "AuditEntry": {
+        "type": "object",
+        "required": ["id", "at", "action", "destination", "key", "attempt", "note", "remote"],
+        "properties": {
+            "id": {"type": "integer"},
+            "at": {"type": "string", "format": "date-time"},
+            "action": {"type": "string", "enum": list(AUDIT_ACTIONS)},
+            "destination": {"type": ["string", "null"]},
+            "key": {"type": ["string", "null"]},
+            "attempt": {"type": ["string", "null"]},
+            "note": {"type": ["string", "null"]},
+            "remote": {"type": ["string", "null"]},
+        },
+    },
+    "AuditPage": {
+        "type": "object",
+        "required": ["items", "next_cursor"],
+        "properties": {
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/AuditEntry"}},
+            "next_cursor": {"type": ["string", "null"]},
+        },
+    },
+    "Summary": {
+        "type": "object",
+        "required": [
+            "since",
+            "until",
+            "rejections_by_reason",
+            "rejections_by_destination",
+            "keys_by_state",
+            "series",
+        ],
+        "properties": {
+            "since": {"type": "string", "format": "date-time"},
+            "until": {"type": "string", "format": "date-time"},
+            "rejections_by_reason": _COUNTS,
+            "rejections_by_destination": _COUNTS,
+            "keys_by_state": {"type": "object", "additionalProperties": _COUNTS},
+            "bucket_seconds": {"type": "integer", "minimum": 1},
+            "series": {
+                "type": "object",
+                "required": ["bucket_seconds", "buckets"],
+                "properties": {
+                    "bucket_seconds": {"type": "integer", "minimum": 1},
+                    "buckets": {
+                        "type": "array",
+                        "maxItems": 200,
+                        "items": {
+                            "type": "object",
+                            "required": ["at", "counts"],
+                            "properties": {
+                                "at": {"type": "string", "format": "date-time"},
+                                "counts": _COUNTS,
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 
 _SCHEMAS: dict[str, Any] = {
     "Problem": {
@@ -186,6 +289,7 @@ _SCHEMAS: dict[str, Any] = {
             "key": _STRING,
             "state": {"type": "string", "enum": ["in_flight", "completed", "unknown"]},
             "fingerprint": _STRING,
+            "attempt": {"type": "string", "description": "the id of the attempt that holds it"},
             "status": _nullable(_INT),
             "attempts": _INT,
             "job_id": _STRING,
@@ -201,6 +305,7 @@ _SCHEMAS: dict[str, Any] = {
             "body_omitted": {"type": "boolean"},
         },
     },
+    **_OPS_SCHEMAS,
     "Status": {
         "type": "object",
         "required": ["status"],
@@ -378,6 +483,97 @@ def _fencing_header_params() -> list[dict[str, Any]]:
     ]
 
 
+def _rejections_route() -> dict[str, Any]:
+    route = _admin_get(
+        "rejected writes, newest first; format=csv or ndjson streams every match",
+        _ref("RejectionPage"),
+        [
+            _query("destination", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
+            _query("job_id", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
+            _query("reason", _or_empty({"type": "string", "enum": sorted(STATUS_BY_REASON)})),
+            _query("since", _or_empty(_WHEN)),
+            _query("until", _or_empty(_WHEN)),
+            _query("limit", _or_empty({"type": "integer", "minimum": 1, "maximum": 1000})),
+            _query("cursor", {"type": "string"}),
+            _query("format", {"type": "string", "enum": ["json", "csv", "ndjson"]}),
+        ],
+    )
+    route["get"]["responses"]["200"]["content"].update(
+        {
+            "text/csv": {"schema": {"type": "string"}},
+            "application/x-ndjson": {"schema": {"type": "string"}},
+        }
+    )
+    return route
+
+
+def _ops_paths() -> dict[str, Any]:
+    """The operator's routes of SPEC 4 v3: keys, resolve, audit, summary."""
+    ident = _or_empty({"type": "string", "pattern": IDENT_PATTERN})
+    limit = _or_empty({"type": "integer", "minimum": 1, "maximum": 1000})
+    window = [_query("since", _or_empty(_WHEN)), _query("until", _or_empty(_WHEN))]
+    key_params = [
+        {"name": "destination", "in": "path", "required": True, "schema": _STRING},
+        {"name": "key", "in": "path", "required": True, "schema": _STRING},
+    ]
+    return {
+        "/admin/keys": _admin_get(
+            "idempotency records, newest first (state: the effective state)",
+            _ref("KeyPage"),
+            [
+                _query("destination", ident),
+                _query("state", _or_empty({"type": "string", "enum": _KEY_STATES})),
+                _query("job_id", ident),
+                *window,
+                _query("limit", limit),
+                _query("cursor", {"type": "string"}),
+            ],
+        ),
+        "/admin/keys/{destination}/{key}/resolve": {
+            "servers": _ADMIN_SERVERS,
+            # Keys may hold `/`: a GET here reads the key named `{key}/resolve`.
+            "get": _admin_get(
+                "the idempotency record of the key named `{key}/resolve`",
+                _ref("KeyRecord"),
+                key_params,
+            )["get"],
+            "post": {
+                "summary": "settle an unknown outcome (recorded in the audit log)",
+                "tags": ["admin"],
+                "security": _ADMIN_SECURITY,
+                "parameters": key_params,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("ResolveRequest")}},
+                },
+                "responses": {
+                    "200": _json("the key after the change", _ref("ResolvedKey")),
+                    "400": _INVALID,
+                    "401": _UNAUTHORIZED,
+                    "404": _NOT_FOUND,
+                    "409": _problem(
+                        "the key is not unknown, or another attempt holds it",
+                        "key_not_unknown",
+                        "attempt_mismatch",
+                    ),
+                    "413": _problem("body too large", "body_too_large"),
+                    "503": _STORE_DOWN,
+                },
+            },
+        },
+        "/admin/audit": _admin_get(
+            "operator actions, newest first",
+            _ref("AuditPage"),
+            [*window, _query("limit", limit), _query("cursor", {"type": "string"})],
+        ),
+        "/admin/summary": _admin_get(
+            "rejection counts over a window (default 24 h), keys by state, a time series",
+            _ref("Summary"),
+            window,
+        ),
+    }
+
+
 def _health(summary: str, admin: bool) -> dict[str, Any]:
     path: dict[str, Any] = {
         "get": {
@@ -432,19 +628,7 @@ def build_document() -> dict[str, Any]:
                 "responses": {"200": _json("OpenAPI 3.1", {"type": "object"})},
             }
         },
-        "/admin/rejections": _admin_get(
-            "rejected writes, newest first",
-            _ref("RejectionPage"),
-            [
-                _query("destination", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
-                _query("job_id", _or_empty({"type": "string", "pattern": IDENT_PATTERN})),
-                _query("reason", _or_empty({"type": "string", "enum": sorted(STATUS_BY_REASON)})),
-                _query("since", _or_empty({"type": "string", "format": "date-time"})),
-                _query("until", _or_empty({"type": "string", "format": "date-time"})),
-                _query("limit", _or_empty({"type": "integer", "minimum": 1, "maximum": 1000})),
-                _query("cursor", {"type": "string"}),
-            ],
-        ),
+        "/admin/rejections": _rejections_route(),
         "/admin/rejections/{id}": _admin_get(
             "one rejected write",
             _ref("Rejection"),
@@ -461,6 +645,7 @@ def build_document() -> dict[str, Any]:
                 {"name": "key", "in": "path", "required": True, "schema": _STRING},
             ],
         ),
+        **_ops_paths(),
         "/metrics": {
             "servers": _ADMIN_SERVERS,
             "get": {

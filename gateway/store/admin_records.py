@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.store.protocol import AdminStore
 from gateway.write.decision import KeyRecord, KeyState
 
 AUDIT_ACTIONS = ("resolve_applied", "resolve_not_applied", "reload")
@@ -127,10 +128,11 @@ class OperatorStore(Protocol):
         """Idempotency records, newest `updated_at` first."""
         ...
 
-    async def resolve_key(self, resolution: Resolution) -> KeyRecord | None:
+    async def resolve_key(self, resolution: Resolution) -> KeyRecord:
         """Settle an unknown outcome and write its audit row, in one transaction.
 
-        Returns the record after the change (None when released); raises
+        Returns the record after the change (`applied`), or as it was when it was
+        released (`not_applied`: the key no longer exists); raises
         `ResolveRefused` (nothing changed) unless the key's effective state is
         `unknown` and its attempt is `resolution.attempt` at that instant."""
         ...
@@ -164,3 +166,7 @@ class OperatorStore(Protocol):
     async def purge_audit(self, *, before: float, batch: int) -> int:
         """Delete up to `batch` audit rows older than `before`; returns how many."""
         ...
+
+
+class AdminOpsStore(AdminStore, OperatorStore, Protocol):
+    """What the admin listener needs: the read-only admin verbs and the operator's."""

@@ -88,11 +88,9 @@ class PostgresAdmin:
         result: list[KeyRecord] = await self._read(lambda c: _list_keys(c, query, offset))
         return result
 
-    async def resolve_key(self, resolution: Resolution) -> KeyRecord | None:
+    async def resolve_key(self, resolution: Resolution) -> KeyRecord:
         offset = self._offset()
-        result: KeyRecord | None = await self._write_tx(
-            lambda c: _resolve_tx(c, resolution, offset)
-        )
+        result: KeyRecord = await self._write_tx(lambda c: _resolve_tx(c, resolution, offset))
         return result
 
     async def record_audit(
@@ -190,7 +188,7 @@ async def _read_key(conn: Conn, destination: str, key: str) -> KeyRecord | None:
     return None if row is None else _record(row)
 
 
-async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord | None:
+async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord:
     await conn.execute(_KEY_LOCK, r.destination, r.key)
     now: float = await conn.fetchval(f"SELECT {_NOW}", offset)
     where = f" WHERE destination = $1 AND key = $2 AND {RESOLVE_GUARD}"
@@ -208,11 +206,11 @@ async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord | N
             json.dumps([["Content-Type", r.content_type]]),
             r.body,
         )
-        done = row is not None
     else:
-        done = await conn.fetchval("DELETE FROM idempotency" + where + " RETURNING 1", *ident)
-        row = None
-    if not done:
+        row = await conn.fetchrow(
+            "DELETE FROM idempotency" + where + f" RETURNING {KEY_COLUMNS_SQL}", *ident
+        )
+    if row is None:
         record = await _read_key(conn, r.destination, r.key)
         if record is None:
             raise ResolveRefused("not_found", None)
@@ -221,7 +219,7 @@ async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord | N
         raise ResolveRefused("attempt_mismatch", record)
     action = "resolve_applied" if r.applied else "resolve_not_applied"
     await _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
-    return None if row is None else _record(row)
+    return _record(row)
 
 
 async def _insert_audit(conn: Conn, now: float, *row: str | None) -> int:

@@ -88,7 +88,7 @@ class SQLiteAdmin:
         now = self.clock()
         return await self._executor.read(lambda c: _list_keys(c, query, now))
 
-    async def resolve_key(self, resolution: Resolution) -> KeyRecord | None:
+    async def resolve_key(self, resolution: Resolution) -> KeyRecord:
         clock = self.clock
         return await self._executor.run(lambda c: _resolve_tx(c, resolution, clock()))
 
@@ -126,11 +126,13 @@ class SQLiteAdmin:
 
     async def purge_audit(self, *, before: float, batch: int) -> int:
         return await self._executor.run(
-            lambda c: c.execute(
-                "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < ? "
-                "ORDER BY id LIMIT ?)",
-                (before, batch),
-            ).rowcount
+            lambda c: (
+                c.execute(
+                    "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < ? "
+                    "ORDER BY id LIMIT ?)",
+                    (before, batch),
+                ).rowcount
+            )
         )
 
 
@@ -193,12 +195,13 @@ def _resolve_tx(conn: sqlite3.Connection, r: Resolution, now: float) -> KeyRecor
             params,
         )
     else:
+        before = _read_key(conn, r.destination, r.key)
         cursor = conn.execute("DELETE FROM idempotency" + where, params)
     if cursor.rowcount != 1:
         _refuse(_read_key(conn, r.destination, r.key), r, now)
     action = "resolve_applied" if r.applied else "resolve_not_applied"
     _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
-    return _read_key(conn, r.destination, r.key) if r.applied else None
+    return _read_key(conn, r.destination, r.key) if r.applied else before
 
 
 def _refuse(record: KeyRecord | None, r: Resolution, now: float) -> None:

@@ -65,6 +65,13 @@ class Metrics:
         self.purged = Counter(
             "sinkgate_purged_total", "Records deleted by retention.", ["kind"], registry=r
         )
+        self.unknown_keys = Gauge(
+            "sinkgate_unknown_keys",
+            "Idempotency keys whose outcome is unknown and waits for an operator, by "
+            "destination (the whole store's count, the same on every replica).",
+            ["destination"],
+            registry=r,
+        )
 
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -135,7 +135,8 @@ async def test_resolved_applied_is_replayed_and_audited(backend: Backend) -> Non
 async def test_resolved_not_applied_is_released_and_forwarded_again(backend: Backend) -> None:
     store = backend.store
     attempt = await unknown_key(store)
-    assert await store.resolve_key(resolution(attempt, False)) is None
+    released = await store.resolve_key(resolution(attempt, False))
+    assert (released.attempt, released.state) == (attempt, KeyState.UNKNOWN)  # as it was
     assert await store.key_record("pay", "key-1") is None
     again = await store.decide_write(write(), CONTEXT)
     assert again.decision == Forward()
@@ -256,7 +257,7 @@ async def test_resolve_and_a_retry_racing_on_two_replicas_never_both_win(
                 assert retry.decision == Forward(retry_of_unknown=True)
             else:
                 # The operator came first: the retry is a fresh forward of a free key.
-                assert resolved is None and retry.decision == Forward()
+                assert resolved.attempt == attempt and retry.decision == Forward()
             record = await backend.store.key_record("pay", key)
             assert record.attempt == retry.attempt and record.state is KeyState.IN_FLIGHT
     finally:

@@ -363,6 +363,7 @@ async def test_key_view_of_a_completed_record_omits_the_body(client, store, fake
     assert key == {
         "destination": "payments",
         "key": "order/42",
+        "attempt": verdict.attempt,  # SPEC v3: the attempt that holds the key
         "state": "completed",
         "fingerprint": "fp-order/42",
         "status": 201,
@@ -653,8 +654,8 @@ async def test_detail_page(client, mixed):
     response = await client.get(f"/admin/rejections/{mixed['a']}?format=html", headers=AUTH)
     assert response.status == 200
     text = await response.text()
-    assert "stale_generation" in text and 'href="/admin/jobs/job-a"' in text
-    assert 'href="/admin/keys/payments/key-1"' in text
+    assert "stale_generation" in text and 'href="/admin/jobs/job-a?format=html"' in text
+    assert 'href="/admin/keys/payments/key-1?format=html"' in text
 
 
 async def test_page_refuses_repeated_filters_like_the_api(client, mixed):

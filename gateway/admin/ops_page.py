@@ -1,0 +1,350 @@
+"""The operator's part of the admin page: the 24-hour glance above the listing,
+the unknown-outcome queue with a resolve form per key, and HTML views of a key,
+a job and the audit log.
+
+The resolve form is a plain POST (no script). It is protected twice: the session
+cookie is SameSite=Strict (a cross-site form post arrives without it), and each
+form carries a CSRF token, an HMAC of the session keyed by the admin token (or,
+on an open loopback-only listener, by a per-process secret), checked in constant
+time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import json
+import os
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, quote, urlencode
+
+from aiohttp import web
+
+from gateway.admin.chart import FAMILY_COLOURS, rejections_chart
+from gateway.admin.ops_api import OpsApi
+from gateway.admin.ops_views import (
+    PRESETS,
+    RESOLVE_REQUEST_MAX,
+    audit_cursor,
+    audit_item,
+    parse_audit_query,
+    parse_key_query,
+    parse_resolution,
+)
+from gateway.admin.page import _KIND as REASON_KIND
+from gateway.admin.page import Safe, html_response
+from gateway.admin.session import SESSION_COOKIE
+from gateway.admin.views import job_view, key_view, parse_time
+from gateway.errors import Rejection
+from gateway.http.bodies import read_body
+from gateway.write.decision import KeyState
+from leases.model import IDENT
+
+if TYPE_CHECKING:
+    from gateway.admin.session import SessionAuth
+
+QUEUE_LIMIT = 100
+_OPEN_SECRET = os.urandom(32)
+
+
+class OpsPage:
+    """Handlers of the operator's HTML views; `page` renders like the listing."""
+
+    def __init__(self, store: Any, auth: SessionAuth, ops: OpsApi) -> None:
+        self._store = store
+        self._auth = auth
+        self._ops = ops
+        self._kinds = REASON_KIND
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/queue", self.queue)
+        app.router.add_post("/admin/queue/resolve", self.resolve)
+
+    # --- the glance ------------------------------------------------------------------------
+
+    async def glance(self, since_text: str) -> str:
+        """Counts per reason, the queue size and the chart, over `since` (default 24 h)."""
+        now = self._store.clock()
+        since = now - 86400.0
+        if since_text:
+            try:
+                since = parse_time(since_text, "since", now)
+            except Rejection:
+                pass  # the listing shows the error
+        since = min(since, now - 1)
+        summary = await self._store.summary(since, now)
+        unknown = sum(s.get("unknown", 0) for s in summary.keys_by_state.values())
+        chips = "".join(
+            f'<a class="reason {self._kinds.get(r, "other")}" '
+            f'href="/admin/?{urlencode({"reason": r, "since": since_text or "24h"})}">'
+            f"{html.escape(r)} <b>{c}</b></a> "
+            for r, c in sorted(summary.by_reason.items(), key=lambda rc: -rc[1])
+        )
+        total = sum(summary.by_reason.values())
+        window = since_text or "24h"
+        queue_class = "queue-size alert" if unknown else "queue-size"
+        legend = "".join(
+            f'<span class="swatch" style="background:{colour}"></span>{family} '
+            for family, colour in FAMILY_COLOURS.items()
+        )
+        return (
+            '<section class="glance" id="glance">'
+            f'<div class="tiles"><div class="tile"><span class="big" id="total">{total}</span>'
+            f"rejections in the last {html.escape(window)}</div>"
+            f'<div class="tile"><a class="{queue_class}" href="/admin/queue">'
+            f'<span class="big" id="unknown-count">{unknown}</span></a>'
+            "unknown outcomes waiting for an operator</div>"
+            f'<div class="chips">{chips or "<em>no rejections</em>"}</div></div>'
+            f"{rejections_chart(summary, self._kinds)}"
+            f'<p class="legend">{legend}</p></section>'
+        )
+
+    # --- the queue -------------------------------------------------------------------------
+
+    async def queue(
+        self, request: web.Request, *, message: str = "", status: int = 200
+    ) -> web.Response:
+        params = {k: v for k, v in request.query.items() if k not in ("format", "done")}
+        query = parse_key_query({**params, "state": "unknown"}, self._store.clock())
+        rows = await self._store.list_keys(query)
+        now = self._store.clock()
+        csrf = csrf_token(self._auth, request)
+        forms = "".join(self._resolve_form(r, csrf, now) for r in rows[:QUEUE_LIMIT])
+        done = request.query.get("done", "")
+        notice = message or (f"Resolved {done}. " if done else "")
+        body = (
+            '<p><a href="/admin/">« all rejections</a> · '
+            '<a href="/admin/audit?format=html">audit log</a></p>'
+            f'<h2>Unknown outcomes <span class="count" id="queue-count">{len(rows)}</span></h2>'
+            + (
+                f'<p class="{"error" if status != 200 else "notice"}" role="status">'
+                f"{html.escape(notice)}</p>"
+                if notice
+                else ""
+            )
+            + "<p>Each key below was forwarded, and the gateway cannot tell whether the "
+            "destination applied it: every retry of the key is refused with "
+            "<code>outcome_unknown</code>. Check the destination, then settle it here: "
+            "<b>applied</b> stores the answer you give, which retries replay; <b>not applied</b> "
+            "releases the key, so the worker's retry is forwarded.</p>"
+            + (forms or '<p class="empty" id="queue-empty">Nothing waits for an operator.</p>')
+        )
+        return html_response(
+            "unknown outcomes", Safe(body), status=status, logout=not self._auth.open
+        )
+
+    def _resolve_form(self, record: Any, csrf: str, now: float) -> str:
+        e = html.escape
+        view = key_view(record, now)
+        key_link = _key_href(record.destination, record.key)
+        return (
+            f'<form class="resolve" method="post" action="/admin/queue/resolve" '
+            f'data-key="{e(record.key)}">'
+            f'<div class="who"><a href="{e(key_link)}"><code>{e(record.destination)} / '
+            f"{e(record.key)}</code></a><br>job <code>{e(record.job_id)}</code> gen "
+            f"{record.generation} · {record.attempts} attempt(s) · since "
+            f"{e((view['updated_at'] or '')[:19].replace('T', ' '))}</div>"
+            f'<input type="hidden" name="destination" value="{e(record.destination)}">'
+            f'<input type="hidden" name="key" value="{e(record.key)}">'
+            f'<input type="hidden" name="attempt" value="{e(record.attempt)}">'
+            f'<input type="hidden" name="csrf" value="{e(csrf)}">'
+            '<label><input type="radio" name="outcome" value="applied" required> applied</label>'
+            '<label><input type="radio" name="outcome" value="not_applied"> not applied</label>'
+            '<label class="small">status <input name="status" value="200" inputmode="numeric">'
+            "</label>"
+            '<label class="small">body <input name="body" placeholder="the answer, as text">'
+            "</label>"
+            '<label class="note">note <input name="note" required maxlength="1000" '
+            'placeholder="what you checked at the destination"></label>'
+            '<button type="submit">Resolve</button></form>'
+        )
+
+    async def resolve(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, RESOLVE_REQUEST_MAX)
+        try:
+            form = {k: v[0] for k, v in parse_qs(raw.decode(), max_num_fields=20).items()}
+        except (ValueError, UnicodeDecodeError):
+            raise Rejection("invalid_request", "the form could not be read") from None
+        if not hmac.compare_digest(
+            form.get("csrf", "").encode(), csrf_token(self._auth, request).encode()
+        ):
+            return await self.queue(
+                request, message="The form had expired; nothing was changed.", status=403
+            )
+        destination, key = form.get("destination", ""), form.get("key", "")
+        body: dict[str, Any] = {
+            "outcome": form.get("outcome"),
+            "attempt": form.get("attempt"),
+            "note": form.get("note", ""),
+        }
+        if body["outcome"] == "applied":
+            status = form.get("status", "") or "200"
+            body["status"] = int(status) if status.isdigit() and len(status) < 4 else status
+            body["body"] = form.get("body", "")
+        try:
+            resolution = parse_resolution(
+                json.dumps(body).encode(), destination, key, request.remote
+            )
+            await self._ops.apply(resolution)
+        except Rejection as refused:
+            return await self.queue(
+                request, message=f"Not resolved: {refused.detail}", status=refused.status
+            )
+        outcome = "applied" if resolution.applied else "not applied"
+        raise web.HTTPSeeOther("/admin/queue?" + urlencode({"done": f"{key} as {outcome}"}))
+
+    # --- key, job, audit -------------------------------------------------------------------
+
+    async def key(self, request: web.Request) -> web.Response:
+        destination, key = request.match_info["destination"], request.match_info["key"]
+        record = await self._store.key_record(destination, key)
+        if record is None:
+            raise Rejection("not_found", "no idempotency record for this destination and key")
+        now = self._store.clock()
+        view = key_view(record, now)
+        form = ""
+        if record.state_at(now) is KeyState.UNKNOWN:
+            form = "<h3>Resolve</h3>" + self._resolve_form(
+                record, csrf_token(self._auth, request), now
+            )
+        links = [
+            _link(f"/admin/jobs/{quote(record.job_id, safe='')}?format=html", "job state"),
+            _link(f"/admin/?{urlencode({'job_id': record.job_id})}", "the job's rejections"),
+            _link(_key_href(destination, key, html_view=False), "JSON"),
+        ]
+        body = (
+            '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
+            f"<h2>Key <code>{html.escape(key)}</code> "
+            f'<span class="state {html.escape(view["state"])}" id="key-state">'
+            f"{html.escape(view['state'])}</span></h2>"
+            + _fields(view)
+            + f"<p>{' · '.join(links)}</p>"
+            + form
+        )
+        return html_response(f"key {key}", Safe(body), logout=not self._auth.open)
+
+    async def job(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job_id"]
+        state = await self._store.job_state(job_id) if IDENT.fullmatch(job_id) else None
+        if state is None:
+            raise Rejection("not_found", "no lease, fence, attempt or rejection for this job")
+        view = job_view(state, self._store.clock())
+        lease = view.pop("lease") or {}
+        in_flight = view.pop("in_flight")
+        recent = view.pop("recent_rejections")
+        rows = "".join(
+            "<tr><td>" + _link(f"/admin/rejections/{r['id']}?format=html", f"#{r['id']}") + "</td>"
+            f"<td>{html.escape(str(r['at'])[:19])}</td>"
+            f'<td><span class="reason {self._kinds.get(r["reason"], "other")}">'
+            f"{html.escape(r['reason'])}</span></td><td>{html.escape(str(r['generation']))}</td>"
+            f"<td><code>{html.escape(str(r['idempotency_key']))}</code></td></tr>"
+            for r in recent
+        )
+        flying = "".join(
+            f"<tr><td><code>{html.escape(str(a['attempt']))}</code></td><td>{a['generation']}</td>"
+            f"<td>{html.escape(str(a['destination']))}</td>"
+            f"<td><code>{html.escape(str(a['key']))}</code></td>"
+            f"<td>{html.escape(str(a['deadline']))}</td></tr>"
+            for a in in_flight
+        )
+        body = (
+            '<p><a href="/admin/">« all rejections</a></p>'
+            f"<h2>Job <code>{html.escape(job_id)}</code></h2>"
+            + _fields({**view, **{f"lease {k}": v for k, v in lease.items()}})
+            + "<h3>On the wire</h3>"
+            + (
+                f"<table><thead><tr><th>attempt</th><th>gen</th><th>destination</th><th>key</th>"
+                f"<th>deadline</th></tr></thead><tbody>{flying}</tbody></table>"
+                if flying
+                else '<p class="empty">nothing</p>'
+            )
+            + "<h3>Recent rejections</h3>"
+            + (
+                f'<table id="job-rejections"><tbody>{rows}</tbody></table>'
+                if rows
+                else '<p class="empty">none</p>'
+            )
+            + f"<p>{_link('/admin/jobs/' + quote(job_id, safe=''), 'JSON')}</p>"
+        )
+        return html_response(f"job {job_id}", Safe(body), logout=not self._auth.open)
+
+    async def audit(self, request: web.Request) -> web.Response:
+        params = {k: v for k, v in request.query.items() if k != "format"}
+        query = parse_audit_query(params, self._store.clock())
+        entries = await self._store.list_audit(
+            query.__class__(
+                since=query.since,
+                until=query.until,
+                limit=query.limit + 1,
+                before_id=query.before_id,
+            )
+        )
+        cursor = audit_cursor(entries, query.limit)
+        rows = "".join(
+            '<tr class="audit">'
+            + "".join(
+                f"<td>{_cell(name, item)}</td>"
+                for name in ("at", "action", "destination", "key", "attempt", "note", "remote")
+            )
+            + "</tr>"
+            for item in (audit_item(e) for e in entries[: query.limit])
+        )
+        presets = " ".join(
+            _link("/admin/audit?" + urlencode({"format": "html", "since": p}), p) for p in PRESETS
+        )
+        more = ""
+        if cursor:
+            more = _link(
+                "/admin/audit?" + urlencode({**params, "format": "html", "cursor": cursor}),
+                "older »",
+            )
+        body = (
+            '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
+            f"<h2>Audit log</h2><p>since: {presets} · "
+            f"{_link('/admin/audit?format=html', 'all')}</p>"
+            '<table id="audit"><thead><tr><th>when (UTC)</th><th>action</th><th>destination</th>'
+            "<th>key</th><th>attempt</th><th>note</th><th>remote</th></tr></thead><tbody>"
+            + (rows or '<tr><td colspan="7" class="empty">No operator actions.</td></tr>')
+            + f'</tbody></table><nav class="pager">{more}</nav>'
+        )
+        return html_response("audit log", Safe(body), logout=not self._auth.open)
+
+
+def csrf_token(auth: SessionAuth, request: web.Request) -> str:
+    """An HMAC of this browser's session (constant per session, unguessable without
+    the admin token)."""
+    secret = _OPEN_SECRET if auth.open else auth.secret
+    session = request.cookies.get(SESSION_COOKIE, "")
+    return hmac.new(secret, f"sinkgate-csrf:{session}".encode(), hashlib.sha256).hexdigest()
+
+
+def _key_href(destination: str, key: str, *, html_view: bool = True) -> str:
+    path = f"/admin/keys/{quote(destination, safe='')}/{quote(key, safe='')}"
+    return path + ("?format=html" if html_view else "")
+
+
+def _link(href: str, text: str) -> str:
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
+def _fields(view: dict[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td><code>"
+        f"{html.escape('—' if v is None else str(v))}</code></td></tr>"
+        for k, v in view.items()
+    )
+    return f'<table class="fields">{rows}</table>'
+
+
+def _cell(name: str, item: dict[str, Any]) -> str:
+    value = item[name]
+    if value is None:
+        return "—"
+    if name == "at":
+        return html.escape(str(value)[:19].replace("T", " "))
+    if name == "key" and item.get("destination"):
+        return _link(_key_href(item["destination"], value), value)
+    if name == "action":
+        return f'<span class="action">{html.escape(value)}</span>'
+    return html.escape(str(value))

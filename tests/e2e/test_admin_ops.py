@@ -1,0 +1,350 @@
+"""The operator's admin routes over HTTP (SPEC 4 v3): keys, resolve, audit, summary,
+relative time filters, the export, the unknown-keys gauge; against a real SQLite
+store on a moved clock."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.admin.api import create_admin_app
+from gateway.store.admin_records import AuditQuery
+from gateway.store.records import Outcome, RejectionRecord
+from gateway.store.sqlite import SQLiteStore
+from gateway.telemetry.metrics import Metrics
+from gateway.write.decision import RESERVATION_GRACE_S
+from tests.conftest import FakeClock
+from tests.e2e.test_admin import AUTH, CONTEXT, TOKEN, facts, get_json
+
+KEY_FIELDS = {
+    "destination", "key", "state", "fingerprint", "attempt", "attempts", "job_id",
+    "generation", "owner", "status", "created_at", "updated_at", "deadline", "completed_at",
+}  # fmt: skip
+
+
+@pytest.fixture
+async def store(tmp_path, fake_clock: FakeClock) -> AsyncIterator[SQLiteStore]:
+    s = await SQLiteStore.open("sqlite:///" + str(tmp_path / "ops.db"), clock=fake_clock)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics()
+
+
+@pytest.fixture
+async def client(store: SQLiteStore, metrics: Metrics) -> AsyncIterator[TestClient]:
+    app = create_admin_app(store, metrics, token=TOKEN, gauge_interval=None)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+async def unknown(store: SQLiteStore, key: str, job: str = "job-1") -> str:
+    f = facts(job, 1, key)
+    verdict = await store.decide_write(f, CONTEXT)
+    assert await store.record_outcome(f, verdict.attempt, Outcome("unknown"))
+    return str(verdict.attempt)
+
+
+async def post_resolve(client: TestClient, key: str, body: Any, **kw: Any) -> Any:
+    headers = {**AUTH, **kw.pop("headers", {})}
+    return await client.post(
+        f"/admin/keys/payments/{key}/resolve",
+        data=body if isinstance(body, bytes | str) else json.dumps(body),
+        headers={"Content-Type": "application/json", **headers},
+    )
+
+
+def unknown_gauge(text: str) -> dict[str, float]:
+    return {
+        s.labels["destination"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "sinkgate_unknown_keys"
+        for s in family.samples
+    }
+
+
+# --- keys ------------------------------------------------------------------------------------
+
+
+async def test_keys_list_with_spec_fields_filters_and_cursor(client, store, fake_clock):
+    attempts = []
+    for n in range(3):
+        attempts.append(await unknown(store, f"k-{n}", job=f"job-{n}"))
+        fake_clock.advance(1)
+    page = await get_json(client, "/admin/keys?limit=2")
+    assert [i["key"] for i in page["items"]] == ["k-2", "k-1"]
+    assert KEY_FIELDS <= page["items"][0].keys()
+    assert page["items"][0]["attempt"] == attempts[2] and page["items"][0]["state"] == "unknown"
+    rest = await get_json(client, f"/admin/keys?limit=2&cursor={page['next_cursor']}")
+    assert [i["key"] for i in rest["items"]] == ["k-0"] and rest["next_cursor"] is None
+    assert [i["key"] for i in (await get_json(client, "/admin/keys?job_id=job-1"))["items"]] == [
+        "k-1"
+    ]
+    assert (await get_json(client, "/admin/keys?state=in_flight"))["items"] == []
+    # Relative times, by the store's clock: updated 1.x s and 2.x s ago.
+    recent = await get_json(client, "/admin/keys?since=1.5s")
+    assert [i["key"] for i in recent["items"]] == ["k-2"]
+    single = await get_json(client, "/admin/keys/payments/k-0")
+    assert single["attempt"] == attempts[0]
+
+
+async def test_a_reservation_past_its_deadline_is_listed_as_unknown(client, store, fake_clock):
+    await store.decide_write(facts("job-1", 1, "dead"), CONTEXT)  # its gateway dies
+    assert (await get_json(client, "/admin/keys?state=unknown"))["items"] == []
+    fake_clock.advance(10 + RESERVATION_GRACE_S + 1)
+    [item] = (await get_json(client, "/admin/keys?state=unknown"))["items"]
+    assert (item["key"], item["state"]) == ("dead", "unknown")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "state=lost",
+        "limit=1001",
+        "limit=0",
+        "cursor=nonsense",
+        "since=1y",
+        "since=soon",
+        "since=1h&until=2h",
+        "destination=%20",
+        "frobnicate=1",
+        "state=unknown&state=completed",
+    ],
+)
+async def test_bad_key_filters_are_400(client, query):
+    response = await client.get(f"/admin/keys?{query}", headers=AUTH)
+    assert response.status == 400
+    assert (await response.json(content_type=None))["reason"] == "invalid_request"
+
+
+# --- resolve --------------------------------------------------------------------------------
+
+
+async def test_resolve_applied_then_replayed_and_audited(client, store):
+    attempt = await unknown(store, "k-1")
+    response = await post_resolve(
+        client,
+        "k-1",
+        {
+            "outcome": "applied",
+            "attempt": attempt,
+            "note": "ledger shows charge ch_9",
+            "status": 201,
+            "body": '{"id":"ch_9"}',
+        },
+    )
+    assert response.status == 200, await response.text()
+    record = await response.json()
+    assert (record["state"], record["status"], record["key"]) == ("completed", 201, "k-1")
+    assert record["attempt"] != attempt
+    [entry] = (await get_json(client, "/admin/audit"))["items"]
+    assert (entry["action"], entry["key"], entry["attempt"], entry["note"]) == (
+        "resolve_applied",
+        "k-1",
+        attempt,
+        "ledger shows charge ch_9",
+    )
+    assert entry["remote"] == "127.0.0.1" and entry["at"].endswith("Z")
+    again = await post_resolve(
+        client, "k-1", {"outcome": "not_applied", "attempt": attempt, "note": "second look"}
+    )
+    assert again.status == 409
+    assert again.headers["Sinkgate-Rejected"] == "key_not_unknown"
+    assert (await again.json(content_type=None))["state"] == "completed"
+
+
+async def test_resolve_not_applied_releases_the_key(client, store):
+    attempt = await unknown(store, "k-1")
+    body = {"outcome": "not_applied", "attempt": attempt, "note": "no such charge"}
+    response = await post_resolve(client, "k-1", body)
+    assert response.status == 200
+    assert (await response.json())["state"] == "released"
+    assert (await client.get("/admin/keys/payments/k-1", headers=AUTH)).status == 404
+    missing = await post_resolve(client, "k-1", body)
+    assert missing.status == 404
+
+
+async def test_resolve_of_another_attempt_is_409_attempt_mismatch(client, store):
+    attempt = await unknown(store, "k-1")
+    response = await post_resolve(
+        client, "k-1", {"outcome": "not_applied", "attempt": "0" * 32, "note": "x"}
+    )
+    assert response.status == 409
+    problem = await response.json(content_type=None)
+    assert (problem["reason"], problem["attempt"]) == ("attempt_mismatch", attempt)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        {"outcome": "maybe", "attempt": "A", "note": "x"},
+        {"outcome": "applied", "note": "x"},
+        {"outcome": "applied", "attempt": "A", "note": ""},
+        {"outcome": "applied", "attempt": "A", "note": " "},
+        {"outcome": "applied", "attempt": "A", "note": "x" * 1001},
+        {"outcome": "applied", "attempt": "A", "note": "bell\x07"},
+        {"outcome": "applied", "attempt": "A", "note": "x", "status": 99},
+        {"outcome": "applied", "attempt": "A", "note": "x", "status": True},
+        {"outcome": "applied", "attempt": "A", "note": "x", "status": "200"},
+        {"outcome": "applied", "attempt": "A", "note": "x", "body": 5},
+        {"outcome": "applied", "attempt": "A", "note": "x", "content_type": "a\nb"},
+        {"outcome": "not_applied", "attempt": "A", "note": "x", "status": 200},
+        {"outcome": "applied", "attempt": "A", "note": "x", "extra": 1},
+        '{"outcome": "applied", "attempt": "A", "note": "\\ud800"}',
+    ],
+)
+async def test_bad_resolve_bodies_are_400_and_change_nothing(client, store, body):
+    attempt = await unknown(store, "k-1")
+    if isinstance(body, dict):
+        body = {**body, "attempt": attempt} if "attempt" in body else body
+    response = await post_resolve(client, "k-1", body)
+    assert response.status == 400, await response.text()
+    assert (await response.json(content_type=None))["reason"] == "invalid_request"
+    assert (await store.key_record("payments", "k-1")).attempt == attempt
+    assert await store.list_audit(AuditQuery()) == []
+
+
+async def test_resolve_wants_json(client, store):
+    attempt = await unknown(store, "k-1")
+    body = json.dumps({"outcome": "not_applied", "attempt": attempt, "note": "x"})
+    response = await post_resolve(client, "k-1", body, headers={"Content-Type": "text/plain"})
+    assert response.status == 400
+    assert await store.key_record("payments", "k-1") is not None
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/admin/keys"),
+        ("POST", "/admin/keys/payments/k-1/resolve"),
+        ("GET", "/admin/audit"),
+        ("GET", "/admin/summary"),
+        ("GET", "/admin/rejections?format=csv"),
+        ("GET", "/admin/queue"),
+        ("POST", "/admin/queue/resolve"),
+    ],
+)
+async def test_every_new_route_needs_the_token(client, store, method, path):
+    attempt = await unknown(store, "k-1")
+    body = json.dumps({"outcome": "not_applied", "attempt": attempt, "note": "x"})
+    response = await client.request(
+        method, path, data=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status == 401
+    assert await store.key_record("payments", "k-1") is not None
+
+
+# --- audit, summary, export, gauge -----------------------------------------------------------
+
+
+async def test_audit_pages_and_time_filters(client, store, fake_clock):
+    for n in range(3):
+        await store.record_audit(action="reload", note=f"reload {n}")
+        fake_clock.advance(3600)
+    page = await get_json(client, "/admin/audit?limit=2")
+    assert [e["note"] for e in page["items"]] == ["reload 2", "reload 1"]
+    rest = await get_json(client, f"/admin/audit?limit=2&cursor={page['next_cursor']}")
+    assert [e["note"] for e in rest["items"]] == ["reload 0"]
+    recent = await get_json(client, "/admin/audit?since=90m")
+    assert [e["note"] for e in recent["items"]] == ["reload 2"]
+    assert (await client.get("/admin/audit?since=later", headers=AUTH)).status == 400
+
+
+async def test_summary_of_the_last_day(client, store, fake_clock):
+    for reason in ("stale_generation", "stale_generation", "duplicate"):
+        await store.record_rejection(RejectionRecord(reason=reason, detail="", destination="pay"))
+        fake_clock.advance(600)
+    await unknown(store, "k-1")
+    summary = await get_json(client, "/admin/summary")
+    assert summary["rejections_by_reason"] == {"duplicate": 1, "stale_generation": 2}
+    assert summary["rejections_by_destination"] == {"pay": 3}
+    assert summary["keys_by_state"] == {"payments": {"unknown": 1}}
+    series = summary["series"]
+    assert series["bucket_seconds"] == 600 and len(series["buckets"]) <= 200
+    assert sum(sum(b["counts"].values()) for b in series["buckets"]) == 3
+    assert series["buckets"][0]["at"] < series["buckets"][-1]["at"]  # oldest first
+    assert any(b["counts"] == {} for b in series["buckets"])  # empty buckets included
+    hour = await get_json(client, "/admin/summary?since=1h")
+    assert sum(hour["rejections_by_reason"].values()) == 3
+    assert len(hour["series"]["buckets"]) <= 200
+    assert (await client.get("/admin/summary?since=1h&until=2h", headers=AUTH)).status == 400
+
+
+async def test_rejections_take_relative_times(client, store, fake_clock):
+    await store.record_rejection(RejectionRecord(reason="duplicate", detail="old"))
+    fake_clock.advance(7200)
+    await store.record_rejection(RejectionRecord(reason="duplicate", detail="new"))
+    items = (await get_json(client, "/admin/rejections?since=1h"))["items"]
+    assert [i["detail"] for i in items] == ["new"]
+    items = (await get_json(client, "/admin/rejections?until=1h"))["items"]
+    assert [i["detail"] for i in items] == ["old"]
+
+
+async def test_export_streams_every_row_past_1000(client, store):
+    for n in range(2100):
+        await store.record_rejection(
+            RejectionRecord(
+                reason="duplicate" if n % 2 else "stale_generation",
+                detail=f"row {n}",
+                path="=HYPERLINK(1)" if n == 0 else "/x",
+            )
+        )
+    response = await client.get("/admin/rejections?format=csv&reason=duplicate", headers=AUTH)
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(await response.text())))
+    assert len(rows) == 1050 and {r["reason"] for r in rows} == {"duplicate"}
+    assert rows[0]["detail"] == "row 2099"  # newest first
+    everything = await client.get("/admin/rejections?format=ndjson", headers=AUTH)
+    lines = (await everything.text()).splitlines()
+    assert len(lines) == 2100
+    assert json.loads(lines[-1])["detail"] == "row 0"
+    one = await client.get("/admin/rejections?format=csv&limit=1", headers=AUTH)
+    capped = list(csv.DictReader(io.StringIO(await one.text())))
+    assert len(capped) == 1
+    oldest = await client.get("/admin/rejections?format=csv", headers=AUTH)
+    last = list(csv.DictReader(io.StringIO(await oldest.text())))[-1]
+    assert last["path"] == "'=HYPERLINK(1)"  # a spreadsheet shows it as text
+    bad = await client.get("/admin/rejections?format=xml", headers=AUTH)
+    assert bad.status == 400
+
+
+async def test_unknown_keys_gauge_follows_the_queue(client, store, metrics):
+    attempt = await unknown(store, "k-1")
+    await unknown(store, "k-2")
+    # The fixture's app has no timer: the resolve itself refreshes the gauge.
+    response = await post_resolve(
+        client, "k-1", {"outcome": "not_applied", "attempt": attempt, "note": "x"}
+    )
+    assert response.status == 200
+    text = await (await client.get("/metrics")).text()
+    assert unknown_gauge(text) == {"payments": 1.0}
+
+
+async def test_the_gauge_refreshes_on_its_own(tmp_path, fake_clock):
+    store = await SQLiteStore.open("sqlite:///" + str(tmp_path / "g.db"), clock=fake_clock)
+    metrics = Metrics()
+    try:
+        await unknown(store, "k-1")
+        app = create_admin_app(store, metrics, token=TOKEN, gauge_interval=0.01)
+        async with TestClient(TestServer(app)) as c:
+            for _ in range(500):  # bounded poll: the refresher runs every 10 ms
+                if unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}:
+                    break
+                await asyncio.sleep(0.01)
+            assert unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}
+    finally:
+        await store.close()
