@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate("gateway.tools.demo", "demo", args)
     if args.command == "rejections":
         return _delegate("gateway.admin.cli", "rejections", args)
+    if args.command == "keys":
+        return _delegate("gateway.admin.keys_cli", "keys", args)
     parser.print_help(sys.stderr)
     return 2
 
@@ -86,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", metavar="N", type=_limit, default=100, help="at most N rows (1..1000)"
     )
     rejections.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rejections.add_argument("--all", action="store_true", help="every match (follows the cursor)")
+
+    from gateway.admin.keys_cli import add_parser as add_keys  # argparse only: cheap
+
+    add_keys(commands)
 
     # Listed for --help only: main() hands `chaos ...` over before parsing.
     commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")

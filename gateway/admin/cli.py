@@ -22,6 +22,7 @@ from leases.model import VISIBLE
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8481"
 TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
+ADMIN_URL_ENV = "SINKGATE_ADMIN_URL"
 PAGE_MAX = 1000
 DEFAULT_LIMIT = 100
 TIMEOUT_S = 15.0
@@ -39,7 +40,7 @@ class CliError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `sinkgate rejections`, for the command line module to reuse."""
-    parser.add_argument("--admin", default=DEFAULT_ADMIN_URL, help="admin listener URL")
+    parser.add_argument("--admin", default=admin_url_default(), help="admin listener URL")
     parser.add_argument("--reason", help="only this reason, e.g. stale_generation")
     parser.add_argument("--job", help="only this job id")
     parser.add_argument("--destination", help="only this destination")
@@ -47,6 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", help="older than: 30m, 1h, 7d or an RFC 3339 time")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="rows to show")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--all", action="store_true", help="every match (follows the cursor)")
+
+
+def admin_url_default() -> str:
+    """`$SINKGATE_ADMIN_URL`, else the admin listener's default address."""
+    return os.environ.get(ADMIN_URL_ENV) or DEFAULT_ADMIN_URL
+
+
+def check_reason(reason: str | None) -> None:
+    """An unknown reason is refused here, naming the valid ones (the server would
+    only say it is unknown)."""
+    if not reason:
+        return
+    from leases.reasons import RECORDED_REASONS  # the one table of reasons, lazily
+
+    if reason not in RECORDED_REASONS:
+        raise CliError(f"unknown reason {reason!r}; valid reasons: {', '.join(RECORDED_REASONS)}")
 
 
 def main(
@@ -60,6 +78,7 @@ def main(
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     try:
+        check_reason(getattr(args, "reason", None))
         items, more = fetch(args, now or datetime.now(UTC))
     except CliError as exc:
         print(f"sinkgate rejections: {exc}", file=err)
@@ -83,17 +102,12 @@ def _more_hint(shown: int) -> str:
 
 def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]], bool]:
     """Up to `--limit` items, following cursors; and whether more matched."""
-    base = (getattr(args, "admin", None) or DEFAULT_ADMIN_URL).rstrip("/")
-    try:
-        parts = urlsplit(base)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as exc:
-        raise CliError(f"--admin {base!r} is not a valid URL: {exc}") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CliError(f"--admin must be an http:// or https:// URL, not {base!r}")
+    base = admin_base(args)
     limit = getattr(args, "limit", None) or DEFAULT_LIMIT
     if limit < 1:
         raise CliError("--limit must be at least 1")
+    if getattr(args, "all", False):
+        limit = sys.maxsize
     params = {
         "reason": getattr(args, "reason", None),
         "job_id": getattr(args, "job", None),
@@ -108,7 +122,7 @@ def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]]
         page_params = {**params, "limit": str(min(PAGE_MAX, limit - len(items)))}
         if cursor:
             page_params["cursor"] = cursor
-        page = _get(f"{base}/admin/rejections?{urlencode(page_params)}", base)
+        page = admin_request(f"{base}/admin/rejections?{urlencode(page_params)}", base)
         found = page.get("items") if isinstance(page, dict) else None
         cursor = page.get("next_cursor") if isinstance(page, dict) else None
         if not isinstance(found, list) or not (cursor is None or isinstance(cursor, str)):
@@ -133,8 +147,26 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
     return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _get(url: str, base: str) -> dict[str, Any]:
+def admin_base(args: argparse.Namespace) -> str:
+    """The admin listener's base URL from `--admin` (or its default), checked."""
+    base = str(getattr(args, "admin", None) or admin_url_default()).rstrip("/")
+    try:
+        parts = urlsplit(base)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        raise CliError(f"--admin {base!r} is not a valid URL: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"--admin must be an http:// or https:// URL, not {base!r}")
+    return base
+
+
+def admin_request(url: str, base: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """GET `url` (or POST `body` as JSON) with the admin token; the JSON answer."""
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if body is not None:
+        request.data = json.dumps(body).encode()
+        request.add_header("Content-Type", "application/json")
+        request.method = "POST"
     token = os.environ.get(TOKEN_ENV)
     if token:
         if not VISIBLE.fullmatch(token):
@@ -142,8 +174,8 @@ def _get(url: str, base: str) -> dict[str, Any]:
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            body: dict[str, Any] = json.load(response)
-            return body
+            answer: dict[str, Any] = json.load(response)
+            return answer
     except urllib.error.HTTPError as exc:
         detail = _problem_detail(exc)
         if exc.code == 401:
@@ -153,6 +185,8 @@ def _get(url: str, base: str) -> dict[str, Any]:
                 else f"the admin listener needs a token: set {TOKEN_ENV}"
             )
             raise CliError(f"unauthorized at {base}: {hint}") from exc
+        if exc.code in (404, 409):
+            raise CliError(f"{detail} ({exc.code})") from exc
         raise CliError(f"{base} answered {exc.code}: {detail}") from exc
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -171,10 +205,15 @@ def _problem_detail(exc: urllib.error.HTTPError) -> str:
 
 def format_table(items: list[dict[str, Any]]) -> str:
     """An aligned, plain-text table; control characters are shown as `?`."""
-    if not items:
-        return "no rejections match"
-    rows = [COLUMNS, *(_cells(item) for item in items)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return format_rows(COLUMNS, [_cells(item) for item in items], empty="no rejections match")
+
+
+def format_rows(columns: tuple[str, ...], cells: list[tuple[Any, ...]], *, empty: str) -> str:
+    """Aligned columns under a header; values through `_cell` (no control characters)."""
+    if not cells:
+        return empty
+    rows = [columns, *(tuple(_cell(v) for v in row) for row in cells)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines)
 
