@@ -144,16 +144,16 @@ class OpsPage:
             f'<div class="who"><a href="{e(key_link)}"><code>{e(record.destination)} / '
             f"{e(record.key)}</code></a><br>job <code>{e(record.job_id)}</code> gen "
             f"{record.generation} · {record.attempts} attempt(s) · since "
-            f"{e((view['updated_at'] or '')[:19].replace('T', ' '))}</div>"
+            f"<time>{e((view['updated_at'] or '')[:19].replace('T', ' '))} UTC</time></div>"
             f'<input type="hidden" name="destination" value="{e(record.destination)}">'
             f'<input type="hidden" name="key" value="{e(record.key)}">'
             f'<input type="hidden" name="attempt" value="{e(record.attempt)}">'
             f'<input type="hidden" name="csrf" value="{e(csrf)}">'
             '<label><input type="radio" name="outcome" value="applied" required> applied</label>'
             '<label><input type="radio" name="outcome" value="not_applied"> not applied</label>'
-            '<label class="small">status <input name="status" value="200" inputmode="numeric">'
+            '<label class="status">status <input name="status" value="200" inputmode="numeric">'
             "</label>"
-            '<label class="small">body <input name="body" placeholder="the answer, as text">'
+            '<label class="body">body <input name="body" placeholder="the answer to replay">'
             "</label>"
             '<label class="note">note <input name="note" required maxlength="1000" '
             'placeholder="what you checked at the destination"></label>'

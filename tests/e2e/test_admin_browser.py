@@ -5,7 +5,7 @@ is a failure instead. Nothing is downloaded: the driver's path is given.
 
 Also a screenshot tool for the README:
 
-    python -m tests.test_admin_browser docs/admin.png
+    python -m tests.e2e.test_admin_browser docs   # docs/admin.png, docs/admin-queue.png
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from aiohttp import web
 
 from gateway.admin.api import create_admin_app
 from gateway.http.server import GatewayRunner
-from gateway.store.records import RejectionRecord
+from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
+from gateway.write.decision import Fencing, WriteFacts
 from tests.conftest import FakeClock
 
 TOKEN = "browser-test-token"
@@ -84,11 +85,67 @@ async def seed(store: SQLiteStore, clock: FakeClock) -> None:
         clock.advance(47.0)
 
 
-class AdminServer:
-    """The admin app with sample rejections, served on loopback from its own thread."""
+# Unknown outcomes for the queue: destination, key, job, generation.
+UNKNOWN = [
+    ("payments", "inv-45-charge", "invoice-2024-0045", 3),
+    ("payments", "inv-46-charge", "invoice-2024-0046", 1),
+    ("emails", "digest-18", "mail-digest-18", 2),
+]
 
-    def __init__(self, directory: Path) -> None:
+
+async def seed_unknown(store: SQLiteStore, clock: FakeClock) -> None:
+    """Keys whose forward ended with the upstream dropping the connection."""
+    for destination, key, job, generation in UNKNOWN:
+        facts = WriteFacts(
+            destination=destination,
+            method="POST",
+            path="/charges",
+            query="",
+            job_id=job,
+            generation=generation,
+            owner="worker-a",
+            key=key,
+            fingerprint="f" * 64,
+            fencing=Fencing.MONOTONIC,
+            upstream_idempotent=False,
+            timeout=10.0,
+        )
+        context = WriteContext(remote="10.1.4.23", body_sha256="9f" * 32, body_bytes=214)
+        verdict = await store.decide_write(facts, context)
+        assert verdict.attempt is not None
+        await store.record_outcome(facts, verdict.attempt, Outcome("unknown"))
+        clock.advance(13.0)
+
+
+async def seed_history(store: SQLiteStore, clock: FakeClock) -> None:
+    """A day of rejections before the sample, for the chart: a quiet night, a busy
+    morning, a burst of stale writes after a deploy."""
+    start = clock.now
+    reasons = ("stale_generation", "duplicate", "lease_expired", "request_in_progress")
+    for n in range(0, 24 * 60, 7):
+        hour = n // 60
+        weight = 1 + (hour >= 7) * 2 + (hour == 15) * 5
+        for k in range(weight):
+            clock.now = start + n * 60 + k
+            await store.record_rejection(
+                RejectionRecord(
+                    reason=reasons[(n + k) % (len(reasons) if hour != 15 else 1)],
+                    detail="history",
+                    destination=("payments", "emails", "crm")[(n + k) % 3],
+                    job_id=f"history-{n % 40}",
+                    generation=1,
+                )
+            )
+    clock.now = start + 24 * 3600
+
+
+class AdminServer:
+    """The admin app with sample rejections, served on loopback from its own thread.
+    `history`: a day of earlier rejections and a few unknown outcomes too."""
+
+    def __init__(self, directory: Path, *, history: bool = False) -> None:
         self._directory = directory
+        self._history = history
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.url = ""
@@ -105,11 +162,15 @@ class AdminServer:
         self._loop.close()
 
     async def _start(self) -> str:
-        clock = FakeClock(START)
+        clock = FakeClock(START - 24 * 3600 if self._history else START)
         url = "sqlite:///" + str(self._directory / "admin.db")
         self._store = await SQLiteStore.open(url, clock=clock)
+        if self._history:
+            await seed_history(self._store, clock)
         await seed(self._store, clock)
-        self._runner = GatewayRunner(create_admin_app(self._store, Metrics(), token=TOKEN))
+        await seed_unknown(self._store, clock)
+        app = create_admin_app(self._store, Metrics(), token=TOKEN, gauge_interval=None)
+        self._runner = GatewayRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
         host, port = self._runner.addresses[0][:2]
@@ -229,17 +290,75 @@ def test_job_link_filters_by_job(server, driver):
     assert job_input.get_attribute("value") == "mail-digest-17"
 
 
-def screenshot(target: Path) -> None:
-    """Save a screenshot of the page with sample rejections to `target`."""
-    with tempfile.TemporaryDirectory() as tmp, AdminServer(Path(tmp)) as server:
+def test_chart_queue_resolve_and_audit(server, driver):
+    """Sign in, see the day at a glance, settle an unknown outcome from its form,
+    and find the verdict in the audit log; all without any script on the page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    sign_in(driver, server.url)
+    chart = driver.find_element(By.ID, "chart")
+    assert chart.tag_name == "svg"
+    bars = chart.find_elements(By.CSS_SELECTOR, "rect:not(.hit)")
+    assert len(bars) >= 1 and chart.size["width"] > 600
+    assert driver.find_element(By.ID, "total").text == str(len(SAMPLE))
+    assert driver.find_element(By.ID, "unknown-count").text == str(len(UNKNOWN))
+    assert driver.execute_script("return document.scripts.length") == 0
+
+    glance = driver.find_element(By.ID, "glance")
+    driver.find_element(By.LINK_TEXT, "unknown outcomes").click()
+    WebDriverWait(driver, 20).until(ec.staleness_of(glance))
+    forms = WebDriverWait(driver, 20).until(
+        ec.presence_of_all_elements_located((By.CSS_SELECTOR, "form.resolve"))
+    )
+    assert len(forms) == len(UNKNOWN)
+    form = driver.find_element(By.CSS_SELECTOR, "form.resolve[data-key='inv-46-charge']")
+    form.find_element(By.CSS_SELECTOR, "input[value='applied']").click()
+    form.find_element(By.NAME, "status").clear()
+    form.find_element(By.NAME, "status").send_keys("201")
+    form.find_element(By.NAME, "body").send_keys('{"id":"ch_46"}')
+    form.find_element(By.NAME, "note").send_keys("PSP dashboard shows ch_46")
+    form.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
+    WebDriverWait(driver, 20).until(ec.staleness_of(form))
+    notice = WebDriverWait(driver, 20).until(
+        ec.presence_of_element_located((By.CSS_SELECTOR, "p.notice"))
+    )
+    assert "inv-46-charge as applied" in notice.text
+    keys = [
+        f.get_attribute("data-key") for f in driver.find_elements(By.CSS_SELECTOR, "form.resolve")
+    ]
+    assert sorted(keys) == ["digest-18", "inv-45-charge"]
+
+    driver.find_element(By.LINK_TEXT, "audit log").click()
+    rows = WebDriverWait(driver, 20).until(
+        ec.presence_of_all_elements_located((By.CSS_SELECTOR, "#audit tr.audit"))
+    )
+    assert len(rows) == 1
+    assert "resolve_applied" in rows[0].text and "inv-46-charge" in rows[0].text
+    assert "PSP dashboard shows ch_46" in rows[0].text
+
+    rows[0].find_element(By.LINK_TEXT, "inv-46-charge").click()
+    state = WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "key-state")))
+    assert state.text == "completed"
+    assert "201" in driver.find_element(By.CSS_SELECTOR, "table.fields").text
+
+
+def screenshot(target: Path, queue: Path) -> None:
+    """Save screenshots of the page (a day of sample rejections) and of the queue."""
+    with tempfile.TemporaryDirectory() as tmp, AdminServer(Path(tmp), history=True) as server:
         with chromium(Path(tmp) / "profile") as driver:
-            driver.set_window_size(1440, 800)
+            driver.set_window_size(1440, 1000)
             sign_in(driver, server.url)
             target.parent.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(target))
-    print(f"saved {target}")
+            driver.get(server.url + "/admin/queue")
+            driver.set_window_size(1440, 640)
+            driver.save_screenshot(str(queue))
+    print(f"saved {target} and {queue}")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("SE_OFFLINE", "true")
-    screenshot(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/admin.png"))
+    docs = Path(sys.argv[1] if len(sys.argv) > 1 else "docs")
+    screenshot(docs / "admin.png", docs / "admin-queue.png")

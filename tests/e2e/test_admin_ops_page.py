@@ -1,0 +1,136 @@
+"""The operator's page over HTTP with a signed-in session: the glance, presets and
+auto-refresh, the queue's resolve form (CSRF token + SameSite cookie), and the
+HTML views of a key, a job and the audit log."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.admin.api import create_admin_app
+from gateway.store.admin_records import AuditQuery
+from gateway.store.records import Outcome, RejectionRecord
+from gateway.store.sqlite import SQLiteStore
+from gateway.telemetry.metrics import Metrics
+from gateway.write.decision import KeyState
+from tests.e2e.test_admin import CONTEXT, TOKEN, facts
+
+HOSTILE_KEY = '<script>alert("k")</script>'
+
+
+@pytest.fixture
+async def store(tmp_path, fake_clock) -> AsyncIterator[SQLiteStore]:
+    s = await SQLiteStore.open("sqlite:///" + str(tmp_path / "p.db"), clock=fake_clock)
+    for key in ("lost-1", HOSTILE_KEY):
+        f = facts("job-1", 1, key)
+        verdict = await s.decide_write(f, CONTEXT)
+        await s.record_outcome(f, verdict.attempt, Outcome("unknown"))
+    for reason in ("stale_generation", "stale_generation", "duplicate"):
+        await s.record_rejection(RejectionRecord(reason=reason, detail="", job_id="job-1"))
+        fake_clock.advance(120)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def browser(store) -> AsyncIterator[TestClient]:
+    """A client holding the session cookie, as a signed-in browser does."""
+    app = create_admin_app(store, Metrics(), token=TOKEN, gauge_interval=None)
+    async with TestClient(TestServer(app)) as client:
+        signed = await client.post(
+            "/admin/login", data={"token": TOKEN, "next": "/admin/"}, allow_redirects=False
+        )
+        assert signed.status == 303
+        cookie = signed.headers["Set-Cookie"]
+        assert "SameSite=Strict" in cookie and "HttpOnly" in cookie
+        yield client
+
+
+def form_fields(page: str, key: str) -> dict[str, str]:
+    """The hidden fields of the resolve form of `key` (as the page escaped it)."""
+    start = page.index(f'data-key="{key}"')
+    form = page[start : page.index("</form>", start)]
+    return dict(re.findall(r'type="hidden" name="(\w+)" value="([^"]*)"', form))
+
+
+async def test_the_glance_presets_and_auto_refresh(browser):
+    page = await (await browser.get("/admin/")).text()
+    assert '<svg id="chart"' in page and "<script" not in page
+    assert re.search(r'id="total">3<', page) and re.search(r'id="unknown-count">2<', page)
+    assert "stale_generation <b>2</b>" in page
+    for preset in ("15m", "1h", "24h", "7d"):
+        assert f"since={preset}" in page
+    assert 'http-equiv="refresh"' not in page
+    refreshing = await (await browser.get("/admin/?since=5m&refresh=30")).text()
+    assert '<meta http-equiv="refresh" content="30">' in refreshing
+    assert re.search(r'id="total">2<', refreshing)  # the last 5 minutes only
+    assert "auto-refresh: on" in refreshing
+
+
+async def test_the_queue_escapes_what_workers_sent(browser):
+    page = await (await browser.get("/admin/queue")).text()
+    assert HOSTILE_KEY not in page
+    assert "&lt;script&gt;" in page
+    assert 'id="queue-count">2<' in page
+
+
+async def test_resolve_form_needs_its_csrf_token(browser, store):
+    page = await (await browser.get("/admin/queue")).text()
+    fields = form_fields(page, "lost-1")
+    assert len(fields["csrf"]) == 64
+    form = {**fields, "outcome": "not_applied", "note": "no such charge"}
+    for csrf in ("", "0" * 64):
+        refused = await browser.post(
+            "/admin/queue/resolve", data={**form, "csrf": csrf}, allow_redirects=False
+        )
+        assert refused.status == 403
+        assert "nothing was changed" in await refused.text()
+    assert (await store.key_record("payments", "lost-1")).state is KeyState.UNKNOWN
+    assert await store.list_audit(AuditQuery()) == []
+    done = await browser.post("/admin/queue/resolve", data=form, allow_redirects=False)
+    assert done.status == 303 and done.headers["Location"].startswith("/admin/queue?done=")
+    assert await store.key_record("payments", "lost-1") is None
+    [entry] = await store.list_audit(AuditQuery())
+    assert (entry.action, entry.note) == ("resolve_not_applied", "no such charge")
+
+
+async def test_a_refused_form_says_why_and_changes_nothing(browser, store):
+    page = await (await browser.get("/admin/queue")).text()
+    form = {**form_fields(page, "lost-1"), "outcome": "applied", "note": "x", "status": "abc"}
+    refused = await browser.post("/admin/queue/resolve", data=form)
+    assert refused.status == 400
+    assert "Not resolved: status must be an integer" in await refused.text()
+    stale = {**form_fields(page, "lost-1"), "outcome": "applied", "note": "x", "attempt": "old"}
+    conflict = await browser.post("/admin/queue/resolve", data=stale)
+    assert conflict.status == 409 and "another attempt holds the key" in await conflict.text()
+    assert (await store.key_record("payments", "lost-1")).state is KeyState.UNKNOWN
+
+
+async def test_without_a_session_the_form_cannot_be_posted(browser, store):
+    page = await (await browser.get("/admin/queue")).text()
+    form = {**form_fields(page, "lost-1"), "outcome": "not_applied", "note": "x"}
+    browser.session.cookie_jar.clear()
+    response = await browser.post("/admin/queue/resolve", data=form, allow_redirects=False)
+    assert response.status == 401  # no session: the sign-in page, nothing changed
+    assert (await store.key_record("payments", "lost-1")).state is KeyState.UNKNOWN
+
+
+async def test_key_job_and_audit_views(browser, store):
+    key = await browser.get("/admin/keys/payments/lost-1?format=html")
+    text = await key.text()
+    assert key.status == 200 and 'id="key-state">unknown<' in text
+    assert 'data-key="lost-1"' in text  # an unknown key's view carries its resolve form
+    assert 'href="/admin/jobs/job-1?format=html"' in text
+    job = await browser.get("/admin/jobs/job-1?format=html")
+    job_text = await job.text()
+    assert job.status == 200 and "Job <code>job-1</code>" in job_text
+    assert job_text.count('class="reason fence"') == 2
+    await store.record_audit(action="reload", note="destinations: payments")
+    audit = await (await browser.get("/admin/audit?format=html&since=1h")).text()
+    assert '<td><span class="action">reload</span></td>' in audit
+    assert "destinations: payments" in audit
+    missing = await browser.get("/admin/keys/payments/nope?format=html")
+    assert missing.status == 404
