@@ -28,7 +28,7 @@ from gateway.admin.views import (
 )
 from gateway.http.problem import invalid_request
 from gateway.store.admin_records import AuditEntry, AuditQuery, KeyQuery, Resolution, Summary
-from gateway.store.protocol import StoredRejection
+from gateway.store.records import StoredRejection
 from gateway.write.decision import KeyState
 from leases.model import IDENT
 
