@@ -40,8 +40,7 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.problem import problem_response, router_refusal
-from gateway.store.admin_records import AdminOpsStore
-from gateway.store.protocol import AdminStore
+from gateway.store.protocol import AdminOpsStore, AdminStore
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
 from leases.model import IDENT

@@ -31,7 +31,7 @@ from gateway.admin.views import (
 )
 from gateway.errors import Rejection
 from gateway.http.bodies import read_body
-from gateway.store.admin_records import AdminOpsStore
+from gateway.store.protocol import AdminOpsStore
 from gateway.store.records import StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 

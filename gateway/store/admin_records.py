@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.store.protocol import AdminStore
 from gateway.write.decision import KeyRecord, KeyState
 
 AUDIT_ACTIONS = ("resolve_applied", "resolve_not_applied", "reload")
@@ -167,6 +166,3 @@ class OperatorStore(Protocol):
         """Delete up to `batch` audit rows older than `before`; returns how many."""
         ...
 
-
-class AdminOpsStore(AdminStore, OperatorStore, Protocol):
-    """What the admin listener needs: the read-only admin verbs and the operator's."""

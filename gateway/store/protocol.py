@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gateway.store.admin_records import OperatorStore
 from gateway.store.records import (
     Clock,
     JobState,
@@ -85,7 +86,12 @@ class PurgeStore(Protocol):
         ...
 
 
-class Store(WriteStore, LeaseVerbs, AdminStore, PurgeStore, Protocol):
+class AdminOpsStore(AdminStore, OperatorStore, Protocol):
+    """What the admin listener needs: the read-only admin verbs and the operator's
+    (keys, resolve, audit, summary; see `admin_records`)."""
+
+
+class Store(WriteStore, LeaseVerbs, AdminStore, OperatorStore, PurgeStore, Protocol):
     """A whole store: every role, and closing it."""
 
     async def close(self) -> None: ...
