@@ -371,3 +371,35 @@ async def test_a_version_1_sqlite_database_is_migrated(tmp_path) -> None:
     plan = conn.execute("EXPLAIN QUERY PLAN " + sqlite_admin.SUMMARY_SQL, (0, 1, 0, 1)).fetchall()
     assert "COVERING INDEX rejections_window" in str(plan)
     conn.close()
+
+
+@pytest.mark.postgres
+async def test_a_version_1_postgres_database_is_migrated() -> None:
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.pg import fresh_database
+
+    async with fresh_database() as url:
+        await (await PostgresStore.open(url)).close()
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(
+                "DROP TABLE audit; DROP INDEX rejections_window;"
+                "UPDATE sinkgate_schema SET version = 1 WHERE component = 'gateway'"
+            )
+        finally:
+            await conn.close()
+        store = await PostgresStore.open(url)
+        try:
+            assert await store.record_audit(action="reload") >= 1
+        finally:
+            await store.close()
+        conn = await asyncpg.connect(url)
+        try:
+            version = await conn.fetchval(
+                "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+            )
+            index = await conn.fetchval("SELECT to_regclass('rejections_window')::text")
+        finally:
+            await conn.close()
+        assert (version, index) == (2, "rejections_window")
