@@ -88,7 +88,10 @@ from leases.postgres import (
 
 T = TypeVar("T")
 
-GATEWAY_SCHEMA_VERSION = 2  # v2: the audit log and the summary's index (postgres_admin)
+# v2: the audit log and the summary's index (postgres_admin).
+# v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
+# through `idempotency_in_flight`); the attempts table holds keyless writes only.
+GATEWAY_SCHEMA_VERSION = 3
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -114,8 +117,13 @@ CREATE TABLE IF NOT EXISTS idempotency (
     headers text,
     body bytea,
     body_omitted boolean NOT NULL DEFAULT false,
+    barrier_until double precision,
     PRIMARY KEY (destination, key)
 );
+-- v1 -> v2 (a v1 keyed attempt row left in attempts bars its job until its deadline)
+ALTER TABLE idempotency ADD COLUMN IF NOT EXISTS barrier_until double precision;
+CREATE INDEX IF NOT EXISTS idempotency_in_flight ON idempotency (job_id, generation)
+    WHERE state = 'in_flight';
 CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
 CREATE TABLE IF NOT EXISTS attempts (
     attempt text PRIMARY KEY,
@@ -172,8 +180,10 @@ _STATE_SQL = f"""
 WITH n AS MATERIALIZED (SELECT {_NOW.format("$5")} AS now)
 SELECT n.now, {_LEASE_ALIASES},
     (SELECT highest_generation FROM fences WHERE job_id = $1) AS mark,
-    (SELECT max(deadline) FROM attempts
-        WHERE job_id = $1 AND generation < $2 AND deadline > n.now) AS older,
+    GREATEST((SELECT max(barrier_until) FROM idempotency WHERE job_id = $1
+            AND state = 'in_flight' AND generation < $2 AND barrier_until > n.now),
+        (SELECT max(deadline) FROM attempts
+            WHERE job_id = $1 AND generation < $2 AND deadline > n.now)) AS older,
     k.*
 FROM n
 LEFT JOIN leases l ON l.job_id = $1
@@ -188,16 +198,18 @@ LEFT JOIN LATERAL (
 _FORWARD_SQL = """
 WITH reserve AS (
     INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts,
-        job_id, generation, owner, created_at, updated_at, deadline)
-    SELECT $1, $2, 'in_flight', $3, $4, 1, $5, $6, $7, $8, $8, $9 WHERE $2::text IS NOT NULL
+        job_id, generation, owner, created_at, updated_at, deadline, barrier_until)
+    SELECT $1, $2, 'in_flight', $3, $4, 1, $5, $6, $7, $8, $8, $9, $10
+    WHERE $2::text IS NOT NULL
     ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
         attempt = excluded.attempt, attempts = idempotency.attempts + 1,
         job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
-        updated_at = excluded.updated_at, deadline = excluded.deadline, completed_at = NULL,
+        updated_at = excluded.updated_at, deadline = excluded.deadline,
+        barrier_until = excluded.barrier_until, completed_at = NULL,
         status = NULL, headers = NULL, body = NULL, body_omitted = false
 ), attempt AS (
     INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
-    VALUES ($4, $5, $6, $1, $2, $8, $10)
+    SELECT $4, $5, $6, $1, NULL, $8, $10 WHERE $2::text IS NULL
 )
 INSERT INTO fences (job_id, highest_generation, updated_at) VALUES ($5, $6, $8)
 ON CONFLICT (job_id) DO UPDATE SET
@@ -230,19 +242,22 @@ _DURABLE = (
 # did. $1 destination, $2 key (NULL: keyless), $3 attempt; returns the number of
 # key rows touched (0 or 1).
 _OUTCOME_SQL = """
-WITH gone AS (DELETE FROM attempts WHERE attempt = $3),
+WITH gone AS (DELETE FROM attempts WHERE attempt = $3 AND $2::text IS NULL),
 touched AS ({}
     WHERE destination = $1 AND key = $2 AND attempt = $3 RETURNING 1)
 SELECT (SELECT count(*) FROM touched) FROM ({}) durable
 """
 _COMPLETED_SQL = _OUTCOME_SQL.format(
     "UPDATE idempotency SET state = 'completed', status = $4, headers = $5, body = $6, "
-    f"body_omitted = $7, completed_at = {_NOW.format('$8')}, updated_at = {_NOW.format('$8')}",
+    f"body_omitted = $7, completed_at = {_NOW.format('$8')}, updated_at = {_NOW.format('$8')}, "
+    "barrier_until = NULL",
     _DURABLE,
 )
 _RELEASED_SQL = _OUTCOME_SQL.format("DELETE FROM idempotency", _DURABLE)
 _UNKNOWN_SQL = _OUTCOME_SQL.format(
-    f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}", _DURABLE
+    f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}, "
+    "barrier_until = NULL",
+    _DURABLE,
 )
 
 
@@ -569,8 +584,11 @@ async def _job_state(conn: Conn, job_id: str, offset: float) -> JobState | None:
         offset,
     )
     in_flight = await conn.fetch(
-        "SELECT attempt, generation, destination, key, started_at, deadline FROM attempts "
-        "WHERE job_id = $1 AND deadline > $2 ORDER BY started_at",
+        "SELECT attempt, generation, destination, key, updated_at AS started_at, "
+        "barrier_until AS deadline FROM idempotency WHERE job_id = $1 "
+        "AND state = 'in_flight' AND barrier_until > $2 "
+        "UNION ALL SELECT attempt, generation, destination, key, started_at, deadline "
+        "FROM attempts WHERE job_id = $1 AND deadline > $2 ORDER BY started_at",
         job_id,
         head["now"],
     )

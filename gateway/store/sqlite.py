@@ -48,7 +48,10 @@ from leases.sqlite import (
     read_lease,
 )
 
-GATEWAY_SCHEMA_VERSION = 2  # v2: the audit log and the summary's index (sqlite_admin)
+# v2: the audit log and the summary's index (sqlite_admin).
+# v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
+# through `idempotency_in_flight`); the attempts table holds keyless writes only.
+GATEWAY_SCHEMA_VERSION = 3
 
 GATEWAY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -74,6 +77,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
     headers TEXT,
     body BLOB,
     body_omitted INTEGER NOT NULL DEFAULT 0,
+    barrier_until REAL,
     PRIMARY KEY (destination, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
@@ -184,17 +188,34 @@ def _nothing(conn: sqlite3.Connection) -> None:
     return None
 
 
+# After the v1 -> v2 migration: the column it indexes may be new.
+_IN_FLIGHT_INDEX = (
+    "CREATE INDEX IF NOT EXISTS idempotency_in_flight ON idempotency (job_id, generation) "
+    "WHERE state = 'in_flight'"
+)
+
+
 def _init_schema(conn: sqlite3.Connection) -> None:
     lease_sql.init_leases_schema(conn)
     conn.executescript("BEGIN IMMEDIATE;" + GATEWAY_SCHEMA + "COMMIT;")
     conn.execute("BEGIN IMMEDIATE")
     try:
         sqlite_admin.migrate(conn)
+        _migrate(conn)
+        conn.execute(_IN_FLIGHT_INDEX)
         ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """-> v3: add `barrier_until`. A keyed attempt row an older gateway left in the
+    attempts table keeps barring its job until its deadline (the barrier reads both)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(idempotency)")}
+    if "barrier_until" not in columns:
+        conn.execute("ALTER TABLE idempotency ADD COLUMN barrier_until REAL")
 
 
 # --- the write decision, in one transaction -------------------------------------------
@@ -212,12 +233,15 @@ def _decide_tx(
 
 
 # The whole stored state a decision reads, in one statement: the job's lease and
-# mark, the latest deadline of an older generation still on the wire, and the
-# key's record. ?1 job, ?2 generation, ?3 now, ?4 destination, ?5 key (NULL: none).
+# mark, the latest deadline of an older generation still on the wire (a keyed
+# write's in its key's row, a keyless one's in the attempts table), and the key's
+# record. ?1 job, ?2 generation, ?3 now, ?4 destination, ?5 key (NULL: none).
 _STATE_SQL = (
     "SELECT (SELECT highest_generation FROM fences WHERE job_id = ?1), "
-    "(SELECT max(deadline) FROM attempts WHERE job_id = ?1 AND generation < ?2 "
-    "AND deadline > ?3), "
+    "(SELECT max(d) FROM (SELECT max(barrier_until) AS d FROM idempotency "
+    "WHERE job_id = ?1 AND state = 'in_flight' AND generation < ?2 AND barrier_until > ?3 "
+    "UNION ALL SELECT max(deadline) FROM attempts WHERE job_id = ?1 AND generation < ?2 "
+    "AND deadline > ?3)), "
     "l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl, "
     + ", ".join(f"k.{c}" for c in KEY_COLUMNS)
     + " FROM (SELECT 1) LEFT JOIN leases AS l ON l.job_id = ?1 "
@@ -244,12 +268,13 @@ def _reserve(conn: sqlite3.Connection, r: Reservation) -> None:
     if r.key is not None:
         conn.execute(
             "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, "
-            "job_id, generation, owner, created_at, updated_at, deadline) "
-            "VALUES (?, ?, 'in_flight', ?, ?, 1, ?, ?, ?, ?, ?, ?) "
+            "job_id, generation, owner, created_at, updated_at, deadline, barrier_until) "
+            "VALUES (?, ?, 'in_flight', ?, ?, 1, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight', "
             "attempt = excluded.attempt, attempts = attempts + 1, job_id = excluded.job_id, "
             "generation = excluded.generation, owner = excluded.owner, "
             "updated_at = excluded.updated_at, deadline = excluded.deadline, "
+            "barrier_until = excluded.barrier_until, "
             "completed_at = NULL, status = NULL, headers = NULL, body = NULL, body_omitted = 0",
             (
                 r.destination,
@@ -262,13 +287,15 @@ def _reserve(conn: sqlite3.Connection, r: Reservation) -> None:
                 r.at,
                 r.at,
                 r.deadline,
+                r.barrier_until,
             ),
         )
-    conn.execute(
-        "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "
-        "deadline) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (r.attempt, r.job_id, r.generation, r.destination, r.key, r.at, r.barrier_until),
-    )
+    else:  # a keyless write has no row of its own to carry its barrier
+        conn.execute(
+            "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, "
+            "deadline) VALUES (?, ?, ?, ?, NULL, ?, ?)",
+            (r.attempt, r.job_id, r.generation, r.destination, r.at, r.barrier_until),
+        )
     if r.raise_mark:
         conn.execute(
             "INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (?, ?, ?) "
@@ -282,15 +309,15 @@ def _reserve(conn: sqlite3.Connection, r: Reservation) -> None:
 def _outcome_tx(
     conn: sqlite3.Connection, facts: WriteFacts, attempt: str, outcome: Outcome, now: float
 ) -> bool:
-    conn.execute("DELETE FROM attempts WHERE attempt = ?", (attempt,))
     if facts.key is None:
+        conn.execute("DELETE FROM attempts WHERE attempt = ?", (attempt,))
         return True
     where = " WHERE destination = ? AND key = ? AND attempt = ?"
     ident = (facts.destination, facts.key, attempt)
     if outcome.kind == "completed":
         cursor = conn.execute(
             "UPDATE idempotency SET state = 'completed', status = ?, headers = ?, body = ?, "
-            "body_omitted = ?, completed_at = ?, updated_at = ?" + where,
+            "body_omitted = ?, completed_at = ?, updated_at = ?, barrier_until = NULL" + where,
             (
                 outcome.status,
                 json.dumps(outcome.headers),
@@ -305,7 +332,9 @@ def _outcome_tx(
         cursor = conn.execute("DELETE FROM idempotency" + where, ident)
     elif outcome.kind == "unknown":
         cursor = conn.execute(
-            "UPDATE idempotency SET state = 'unknown', updated_at = ?" + where, (now, *ident)
+            "UPDATE idempotency SET state = 'unknown', updated_at = ?, barrier_until = NULL"
+            + where,
+            (now, *ident),
         )
     else:  # pragma: no cover - programming error
         raise AssertionError(outcome.kind)
@@ -366,8 +395,10 @@ def _job_state(conn: sqlite3.Connection, job_id: str, now: float) -> JobState | 
         "SELECT highest_generation FROM fences WHERE job_id = ?", (job_id,)
     ).fetchone()
     in_flight = conn.execute(
-        "SELECT attempt, generation, destination, key, started_at, deadline FROM attempts "
-        "WHERE job_id = ? AND deadline > ? ORDER BY started_at",
+        "SELECT attempt, generation, destination, key, updated_at, barrier_until "
+        "FROM idempotency WHERE job_id = ?1 AND state = 'in_flight' AND barrier_until > ?2 "
+        "UNION ALL SELECT attempt, generation, destination, key, started_at, deadline "
+        "FROM attempts WHERE job_id = ?1 AND deadline > ?2 ORDER BY 5",
         (job_id, now),
     ).fetchall()
     recent = _list_rejections(conn, RejectionQuery(job_id=job_id, limit=20))

@@ -25,7 +25,7 @@ from gateway.store.admin_records import (
 from gateway.store.janitor import purge_once
 from gateway.store.postgres import PostgresStore
 from gateway.store.records import Outcome, RejectionRecord
-from gateway.store.sqlite import SQLiteStore
+from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
 from tests.conformance import test_store_conformance as base
@@ -367,7 +367,7 @@ async def test_a_version_1_sqlite_database_is_migrated(tmp_path) -> None:
         await store.close()
     conn = sqlite3.connect(path)
     version = conn.execute("SELECT version FROM sinkgate_schema WHERE component = 'gateway'")
-    assert version.fetchone() == (2,)
+    assert version.fetchone() == (GATEWAY_SCHEMA_VERSION,)
     plan = conn.execute("EXPLAIN QUERY PLAN " + sqlite_admin.SUMMARY_SQL, (0, 1, 0, 1)).fetchall()
     assert "COVERING INDEX rejections_window" in str(plan)
     conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
@@ -202,14 +203,18 @@ async def test_run_janitor_refuses_nonsense_settings(store, kwargs):
 
 
 async def test_attempt_rows_of_dead_gateways_are_cleared_but_live_ones_kept(store, fake_clock):
-    await in_flight(store, "dead")  # never records an outcome
+    """Only keyless writes have attempt rows (a keyed write's barrier is in its
+    key's row, which stays and reads `unknown`)."""
+    keyless = [replace(facts(name), key=None, job_id=f"job-{name}") for name in ("dead", "live")]
+    await store.decide_write(keyless[0], CONTEXT)  # never records an outcome
+    await in_flight(store, "dead-keyed")
     fake_clock.advance(2 * DAY)
-    await in_flight(store, "live")
+    await store.decide_write(keyless[1], CONTEXT)
 
-    def attempt_keys(conn):
-        return sorted(row[0] for row in conn.execute("SELECT key FROM attempts"))
+    def attempt_jobs(conn):
+        return sorted(row[0] for row in conn.execute("SELECT job_id FROM attempts"))
 
-    assert await store._executor.read(attempt_keys) == ["dead", "live"]
+    assert await store._executor.read(attempt_jobs) == ["job-dead", "job-live"]
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
-    assert await store._executor.read(attempt_keys) == ["live"]
-    assert await store.key_record("payments", "dead") is not None  # its key stays (unknown)
+    assert await store._executor.read(attempt_jobs) == ["job-live"]
+    assert await store.key_record("payments", "dead-keyed") is not None  # stays (unknown)

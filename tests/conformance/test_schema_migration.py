@@ -1,0 +1,93 @@
+"""A gateway schema from before v3 upgraded on both backends: the key's row gains `barrier_until`,
+and an attempt a v1 gateway left in flight still bars newer generations."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
+from gateway.write.decision import Forward, Reject
+from tests.conformance.test_store_conformance import CONTEXT, write
+from tests.pg import fresh_database
+
+# What a v1 gateway stored for a keyed write still on the wire: the key in flight
+# and its attempt row (v1 had no `barrier_until`).
+_V1_KEY = (
+    "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, "
+    "job_id, generation, owner, created_at, updated_at, deadline) "
+    "VALUES ('pay', 'old', 'in_flight', 'fp-old', 'a1', 1, 'job-1', 1, NULL, {now}, {now}, "
+    "{far})"
+)
+_V1_ATTEMPT = (
+    "INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline) "
+    "VALUES ('a1', 'job-1', 1, 'pay', 'old', {now}, {far})"
+)
+_TO_V1 = (
+    "DROP INDEX idempotency_in_flight",
+    "ALTER TABLE idempotency DROP COLUMN barrier_until",
+    "UPDATE sinkgate_schema SET version = 1 WHERE component = 'gateway'",
+)
+
+
+async def _check_after_upgrade(store: SQLiteStore | PostgresStore) -> None:
+    newer = await store.decide_write(write(generation=2, key="new"), CONTEXT)
+    assert isinstance(newer.decision, Reject)
+    assert newer.decision.reason == "older_generation_in_flight"
+    # and a write after the upgrade carries its barrier in its key's row
+    other = await store.decide_write(write(job_id="job-2", key="k2"), CONTEXT)
+    assert isinstance(other.decision, Forward)
+    later = await store.decide_write(write(job_id="job-2", generation=2, key="k3"), CONTEXT)
+    assert isinstance(later.decision, Reject)
+    assert later.decision.reason == "older_generation_in_flight"
+
+
+async def test_sqlite_v1_database_is_upgraded(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    await (await SQLiteStore.open(url)).close()
+    conn = sqlite3.connect(tmp_path / "g.db")
+    now, far = time.time(), time.time() + 3600
+    for statement in (*_TO_V1, _V1_KEY, _V1_ATTEMPT):
+        conn.execute(statement.format(now=now, far=far))
+    conn.commit()
+    conn.close()
+    store = await SQLiteStore.open(url)
+    try:
+        await _check_after_upgrade(store)
+    finally:
+        await store.close()
+    conn = sqlite3.connect(tmp_path / "g.db")
+    version = conn.execute("SELECT version FROM sinkgate_schema WHERE component = 'gateway'")
+    assert version.fetchone() == (GATEWAY_SCHEMA_VERSION,)
+    conn.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_v1_database_is_upgraded() -> None:
+    async with fresh_database() as url:
+        await (await PostgresStore.open(url)).close()
+        conn = await asyncpg.connect(url)
+        try:
+            now, far = time.time(), time.time() + 3600
+            for statement in (*_TO_V1, _V1_KEY, _V1_ATTEMPT):
+                await conn.execute(statement.format(now=now, far=far))
+        finally:
+            await conn.close()
+        store = await PostgresStore.open(url)
+        try:
+            await _check_after_upgrade(store)
+        finally:
+            await store.close()
+        conn = await asyncpg.connect(url)
+        try:
+            version = await conn.fetchval(
+                "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+            )
+        finally:
+            await conn.close()
+        assert version == GATEWAY_SCHEMA_VERSION
