@@ -851,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in [t for t in targets if t in GATEWAY_TARGETS]:
                 results.append(soak_target(by_name[name], args, scenarios[0][1]))
         if args.profile:
-            for name in [t for t in targets if t in GATEWAY_TARGETS]:
+            # the plain proxy too: its profile is the floor each part is compared with
+            for name in [t for t in targets if t in GATEWAY_TARGETS or t == "plain"]:
                 profile_target(by_name[name], args, scenarios[0][1], REPO / "bench" / "results")
         out = Path(args.json) if args.json else None
         if out is None:

@@ -1,0 +1,138 @@
+"""Where a write's CPU goes, by part: py-spy raw stacks bucketed into the parts of
+the write path (HTTP server, write route, decision, store, upstream client, log
+line, metrics), for the gateway and the plain proxy alike.
+
+    python3 -m bench.parts bench/results/plain-c32.txt bench/results/sqlite-c32.txt
+
+Each sample goes to the part of the innermost frame that names one (a socket
+write under the upstream client is the client's; under the server, the
+server's). Without `--native` py-spy cannot see into C: time inside a C call is
+the calling Python frame's, so `_write_batch`'s own time is its BEGIN/COMMIT
+(the fsync), a store function's own time its statements, and the event loop's
+own time (`Runner.run`, uvloop's C code: sockets, callbacks) a part of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PARTS = (
+    "HTTP server (aiohttp web, writer)",
+    "event loop C side (uvloop: sockets, callbacks)",
+    "write-route handling (checks, facts, fingerprint, answer)",
+    "decision + plan",
+    "store, SQL statements (C)",
+    "store, BEGIN/COMMIT + fsync (C)",
+    "store, Python side (batching, rows)",
+    "store hand-off (threads, futures)",
+    "upstream client (aiohttp client)",
+    "log line",
+    "metrics",
+    "other",
+)
+
+# (substring of a frame, part), tried on each frame from the innermost outwards.
+_RULES: tuple[tuple[str, str], ...] = (
+    ("structlog", "log line"),
+    ("telemetry/logs.py", "log line"),
+    ("prometheus_client", "metrics"),
+    ("telemetry/metrics.py", "metrics"),
+    ("write/decision.py", "decision + plan"),
+    ("store/plan.py", "decision + plan"),
+    ("_write_batch (leases/sqlite.py)", "store, BEGIN/COMMIT + fsync (C)"),
+    ("(store/sqlite.py)", "store, SQL statements (C)"),
+    ("store/records.py", "store, Python side (batching, rows)"),
+    ("aiosqlite", "store hand-off (threads, futures)"),
+    ("in_thread (leases/sqlite.py)", "store hand-off (threads, futures)"),
+    ("_flush_loop (leases/sqlite.py)", "store hand-off (threads, futures)"),
+    ("SQLiteExecutor", "store hand-off (threads, futures)"),
+    ("sqlite_thread", "store hand-off (threads, futures)"),
+    ("threading.py", "store hand-off (threads, futures)"),
+    ("queue.py", "store hand-off (threads, futures)"),
+    ("aiohttp/client", "upstream client (aiohttp client)"),
+    ("aiohttp/connector", "upstream client (aiohttp client)"),
+    ("Upstreams", "upstream client (aiohttp client)"),
+    ("write/upstream.py", "upstream client (aiohttp client)"),
+    ("write/", "write-route handling (checks, facts, fingerprint, answer)"),
+    ("http/bodies.py", "write-route handling (checks, facts, fingerprint, answer)"),
+    ("http/problem.py", "write-route handling (checks, facts, fingerprint, answer)"),
+    ("dispatch_writes", "write-route handling (checks, facts, fingerprint, answer)"),
+    ("handler (bench/plain_proxy.py)", "write-route handling (checks, facts, fingerprint, answer)"),
+)
+# Tried only when no frame matched a rule above: aiohttp's writer under the
+# upstream client is the client's.
+_GENERIC: tuple[tuple[str, str], ...] = (
+    ("aiohttp/", "HTTP server (aiohttp web, writer)"),
+    ("multidict", "HTTP server (aiohttp web, writer)"),
+    ("yarl", "HTTP server (aiohttp web, writer)"),
+    ("Runner.run", "event loop C side (uvloop: sockets, callbacks)"),
+    ("asyncio/", "event loop C side (uvloop: sockets, callbacks)"),
+)
+
+
+def _frame_key(frame: str) -> str:
+    """`func (/x/y/pkg/file.py:123)` -> `func (pkg/file.py)`."""
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({'/'.join(where.split('/')[-2:])})" if where else name
+
+
+def part_of(frames: list[str]) -> str:
+    """The part a sample's stack (outermost frame first) belongs to."""
+    keys = [_frame_key(f) for f in reversed(frames)]
+    for rules in (_RULES, _GENERIC):
+        for key in keys:
+            for needle, part in rules:
+                if needle in key:
+                    return part
+    return "other"
+
+
+def breakdown(raw: Path) -> tuple[dict[str, float], int]:
+    """Share of samples per part in a py-spy `-f raw` file, and the sample count."""
+    counts: dict[str, int] = dict.fromkeys(PARTS, 0)
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        frames = stack.split(";")[1:]  # the first entry names the thread
+        counts[part_of(frames)] += int(count_text)
+        total += int(count_text)
+    return {p: c / total if total else 0.0 for p, c in counts.items()}, total
+
+
+def table(raws: list[Path], cpu_ms: list[float] | None = None) -> str:
+    """A markdown table: one column per profile, share (and ms/write when the
+    CPU per write of that profile's run is given)."""
+    shares = [breakdown(r)[0] for r in raws]
+    head = "| part | " + " | ".join(r.stem for r in raws) + " |"
+    lines = [head, "|---|" + "---:|" * len(raws)]
+    for part in PARTS:
+        if all(s[part] == 0 for s in shares):
+            continue
+        cells = []
+        for i, s in enumerate(shares):
+            cell = f"{100 * s[part]:.1f} %"
+            if cpu_ms:
+                cell += f" ({s[part] * cpu_ms[i]:.3f} ms)"
+            cells.append(cell)
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`raw files... [--cpu ms,ms,...]`: print the by-part table."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    cpu = None
+    if "--cpu" in args:
+        i = args.index("--cpu")
+        cpu = [float(x) for x in args[i + 1].split(",")]
+        del args[i : i + 2]
+    print(table([Path(a) for a in args], cpu))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
