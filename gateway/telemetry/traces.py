@@ -249,7 +249,9 @@ class _TracedUpstreams:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._upstreams, name)
 
-    async def send(self, destination: Any, method: str, url: Any, headers: Any, body: bytes) -> Any:
+    async def send(
+        self, destination: Any, method: str, url: Any, headers: Any, body: bytes, buffer_limit: int
+    ) -> Any:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -260,7 +262,9 @@ class _TracedUpstreams:
             if span.is_recording():
                 span.set_attributes(_client_attributes(destination.name, method, url))
             try:
-                answer = await self._upstreams.send(destination, method, url, headers, body)
+                answer = await self._upstreams.send(
+                    destination, method, url, headers, body, buffer_limit
+                )
             except Exception as exc:
                 failure = getattr(exc, "failure", None)
                 error = str(failure) if failure is not None else type(exc).__qualname__

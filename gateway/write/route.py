@@ -26,6 +26,8 @@ from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
+from gateway.write.relay import close_stream as _close_stream
+from gateway.write.relay import relay
 from gateway.write.request import Target, field_value, path_escapes, raw_write_path, write_facts
 from gateway.write.upstream import (
     ForwardFailed,
@@ -183,7 +185,15 @@ class WriteGateway:
             )
             self.forwards.add(task)
             task.add_done_callback(self.forwards.discard)
-            return await asyncio.shield(task)
+            try:
+                answer = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                task.add_done_callback(_close_stream)  # nobody will relay it
+                raise
+            if isinstance(answer, UpstreamAnswer):
+                # The outcome is recorded: the rest of the body is only relayed.
+                return await relay(request, answer, fields)
+            return answer
         finally:
             self._release(destination)
 
@@ -212,14 +222,18 @@ class WriteGateway:
         attempt: str,
         body: bytes,
         fields: dict[str, Any],
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | UpstreamAnswer:
+        """Forward and record the outcome; an answer too long to buffer comes back
+        as the `UpstreamAnswer` still to be relayed."""
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
         sent = time.perf_counter()
         answer: UpstreamAnswer | None = None
         rejection: Rejection | None = None
         try:
-            answer = await self.upstreams.send(destination, facts.method, url, headers, body)
+            answer = await self.upstreams.send(
+                destination, facts.method, url, headers, body, destination.max_replay_body
+            )
             outcome = _completed_outcome(destination, answer)
         except ForwardFailed as failure:
             outcome = Outcome("unknown" if failure.failure.maybe_sent else "released")
@@ -235,6 +249,8 @@ class WriteGateway:
             return problem_response(rejection)
         assert answer is not None
         fields["upstream_status"] = answer.status
+        if answer.rest is not None:
+            return answer
         return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
     async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> None:
@@ -316,7 +332,7 @@ def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -
         return Outcome("released")
     wanted = {name.lower() for name in destination.replay_headers}
     headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
-    omitted = len(answer.body) > destination.max_replay_body
+    omitted = answer.rest is not None or len(answer.body) > destination.max_replay_body
     return Outcome(
         "completed",
         status=answer.status,

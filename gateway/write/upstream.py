@@ -43,9 +43,14 @@ class ForwardFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class UpstreamAnswer:
+    """The upstream's answer: the whole body, or, when `rest` is set, its first
+    bytes (more than the buffer limit) with `rest` still to be relayed."""
+
     status: int
     headers: CIMultiDict[str]
     body: bytes
+    rest: aiohttp.ClientResponse | None = None
+    content_length: int | None = None
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
@@ -108,14 +113,31 @@ class Upstreams:
         url: URL,
         headers: CIMultiDict[str],
         body: bytes,
+        buffer_limit: int,
     ) -> UpstreamAnswer:
+        """Send and read the answer: at most `buffer_limit` + 1 bytes of its body are
+        read here; an answer longer than that comes back with `rest` set, for the
+        caller to relay and then close."""
         session = self._sessions[destination.name]
         try:
-            async with session.request(
+            response = await session.request(
                 method, url, headers=headers, data=body, allow_redirects=False
-            ) as response:
-                payload = await response.read()
-                return UpstreamAnswer(response.status, relay_headers(response.headers), payload)
+            )
+            try:
+                payload = await _read_up_to(response, buffer_limit + 1)
+            except BaseException:
+                response.close()
+                raise
+            answer = UpstreamAnswer(
+                response.status,
+                relay_headers(response.headers),
+                payload,
+                rest=response if len(payload) > buffer_limit else None,
+                content_length=response.content_length,
+            )
+            if answer.rest is None:
+                response.release()
+            return answer
         except aiohttp.ConnectionTimeoutError as exc:
             raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout: {exc}") from exc
         except aiohttp.ClientConnectorError as exc:
@@ -127,4 +149,21 @@ class Upstreams:
             raise ForwardFailed(SendFailure.DISCONNECTED, f"connection lost: {exc!r}") from exc
 
     async def close(self) -> None:
+        """Close every destination's connection pool."""
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
+
+
+async def _read_up_to(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body's first `limit` bytes, or all of it when shorter."""
+    content = response.content
+    if response.content_length is not None and response.content_length < limit:
+        return await response.read()  # short and announced: one read
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await content.read(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
