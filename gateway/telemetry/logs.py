@@ -21,6 +21,8 @@ import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import Processor
 
+from gateway.telemetry.linebuffer import TurnBufferedLoggerFactory
+
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -53,7 +55,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
             structlog_renderer = renderer
             logger_factory = structlog.WriteLoggerFactory(file=sys.stderr)
         else:
-            logger_factory = structlog.BytesLoggerFactory(file=binary)
+            logger_factory = TurnBufferedLoggerFactory(binary)
     else:
         # Plain tracebacks: rich ones would print frame locals, which may hold secrets.
         renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
