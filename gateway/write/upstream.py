@@ -59,25 +59,39 @@ def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
     return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
 
 
+# Built once: per write only a `Connection` header's own tokens are added.
+_DROP_FORWARDING_FENCING = frozenset(_NOT_FORWARDED)
+_DROP_NOT_FORWARDING_FENCING = frozenset(_NOT_FORWARDED | _FENCING_LOWER)
+_DROP_RELAYED = frozenset(_NOT_RELAYED)
+
+
 def forward_headers(
     incoming: CIMultiDictProxy[str], destination: DestinationConfig
 ) -> CIMultiDict[str]:
     """End-to-end headers of the worker's request, cleaned and completed."""
-    drop = _NOT_FORWARDED | _connection_tokens(incoming)
-    if not destination.forward_fencing_headers:
-        drop = drop | _FENCING_LOWER
-    out: CIMultiDict[str] = CIMultiDict(
-        (name, value)
-        for name, value in incoming.items()
-        if name.lower() not in drop and (value or name.lower() not in _FENCING_LOWER)
-    )  # an empty fencing header counts as missing (SPEC 2): not passed on either
+    drop = (
+        _DROP_FORWARDING_FENCING
+        if destination.forward_fencing_headers
+        else _DROP_NOT_FORWARDING_FENCING
+    )
+    if "Connection" in incoming:
+        drop = drop | _connection_tokens(incoming)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        # an empty fencing header counts as missing (SPEC 2): not passed on either
+        if lower not in drop and (value or lower not in _FENCING_LOWER):
+            out.add(name, value)
     for name, value in destination.upstream_headers:
         out[name] = value  # replaces any the worker sent under the same name
     return out
 
 
 def relay_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    drop = _NOT_RELAYED | _connection_tokens(upstream)
+    """The upstream's end-to-end answer headers."""
+    drop = _DROP_RELAYED
+    if "Connection" in upstream:
+        drop = drop | _connection_tokens(upstream)
     return CIMultiDict((n, v) for n, v in upstream.items() if n.lower() not in drop)
 
 
