@@ -69,7 +69,7 @@ _AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
 
 
 async def migrate(conn: Conn) -> None:
-    """The audit log and the summary index (schema v2), under the caller's schema lock (idempotent)."""
+    """The audit log and the summary index (schema v2); idempotent, under the schema lock."""
     await conn.execute(ADMIN_DDL)
 
 

@@ -76,7 +76,7 @@ _AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """The audit log and the summary index (schema v2), inside the caller's transaction (idempotent)."""
+    """The audit log and the summary index (schema v2); idempotent, in the caller's transaction."""
     for statement in ADMIN_SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)

@@ -402,4 +402,4 @@ async def test_a_version_1_postgres_database_is_migrated() -> None:
             index = await conn.fetchval("SELECT to_regclass('rejections_window')::text")
         finally:
             await conn.close()
-        assert (version, index) == (2, "rejections_window")
+        assert (version, index) == (GATEWAY_SCHEMA_VERSION, "rejections_window")
