@@ -1,0 +1,98 @@
+"""Celery tasks that run under a lease and write through the gateway.
+
+    app = Celery("shop", broker="redis://127.0.0.1:6379/0")
+    gate = TaskGate("http://127.0.0.1:8480", ttl=10)
+
+    @fenced_task(app, gate, job_id=lambda order_id, amount: f"order-{order_id}")
+    def charge(run, order_id, amount):
+        run.writer.post("payments", "/charges", json={"amount": amount}, step="charge")
+
+The task body gets a `SyncRun` (or a `TaskRun` when it is `async def`, run on the
+private loop of `leases.integrations.sync`). What ends a run becomes Celery's idiom:
+the job already completed returns `{"sinkgate": "job_completed", ...}` (done,
+nothing redone); a lease held by another live run retries after it would expire;
+a newer generation elsewhere raises `Ignore` (this run stops, the newer one
+answers for the job); a lease that ran out with nobody else on it retries.
+Needs `pip install 'sinkgate[celery]'`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from celery import Celery, Task
+from celery.exceptions import Ignore
+
+from ..errors import LeaseError
+from ..writer import StaleWrite
+from .gate import TaskGate, Verdict, job_id_from
+from .sync import _THREAD, run_sync
+
+__all__ = ["fenced_task", "task_job_id"]
+
+log = structlog.get_logger("leases.integrations.celery")
+
+
+def task_job_id(task: Task) -> str:
+    """The default job id of a task run: `celery:<task name>:<task id>`. A redelivered
+    message and a `retry()` keep the task id, so every run of one message agrees."""
+    task_id = task.request.id
+    if task_id is None:
+        raise ValueError(f"{task.name} was called directly: give fenced_task a job_id")
+    return job_id_from("celery", task.name, task_id)
+
+
+def fenced_task(
+    app: Celery,
+    gate: TaskGate,
+    *,
+    job_id: Callable[..., object] | None = None,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], Task]:
+    """Register `fn(run, *args, **kwargs)` as a Celery task run under a lease.
+
+    `job_id(*args, **kwargs)` names the job from the task's arguments (default:
+    `task_job_id`, per message). `options` go to `app.task`; `acks_late` defaults
+    to True, so a worker that dies mid-run leaves the message to be redelivered and
+    the lease decides which run may write.
+    """
+    options.setdefault("acks_late", True)
+
+    def decorate(fn: Callable[..., Any]) -> Task:
+        @functools.wraps(fn)
+        def task(self: Task, *args: Any, **kwargs: Any) -> Any:
+            jid = job_id_from(job_id(*args, **kwargs)) if job_id else task_job_id(self)
+            try:
+                return run_sync(gate, jid, fn, *args, **kwargs)
+            except (LeaseError, StaleWrite) as exc:
+                found = _THREAD.call(gate.verdict(exc, jid))
+                if found is None:
+                    raise
+                return _apply(self, found, jid, exc)
+
+        del task.__wrapped__  # Celery checks calls against the task's own signature
+        return app.task(bind=True, **options)(task)  # type: ignore[no-any-return]
+
+    return decorate
+
+
+def _apply(task: Task, found: Verdict, job_id: str, exc: Exception) -> Any:
+    log.info(
+        "task_run_ended",
+        task=task.name,
+        task_id=task.request.id,
+        job_id=job_id,
+        action=found.action,
+        reason=found.reason,
+    )
+    if found.action == "done":
+        return {"sinkgate": found.reason, "job_id": job_id}
+    if found.action == "stop":
+        raise Ignore()
+    # A held lease has a live holder: wait for it as long as it takes (it ends in
+    # done or stop); anything else counts against the task's own max_retries.
+    limit = {"max_retries": None} if found.reason == "lease_held" else {}
+    raise task.retry(exc=exc, countdown=found.delay, **limit)

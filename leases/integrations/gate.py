@@ -1,0 +1,203 @@
+"""One task run under a lease, for any job queue: claim, renew, write fenced, finish.
+
+    gate = TaskGate("http://gateway:8480", ttl=30)
+    async with gate.run("order-1001") as run:        # claims, renews with hold()
+        await run.writer.post("payments", "/charges", json=charge, step="charge")
+    # left normally: the job is completed; by an exception: released
+
+The queue adapters (`leases.integrations.celery`, `leases.integrations.arq`) wrap
+this and turn what ended a run into the queue's own idiom with `verdict()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+from yarl import URL
+
+from ..errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from ..hold import HeldLease, hold
+from ..model import IDENT, default_owner
+from ..store import LeaseStore, open_store
+from ..writer import FencedWriter, StaleWrite, derive_key
+
+__all__ = ["TaskGate", "TaskRun", "Verdict", "job_id_from", "verdict"]
+
+Action = Literal["done", "retry", "stop"]
+
+# A newer generation exists: another run owns the job and answers for it.
+_SUPERSEDED = frozenset({"stale_generation", "unknown_generation", "owner_mismatch"})
+
+
+def job_id_from(*parts: object) -> str:
+    """A job id from `parts` joined by ":": kept as it is when it is a valid job id
+    (1-256 visible ASCII), else a readable prefix and a hash, equally stable."""
+    text = ":".join(str(part) for part in parts)
+    if IDENT.fullmatch(text):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    readable = "".join(ch if "\x21" <= ch <= "\x7e" else "_" for ch in text[:200])
+    return f"{readable}:{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRun:
+    """What a task body gets: its job id, the held lease and a writer fenced by it."""
+
+    job_id: str
+    lease: HeldLease
+    writer: FencedWriter
+
+    @property
+    def generation(self) -> int:
+        return self.lease.generation
+
+    def key(self, step: str) -> str:
+        """The idempotency key of `step` of this job: the same in every run of it."""
+        return derive_key(self.job_id, step)
+
+    def check(self) -> None:
+        """Raise `LeaseLost` if the lease is lost: call it in long loops between writes."""
+        self.lease.hold.check()
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the queue should do with a run that ended in `error`: "done" (skip, the
+    job is complete), "retry" (after `delay` seconds) or "stop" (another run owns it)."""
+
+    action: Action
+    reason: str
+    delay: float = 0.0
+
+
+@dataclass
+class _Clients:
+    store: LeaseStore
+    session: aiohttp.ClientSession
+
+
+@dataclass
+class TaskGate:
+    """Where a queue's task runs take their leases and send their writes.
+
+    `gateway` is the gateway's main listener (writes go to its `/to/...`); `store`
+    the lease store URL, by default the same gateway's lease API. `ttl` is the lease
+    length (renewed every third of it); `token` the destination's worker token,
+    `lease_token` the lease API's. `retry_delay` is how long to wait before a retry
+    when nobody can say who holds the job (store unreachable, lease expired).
+    Stores and HTTP sessions are opened once per event loop and reused.
+    """
+
+    gateway: str
+    store: str | None = None
+    ttl: float = 30.0
+    owner: str | None = None
+    token: str | None = None
+    lease_token: str | None = None
+    retry_delay: float = 1.0
+    _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[_Clients]] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        url = URL(self.gateway) if isinstance(self.gateway, str) else None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"gateway must be http(s)://host[:port], not {self.gateway!r}")
+        if not (isinstance(self.ttl, int | float) and math.isfinite(self.ttl) and self.ttl > 0):
+            raise ValueError("ttl must be a positive number of seconds")
+
+    @asynccontextmanager
+    async def run(self, job_id: str) -> AsyncIterator[TaskRun]:
+        """Hold the lease of `job_id` while the body runs (see `leases.hold`).
+
+        Raises `LeaseHeld` / `JobCompleted` from the claim, `LeaseLost` when the
+        lease goes; a normal exit completes the job, an exception releases it.
+        """
+        clients = await self._open()
+        owner = self.owner or default_owner()
+        async with hold(clients.store, job_id, owner=owner, ttl=self.ttl) as lease:
+            writer = FencedWriter(self.gateway, lease, session=clients.session, token=self.token)
+            yield TaskRun(job_id, lease, writer)
+
+    async def verdict(self, error: BaseException, job_id: str) -> Verdict | None:
+        """`verdict(error)`, asking the store who holds `job_id` when the error alone
+        cannot tell (a lease that expired locally may or may not have been taken)."""
+        found = verdict(error, self.retry_delay)
+        if isinstance(error, LeaseHeld) and found is not None:
+            # The holder renews every third of the ttl: look again at about that
+            # pace rather than only at its expiry, so a short holder is not waited out.
+            pace = max(self.retry_delay, self.ttl / 3)
+            return Verdict("retry", found.reason, min(found.delay, pace))
+        if found is None or found.action != "retry":
+            return found
+        try:
+            current = await (await self._open()).store.get(job_id)
+        except (StoreUnavailable, ValueError):
+            return found
+        mine = getattr(error, "generation", None)
+        if current is not None and current.state == "done":
+            return Verdict("done", "job_completed")
+        if current is not None and isinstance(mine, int) and current.generation > mine:
+            return Verdict("stop", "stale_generation")
+        return found
+
+    async def close(self) -> None:
+        """Close the store and session this event loop opened."""
+        task = self._clients.pop(asyncio.get_running_loop(), None)
+        if task is None:
+            return
+        clients = await task
+        await clients.store.close()
+        await clients.session.close()
+
+    async def on_shutdown(self, ctx: object = None) -> None:
+        """`close()` with the signature of a worker's shutdown hook (arq's `on_shutdown`)."""
+        await self.close()
+
+    async def _open(self) -> _Clients:
+        loop = asyncio.get_running_loop()
+        task = self._clients.get(loop)
+        if task is None or (task.done() and task.exception() is not None):
+            task = loop.create_task(self._connect())
+            self._clients[loop] = task
+        return await asyncio.shield(task)
+
+    async def _connect(self) -> _Clients:
+        session = aiohttp.ClientSession()
+        url = self.store or self.gateway
+        try:
+            if url.split(":", 1)[0].lower() in ("http", "https"):
+                store = await open_store(url, session=session, token=self.lease_token)
+            else:
+                store = await open_store(url)
+        except BaseException:
+            await session.close()
+            raise
+        return _Clients(store, session)
+
+
+def verdict(error: BaseException, retry_delay: float = 1.0) -> Verdict | None:
+    """How a queue should treat a run that ended in `error`; None: not ours, let the
+    queue's own error handling have it."""
+    if isinstance(error, JobCompleted):
+        return Verdict("done", "job_completed")
+    if isinstance(error, LeaseHeld):
+        return Verdict("retry", "lease_held", max(error.expires_in, 0.05))
+    if isinstance(error, LeaseLost | StaleWrite):
+        if error.reason == "job_completed":
+            return Verdict("done", "job_completed")
+        if error.reason in _SUPERSEDED:
+            return Verdict("stop", error.reason)
+        return Verdict("retry", error.reason, retry_delay)
+    if isinstance(error, StoreUnavailable):
+        return Verdict("retry", "store_unavailable", retry_delay)
+    return None
