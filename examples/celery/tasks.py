@@ -1,0 +1,37 @@
+"""The Celery example: an order is charged and its receipt booked, under a lease.
+
+    celery -A examples.celery.tasks worker --loglevel INFO      # the worker
+    python3 -m examples.celery.producer 1001 1999               # send one order
+
+A redelivered message (a worker that outlived `visibility_timeout`, or died)
+runs the task again; the lease lets one run write at a time, and the step keys
+make the second run's writes replays of the first's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from leases.integrations import SyncRun, TaskGate
+from leases.integrations.celery import fenced_task
+
+BROKER = os.environ.get("EXAMPLE_BROKER", "redis://127.0.0.1:6379/0")
+GATEWAY = os.environ.get("EXAMPLE_GATEWAY", "http://127.0.0.1:8480")
+
+app = Celery("shop", broker=BROKER, backend=BROKER)  # results: the producer prints them
+app.conf.broker_transport_options = {"visibility_timeout": 60}  # redelivery after 60 s
+gate = TaskGate(GATEWAY, ttl=10)
+
+
+@fenced_task(app, gate, job_id=lambda order_id, amount: f"order-{order_id}")
+def ship_order(run: SyncRun, order_id: int, amount: int) -> dict[str, object]:
+    """Charge the order, then book its receipt: two effects, each at most once."""
+    charge = run.writer.post(
+        "ledger", "/entries", json={"order": order_id, "charge": amount}, step="charge"
+    )
+    receipt = run.writer.post(
+        "ledger", "/entries", json={"order": order_id, "receipt": True}, step="receipt"
+    )
+    return {"charge": charge.status, "receipt": receipt.status, "replayed": charge.replayed}
