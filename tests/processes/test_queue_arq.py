@@ -1,0 +1,74 @@
+"""arq on real Redis: a job run again while its first worker is paused.
+
+Two workers serve the queue. The one that takes the job first stops (SIGSTOP)
+after its first write, right past the point where a writer checks its lease;
+its in-progress mark expires, so arq takes it for dead and the other worker runs
+the job again. Then the paused one goes on (SIGCONT) and sends its late write.
+
+With the integration the ledger (the destination's own record) holds each effect
+once: the second debit is a replay, and the late credit is refused by the
+gateway (`stale_generation` in the rejection log). Without it, both runs' effects land.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from leases.writer import derive_key
+
+from .queue_stack import Stack, poll, queue_stack, stopped
+
+pytestmark = pytest.mark.slow
+
+WORKER = ("-m", "tests.processes.queue_apps.arq_app")
+
+
+def run_again_while_paused(stack: Stack, mode: str) -> int:
+    """Run the scenario up to the second run's credit; return the paused pid."""
+    workers = [stack.start(f"worker-{n}", *WORKER, mode=mode) for n in "ab"]
+    stack.start("send", "-m", "tests.processes.queue_apps.send", "arq", "1", mode=mode)
+    paused = poll(f"a worker pausing\n{stack.logs()}", lambda: stack.marks("paused") or None)
+    pid = int(paused[0])
+    assert pid in [w.pid for w in workers]
+    poll("the worker stopped", lambda: stopped(pid) or None)
+    poll(
+        f"the second run's credit\n{stack.logs()}",
+        lambda: [e for e in stack.entries() if "credit" in e["entry"]] or None,
+    )
+    return pid
+
+
+def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
+    with queue_stack(tmp_path) as stack:
+        job = f"{stack.prefix}order-1"
+        paused = run_again_while_paused(stack, "fenced")
+        os.kill(paused, signal.SIGCONT)
+        late = poll(f"the late write\n{stack.logs()}", lambda: stack.marks("late") or None)
+        assert late == [409]
+        entries = stack.entries()
+        assert [(sorted(e["entry"]), e["generation"]) for e in entries] == [
+            (["debit", "order"], "1"),  # the first run's, before its pause
+            (["credit", "order"], "2"),  # the second run's; its debit was a replay
+        ], stack.logs()
+        assert [m["replayed"] for m in stack.marks("debit")] == [False, True]
+        refused = {r["reason"]: r for r in stack.rejections(job)}
+        assert sorted(refused) == ["duplicate", "stale_generation"]  # a replay is logged too
+        late_one = refused["stale_generation"]
+        assert (late_one["generation"], late_one["current_generation"]) == (1, 2)
+        assert late_one["idempotency_key"] == derive_key(job, "credit")
+
+
+def test_without_the_integration_the_second_run_doubles_the_effects(tmp_path: Path) -> None:
+    with queue_stack(tmp_path) as stack:
+        paused = run_again_while_paused(stack, "off")
+        os.kill(paused, signal.SIGCONT)
+        poll(
+            "the late credit",
+            lambda: len([e for e in stack.entries() if "credit" in e["entry"]]) == 2 or None,
+        )
+        kinds = sorted(next(iter(set(e["entry"]) - {"order"})) for e in stack.entries())
+        assert kinds == ["credit", "credit", "debit", "debit"]  # the duplicate effect
