@@ -6,7 +6,7 @@ Nothing here imports a queue library; the adapters do, and only when imported.
 """
 
 from .gate import TaskGate, TaskRun, Verdict, job_id_from, verdict
-from .sync import SyncRun, SyncWriter, run_sync
+from .sync import SyncRun, SyncWriter, close_sync, run_sync
 
 __all__ = [
     "SyncRun",
@@ -14,6 +14,7 @@ __all__ = [
     "TaskGate",
     "TaskRun",
     "Verdict",
+    "close_sync",
     "job_id_from",
     "run_sync",
     "verdict",

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from celery import Celery, Task
-from celery.exceptions import Ignore
+from celery import Celery, Task  # type: ignore[import-untyped]
+from celery.exceptions import Ignore  # type: ignore[import-untyped]
 
 from ..errors import LeaseError
 from ..writer import StaleWrite
@@ -71,15 +71,15 @@ def fenced_task(
                 found = _THREAD.call(gate.verdict(exc, jid))
                 if found is None:
                     raise
-                return _apply(self, found, jid, exc)
+                return _apply(self, found, jid)
 
         del task.__wrapped__  # Celery checks calls against the task's own signature
-        return app.task(bind=True, **options)(task)  # type: ignore[no-any-return]
+        return app.task(bind=True, **options)(task)
 
     return decorate
 
 
-def _apply(task: Task, found: Verdict, job_id: str, exc: Exception) -> Any:
+def _apply(task: Task, found: Verdict, job_id: str) -> Any:
     log.info(
         "task_run_ended",
         task=task.name,
@@ -92,7 +92,12 @@ def _apply(task: Task, found: Verdict, job_id: str, exc: Exception) -> Any:
         return {"sinkgate": found.reason, "job_id": job_id}
     if found.action == "stop":
         raise Ignore()
-    # A held lease has a live holder: wait for it as long as it takes (it ends in
-    # done or stop); anything else counts against the task's own max_retries.
-    limit = {"max_retries": None} if found.reason == "lease_held" else {}
-    raise task.retry(exc=exc, countdown=found.delay, **limit)
+    retries: dict[str, int] = {}
+    if found.reason == "lease_held" and not task.request.is_eager:
+        # A held lease has a live holder that renews it: wait for it as long as it
+        # takes (its run ends in done or stop). Other retries count against the
+        # task's own max_retries; so does every retry of an eager run, which
+        # would otherwise spin on the spot.
+        retries["max_retries"] = task.request.retries + 1
+    # No exc=: Celery would pickle it, and lease errors do not round-trip.
+    raise task.retry(countdown=found.delay, **retries)

@@ -85,7 +85,7 @@ class _Clients:
     session: aiohttp.ClientSession
 
 
-@dataclass
+@dataclass(eq=False)  # one gate, one set of clients: identity, not field equality
 class TaskGate:
     """Where a queue's task runs take their leases and send their writes.
 

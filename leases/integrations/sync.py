@@ -26,7 +26,7 @@ from ..hold import HeldLease
 from ..writer import WriteResult
 from .gate import TaskGate, TaskRun
 
-__all__ = ["SyncRun", "SyncWriter", "run_sync"]
+__all__ = ["SyncRun", "SyncWriter", "close_sync", "run_sync"]
 
 T = TypeVar("T")
 
@@ -133,6 +133,12 @@ class SyncRun:
         self._run.check()
 
 
+def close_sync(gate: TaskGate) -> None:
+    """Close what `gate` opened on the private loop (done at exit in any case)."""
+    if _THREAD._loop is not None and _THREAD._pid == os.getpid():
+        _THREAD.call(gate.close())
+
+
 class _BodyFailed(Exception):
     """Carries the body's exception into the hold, so the hold releases the lease."""
 
@@ -170,7 +176,8 @@ def _run_blocking(gate: TaskGate, job_id: str, fn: Callable[..., Any], args: Any
                 raise _BodyFailed from outcome[0]
 
     held = _THREAD.submit(holding())
-    concurrent.futures.wait((entered, held), return_when=concurrent.futures.FIRST_COMPLETED)
+    either: list[concurrent.futures.Future[Any]] = [entered, held]
+    concurrent.futures.wait(either, return_when=concurrent.futures.FIRST_COMPLETED)
     if not entered.done():
         held.result()  # the claim failed: raises LeaseHeld, JobCompleted, ...
     run, finished = entered.result()

@@ -1,0 +1,232 @@
+"""leases.integrations against a real gateway: one task run under a lease, sync and
+async, and what ends a run turned into the queue's idiom (Celery run eagerly,
+arq's job function called as its worker would)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leases import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from leases.integrations import (
+    SyncRun,
+    TaskGate,
+    TaskRun,
+    close_sync,
+    job_id_from,
+    run_sync,
+    verdict,
+)
+from leases.writer import StaleWrite, derive_key
+from tests.harness import (
+    Gateway,
+    RecordingUpstream,
+    destination,
+    make_config,
+    recording_upstream,
+    running_gateway,
+)
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[tuple[Gateway, RecordingUpstream]]:
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("ledger", upstream.url + "/api"))
+        async with running_gateway(config) as gateway:
+            yield gateway, upstream
+
+
+async def state_of(gateway: Gateway, job_id: str) -> tuple[str, int] | None:
+    async with gateway.session.get(f"{gateway.url}/leases/{job_id}") as resp:
+        doc = await resp.json()
+        return (doc["state"], doc["generation"]) if resp.status == 200 else None
+
+
+def test_job_ids_stay_readable_when_valid_and_are_hashed_when_not() -> None:
+    assert job_id_from("celery", "shop.charge", "ab-12") == "celery:shop.charge:ab-12"
+    odd = job_id_from("order", "naïve name")
+    assert odd == job_id_from("order", "naïve name")  # stable
+    assert odd.startswith("order:na_ve_name:") and odd.isascii() and " " not in odd
+    assert len(job_id_from("x" * 300)) <= 256
+    assert job_id_from("x" * 300) != job_id_from("x" * 301)
+
+
+def test_the_integrations_import_no_gateway_and_no_queue_they_are_not_asked_for() -> None:
+    code = (
+        "import sys, leases.integrations;"
+        "assert not {'celery', 'arq'} & set(sys.modules), 'a queue library was imported';"
+        "import leases.integrations.celery, leases.integrations.arq;"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'gateway'], 'gateway imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_verdicts_map_each_end_of_a_run_to_one_idiom() -> None:
+    assert verdict(JobCompleted("j")).action == "done"  # type: ignore[union-attr]
+    held = verdict(LeaseHeld("j", "other", 4.0))
+    assert held is not None and (held.action, held.delay) == ("retry", 4.0)
+    assert verdict(LeaseLost("j", 1, "stale_generation")).action == "stop"  # type: ignore[union-attr]
+    assert verdict(LeaseLost("j", 1, "job_completed")).action == "done"  # type: ignore[union-attr]
+    assert verdict(LeaseLost("j", 1, "lease_expired")).action == "retry"  # type: ignore[union-attr]
+    assert verdict(StaleWrite("owner_mismatch", 409)).action == "stop"  # type: ignore[union-attr]
+    assert verdict(StoreUnavailable("down")).action == "retry"  # type: ignore[union-attr]
+    assert verdict(ValueError("the task's own")) is None
+
+
+async def test_a_sync_run_writes_fenced_then_completes_the_job(gw: Any) -> None:
+    gateway, upstream = gw
+    gate = TaskGate(gateway.url, ttl=5)
+
+    def body(run: SyncRun, amount: int) -> tuple[int, str, int]:
+        result = run.writer.post("ledger", "/entries", json={"amount": amount}, step="charge")
+        return result.status, run.key("charge"), run.generation
+
+    assert await asyncio.to_thread(run_sync, gate, "order-1", body, 5) == (
+        201,
+        derive_key("order-1", "charge"),
+        1,
+    )
+    sent = upstream.received[0].headers
+    assert (sent["Fencing-Token"], sent["Idempotency-Key"]) == (
+        "1",
+        derive_key("order-1", "charge"),
+    )
+    assert await state_of(gateway, "order-1") == ("done", 1)
+    with pytest.raises(JobCompleted):  # a second run of the job: nothing to redo
+        await asyncio.to_thread(run_sync, gate, "order-1", body, 5)
+    assert len(upstream.received) == 1
+    await asyncio.to_thread(close_sync, gate)
+
+
+async def test_a_failing_sync_body_releases_the_lease_and_raises_its_error(gw: Any) -> None:
+    gateway, _ = gw
+    gate = TaskGate(gateway.url, ttl=5)
+
+    def body(run: SyncRun) -> None:
+        raise KeyError("the task's own bug")
+
+    with pytest.raises(KeyError):
+        await asyncio.to_thread(run_sync, gate, "order-2", body)
+    assert await state_of(gateway, "order-2") == ("free", 1)  # another run may take it now
+
+
+async def test_a_sync_body_is_stopped_at_its_next_write_once_the_lease_is_lost(gw: Any) -> None:
+    gateway, upstream = gw
+    gate = TaskGate(gateway.url, ttl=5)
+    lost = threading.Event()
+
+    def body(run: SyncRun) -> None:
+        run.writer.post("ledger", "/entries", json={"n": 1}, step="one")
+        run.lease.hold.deadline = 0.0  # the worker's own clock says: run out
+        for _ in range(200):  # the watchdog notices within one tick; bounded wait
+            if run.lease.hold.lost is not None:
+                lost.set()
+                break
+            threading.Event().wait(0.01)
+        run.writer.post("ledger", "/entries", json={"n": 2}, step="two")
+
+    with pytest.raises(LeaseLost) as raised:
+        await asyncio.to_thread(run_sync, gate, "order-3", body)
+    assert raised.value.reason == "lease_expired"
+    assert lost.is_set()
+    assert upstream.paths() == ["/api/entries"]  # the second write never left
+
+
+async def test_an_async_body_on_the_private_loop_is_cancelled_when_the_lease_goes(gw: Any) -> None:
+    gateway, _ = gw
+    gate = TaskGate(gateway.url, ttl=5)
+    reached: list[str] = []
+
+    async def body(run: TaskRun) -> None:
+        run.lease.hold.deadline = 0.0
+        try:
+            await asyncio.sleep(30)
+        finally:
+            reached.append("cancelled")
+
+    with pytest.raises(LeaseLost):
+        await asyncio.to_thread(run_sync, gate, "order-4", body)
+    assert reached == ["cancelled"]
+
+
+async def test_a_locally_expired_lease_taken_over_by_a_newer_run_is_a_stop(gw: Any) -> None:
+    gateway, _ = gw
+    gate = TaskGate(gateway.url, ttl=5)
+    await gateway.claim("order-5", owner="first", ttl=1)
+    gateway.clock.advance(2)
+    await gateway.claim("order-5", owner="second", ttl=30)
+    found = await gate.verdict(LeaseLost("order-5", 1, "lease_expired"), "order-5")
+    assert found is not None and (found.action, found.reason) == ("stop", "stale_generation")
+    nobody = await gate.verdict(LeaseLost("order-6", 1, "lease_expired"), "order-6")
+    assert nobody is not None and nobody.action == "retry"  # nobody took it: try again
+    await gate.close()
+
+
+async def test_celery_maps_completed_held_and_superseded_runs(gw: Any) -> None:
+    pytest.importorskip("celery")
+    from celery import Celery
+    from celery.exceptions import MaxRetriesExceededError
+
+    from leases.integrations.celery import fenced_task
+
+    gateway, upstream = gw
+    app = Celery("t", broker="memory://")
+    gate = TaskGate(gateway.url, ttl=5)
+    test_loop = asyncio.get_running_loop()
+
+    def taken_over(job_id: str) -> None:  # from the task's thread: a newer run claims
+        gateway.clock.advance(10)
+        asyncio.run_coroutine_threadsafe(gateway.claim(job_id, owner="newer"), test_loop).result()
+
+    @fenced_task(app, gate, job_id=lambda order: f"c-order-{order}", max_retries=0)
+    def charge(run: SyncRun, order: int) -> int:
+        if order == 3:
+            taken_over(run.job_id)
+        return run.writer.post("ledger", "/entries", json={"o": order}, step="charge").status
+
+    first = await asyncio.to_thread(lambda: charge.apply(args=(1,)))
+    again = await asyncio.to_thread(lambda: charge.apply(args=(1,)))
+    assert (first.state, first.result) == ("SUCCESS", 201)
+    assert (again.state, again.result) == (
+        "SUCCESS",
+        {"sinkgate": "job_completed", "job_id": "c-order-1"},
+    )
+    await gateway.claim("c-order-2", owner="someone-else", ttl=30)
+    held = await asyncio.to_thread(lambda: charge.apply(args=(2,)))
+    # eagerly, a retry is run on the spot, and max_retries=0 ends it: it took that path
+    assert (held.state, type(held.result)) == ("FAILURE", MaxRetriesExceededError)
+    superseded = await asyncio.to_thread(lambda: charge.apply(args=(3,)))
+    assert superseded.state == "IGNORED"  # stop: the newer run answers for the job
+    assert len(upstream.received) == 1
+    await asyncio.to_thread(close_sync, gate)
+
+
+async def test_arq_maps_completed_and_held_runs(gw: Any) -> None:
+    pytest.importorskip("arq")
+    from arq import Retry
+
+    from leases.integrations.arq import fenced_job
+
+    gateway, upstream = gw
+    gate = TaskGate(gateway.url, ttl=5)
+
+    @fenced_job(gate)
+    async def charge(ctx: dict[str, Any], run: TaskRun, order: int) -> int:
+        return (await run.writer.post("ledger", "/entries", json={"o": order}, step="c")).status
+
+    ctx = {"job_id": "abc", "job_try": 1}
+    name = charge.__qualname__  # how arq names the function, too
+    assert await charge(ctx, 1) == 201
+    assert await charge(ctx, 1) == {"sinkgate": "job_completed", "job_id": f"arq:{name}:abc"}
+    await gateway.claim(f"arq:{name}:def", owner="someone-else", ttl=30)
+    with pytest.raises(Retry):
+        await charge({"job_id": "def", "job_try": 1}, 2)
+    assert len(upstream.received) == 1
+    await gate.close()
