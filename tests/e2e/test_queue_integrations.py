@@ -5,6 +5,7 @@ arq's job function called as its worker would)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import threading
@@ -230,3 +231,27 @@ async def test_arq_maps_completed_and_held_runs(gw: Any) -> None:
         await charge({"job_id": "def", "job_try": 1}, 2)
     assert len(upstream.received) == 1
     await gate.close()
+
+
+def readme_celery_example() -> str:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    marker = text.index("<!-- celery-example")
+    match = re.search(r"```python\n(.*?)```", text[marker:], re.S)
+    assert match is not None, "the Celery example block is missing"
+    return match.group(1)
+
+
+async def test_the_readme_celery_example_is_ten_lines_and_charges_once(tmp_path: Path) -> None:
+    pytest.importorskip("celery")
+    source = readme_celery_example()
+    assert len([line for line in source.splitlines() if line.strip()]) <= 10
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("payments", upstream.url + "/api"))
+        async with running_gateway(config) as gateway:
+            namespace: dict[str, Any] = {"__name__": "readme_example"}
+            exec(source.replace("http://127.0.0.1:8480", gateway.url), namespace)
+            charge = namespace["charge"]
+            for _ in range(2):  # the same order twice: one charge
+                await asyncio.to_thread(lambda: charge.apply(args=(1001, 1999)).get())
+            assert upstream.paths() == ["/api/charges"]
+            await asyncio.to_thread(close_sync, namespace["gate"])
