@@ -92,13 +92,15 @@ class Stack:
             "QUEUE_MODE": mode,
         }
 
-    def start(self, name: str, *argv: str, mode: str = "fenced") -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, *argv: str, mode: str = "fenced", env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = self.tmp / f"{name}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, *argv],
                 cwd=REPO,
-                env=self.env(mode),
+                env={**self.env(mode), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
