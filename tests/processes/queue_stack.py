@@ -13,23 +13,21 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import eventually, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("SINKGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 START_S = 30.0
-T = TypeVar("T")
 
 
 def skip_or_fail(reason: str) -> NoReturn:
@@ -53,17 +51,6 @@ def require_redis() -> None:
         skip_or_fail(f"Redis not reachable at {REDIS_URL} ({exc}); set SINKGATE_TEST_REDIS")
 
 
-def poll(what: str, probe: Callable[[], T | None], within: float = 15.0) -> T:
-    """Call `probe` until it returns something other than None; fail after `within` s."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.05)
-    pytest.fail(f"{what}: not within {within:g} s")
-
-
 def stopped(pid: int) -> bool:
     """Whether process `pid` is stopped (SIGSTOP), per the kernel."""
     stat = Path(f"/proc/{pid}/stat").read_text()
@@ -79,6 +66,7 @@ class Stack:
     ledger: str
     record: Path
     procs: list[tuple[subprocess.Popen[bytes], Path]] = field(default_factory=list)
+    lasting: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self, mode: str) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
@@ -93,8 +81,15 @@ class Stack:
         }
 
     def start(
-        self, name: str, *argv: str, mode: str = "fenced", env: dict[str, str] | None = None
+        self,
+        name: str,
+        *argv: str,
+        mode: str = "fenced",
+        env: dict[str, str] | None = None,
+        lasting: bool = True,
     ) -> subprocess.Popen[bytes]:
+        """Start `python argv...` with the stack's environment; a `lasting` process
+        (a server, a worker) must keep running until the end: see `check()`."""
         log = self.tmp / f"{name}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
@@ -106,7 +101,24 @@ class Stack:
                 stderr=subprocess.STDOUT,
             )
         self.procs.append((proc, log))
+        if lasting:
+            self.lasting.append(proc)
         return proc
+
+    def check(self) -> None:
+        """Fail the test, with the logs, if a lasting process has exited."""
+        for proc in self.lasting:
+            if proc.poll() is not None:
+                pytest.fail(f"{proc.args} exited {proc.returncode}\n{self.logs()}")
+
+    async def until(self, condition: Any, what: str, within: float = 15.0) -> Any:
+        """`eventually(condition)`, failing at once if a lasting process died."""
+
+        def checked() -> Any:
+            self.check()
+            return condition()
+
+        return await eventually(checked, within=within, what=what)
 
     def entries(self) -> list[dict[str, Any]]:
         """The ledger's own record of applied effects (one JSON line each)."""
@@ -152,16 +164,16 @@ dir = "destinations"
     return config, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
 
 
-def _answers(url: str) -> bool | None:
+def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
-            return True if resp.status == 200 else None
+            return bool(resp.status == 200)
     except OSError:
-        return None
+        return False
 
 
-@contextmanager
-def queue_stack(tmp: Path) -> Iterator[Stack]:
+@asynccontextmanager
+async def queue_stack(tmp: Path) -> AsyncIterator[Stack]:
     """A ledger and a gateway in front of it, stopped (and any worker with them) at the end."""
     require_redis()
     port = free_port()
@@ -176,7 +188,7 @@ def queue_stack(tmp: Path) -> Iterator[Stack]:
             "gateway", "-m", "gateway", "serve", "--config", str(config), "--log-format", "json"
         )
         for url in (f"{ledger}/entries", f"{gateway}/readyz"):
-            poll(f"{url} answering\n{stack.logs()}", lambda u=url: _answers(u), within=START_S)
+            await stack.until(lambda u=url: _answers(u), f"{url} answering", within=START_S)
         yield stack
     finally:
         _stop_all(stack)

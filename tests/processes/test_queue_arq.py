@@ -20,34 +20,36 @@ import pytest
 
 from leases.writer import derive_key
 
-from .queue_stack import Stack, poll, queue_stack, stopped
+from .queue_stack import Stack, queue_stack, stopped
 
 pytestmark = pytest.mark.slow
 
 WORKER = ("-m", "tests.processes.queue_apps.arq_app")
+SEND = "tests.processes.queue_apps.send"
 
 
-def run_again_while_paused(stack: Stack, mode: str) -> int:
+def credits(stack: Stack) -> list[dict[str, object]]:
+    return [e for e in stack.entries() if "credit" in e["entry"]]
+
+
+async def run_again_while_paused(stack: Stack, mode: str) -> int:
     """Run the scenario up to the second run's credit; return the paused pid."""
     workers = [stack.start(f"worker-{n}", *WORKER, mode=mode) for n in "ab"]
-    stack.start("send", "-m", "tests.processes.queue_apps.send", "arq", "1", mode=mode)
-    paused = poll(f"a worker pausing\n{stack.logs()}", lambda: stack.marks("paused") or None)
+    stack.start("send", "-m", SEND, "arq", "1", mode=mode, lasting=False)
+    paused = await stack.until(lambda: stack.marks("paused"), "a worker pausing")
     pid = int(paused[0])
     assert pid in [w.pid for w in workers]
-    poll("the worker stopped", lambda: stopped(pid) or None)
-    poll(
-        f"the second run's credit\n{stack.logs()}",
-        lambda: [e for e in stack.entries() if "credit" in e["entry"]] or None,
-    )
+    await stack.until(lambda: stopped(pid), "the worker stopped")
+    await stack.until(lambda: credits(stack), "the second run's credit")
     return pid
 
 
-def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
+async def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
         job = f"{stack.prefix}order-1"
-        paused = run_again_while_paused(stack, "fenced")
+        paused = await run_again_while_paused(stack, "fenced")
         os.kill(paused, signal.SIGCONT)
-        late = poll(f"the late write\n{stack.logs()}", lambda: stack.marks("late") or None)
+        late = await stack.until(lambda: stack.marks("late"), "the late write")
         assert late == [409]
         entries = stack.entries()
         assert [(sorted(e["entry"]), e["generation"]) for e in entries] == [
@@ -62,13 +64,10 @@ def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
         assert late_one["idempotency_key"] == derive_key(job, "credit")
 
 
-def test_without_the_integration_the_second_run_doubles_the_effects(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
-        paused = run_again_while_paused(stack, "off")
+async def test_without_the_integration_the_second_run_doubles_the_effects(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
+        paused = await run_again_while_paused(stack, "off")
         os.kill(paused, signal.SIGCONT)
-        poll(
-            "the late credit",
-            lambda: len([e for e in stack.entries() if "credit" in e["entry"]]) == 2 or None,
-        )
+        await stack.until(lambda: len(credits(stack)) == 2, "the late credit")
         kinds = sorted(next(iter(set(e["entry"]) - {"order"})) for e in stack.entries())
         assert kinds == ["credit", "credit", "debit", "debit"]  # the duplicate effect

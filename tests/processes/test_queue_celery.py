@@ -18,15 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from leases.writer import derive_key
 
 from .queue_apps.celery_app import VISIBILITY_TIMEOUT
-from .queue_stack import Stack, poll, queue_stack, stopped
+from .queue_stack import REDIS_URL, Stack, queue_stack, stopped
 
 pytestmark = pytest.mark.slow
 
 APP = "tests.processes.queue_apps.celery_app"
+SEND = "tests.processes.queue_apps.send"
 WORKER = (
     "-m",
     "celery",
@@ -43,35 +45,44 @@ WORKER = (
 )
 
 
-def redelivered_while_paused(stack: Stack, mode: str) -> int:
+def overdue(stack: Stack) -> bool:
+    """Whether the message worker A took is past `visibility_timeout`: the test the
+    Redis transport itself applies before it restores a message to the queue."""
+    client = redis.Redis.from_url(REDIS_URL)
+    ceiling = time.time() - VISIBILITY_TIMEOUT
+    return bool(client.zrangebyscore(f"{stack.prefix}unacked_index", 0, ceiling))
+
+
+def credits(stack: Stack) -> list[dict[str, object]]:
+    return [e for e in stack.entries() if "credit" in e["entry"]]
+
+
+async def redelivered_while_paused(stack: Stack, mode: str) -> int:
     """Run the scenario up to B's credit; return A's pid, still stopped."""
     stack.start("worker-a", *WORKER, "-n", "a@%h", mode=mode)
-    stack.start("send", "-m", "tests.processes.queue_apps.send", "celery", "1", mode=mode)
-    paused = poll(f"worker A pausing\n{stack.logs()}", lambda: stack.marks("paused") or None)
+    stack.start("send", "-m", SEND, "celery", "1", mode=mode, lasting=False)
+    paused = await stack.until(lambda: stack.marks("paused"), "worker A pausing")
     pid_a = int(paused[0])
-    poll("worker A stopped", lambda: stopped(pid_a) or None)
-    # The message stays unacknowledged with A; once visibility_timeout has passed,
-    # a worker starting up restores it to the queue.
-    time.sleep(VISIBILITY_TIMEOUT + 0.5)
+    await stack.until(lambda: stopped(pid_a), "worker A stopped")
+    # A worker starting up restores the messages left unacknowledged for longer
+    # than visibility_timeout to the queue: B, once A's message is that old.
+    await stack.until(lambda: overdue(stack), "A's message past visibility_timeout")
     stack.start("worker-b", *WORKER, "-n", "b@%h", mode=mode)
-    poll(
-        f"worker B's credit\n{stack.logs()}",
-        lambda: [e for e in stack.entries() if "credit" in e["entry"]] or None,
-    )
+    await stack.until(lambda: credits(stack), "worker B's credit")
     return pid_a
 
 
-def test_a_redelivered_task_lands_its_effects_once(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
+async def test_a_redelivered_task_lands_its_effects_once(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
         job = f"{stack.prefix}order-1"
-        pid_a = redelivered_while_paused(stack, "fenced")
+        pid_a = await redelivered_while_paused(stack, "fenced")
         os.kill(pid_a, signal.SIGCONT)
-        late = poll(f"A's late write\n{stack.logs()}", lambda: stack.marks("late") or None)
+        late = await stack.until(lambda: stack.marks("late"), "A's late write")
         assert late == [409]
         # A's run ends by asking the store: the job is done, nothing to retry.
         log_a = stack.tmp / "worker-a.log"
-        ended = poll("A's run ending", lambda: "task_run_ended" in log_a.read_text() or None)
-        assert ended and "action=done" in log_a.read_text()
+        await stack.until(lambda: "task_run_ended" in log_a.read_text(), "A's run ending")
+        assert "action=done" in log_a.read_text()
         entries = stack.entries()
         assert [(sorted(e["entry"]), e["generation"]) for e in entries] == [
             (["debit", "order"], "1"),  # A's, before its pause
@@ -86,13 +97,10 @@ def test_a_redelivered_task_lands_its_effects_once(tmp_path: Path) -> None:
         assert refused["duplicate"]["idempotency_key"] == derive_key(job, "debit")
 
 
-def test_without_the_integration_the_redelivery_doubles_the_effects(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
-        pid_a = redelivered_while_paused(stack, "off")
+async def test_without_the_integration_the_redelivery_doubles_the_effects(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
+        pid_a = await redelivered_while_paused(stack, "off")
         os.kill(pid_a, signal.SIGCONT)
-        poll(
-            "A's late credit",
-            lambda: len([e for e in stack.entries() if "credit" in e["entry"]]) == 2 or None,
-        )
+        await stack.until(lambda: len(credits(stack)) == 2, "A's late credit")
         kinds = sorted(next(iter(set(e["entry"]) - {"order"})) for e in stack.entries())
         assert kinds == ["credit", "credit", "debit", "debit"]  # the duplicate effect

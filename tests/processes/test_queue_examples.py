@@ -52,8 +52,8 @@ def forget(db: int, patterns: tuple[str, ...]) -> None:
             client.delete(*keys)
 
 
-def test_the_celery_example_charges_an_order_sent_twice_once(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
+async def test_the_celery_example_charges_an_order_sent_twice_once(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
         env = {"EXAMPLE_BROKER": broker(14), "EXAMPLE_GATEWAY": stack.gateway}
         try:
             stack.start(
@@ -67,8 +67,8 @@ def test_the_celery_example_charges_an_order_sent_twice_once(tmp_path: Path) -> 
             forget(14, ("celery*", "_kombu*", "unacked*"))
 
 
-def test_the_arq_example_charges_an_order_enqueued_twice_once(tmp_path: Path) -> None:
-    with queue_stack(tmp_path) as stack:
+async def test_the_arq_example_charges_an_order_enqueued_twice_once(tmp_path: Path) -> None:
+    async with queue_stack(tmp_path) as stack:
         env = {"EXAMPLE_BROKER": broker(15), "EXAMPLE_GATEWAY": stack.gateway}
         try:
             stack.start("arq-example", "-m", "arq", "examples.arq.jobs.WorkerSettings", env=env)
