@@ -13,6 +13,7 @@ gateway (`stale_generation` in the rejection log). Without it, both runs' effect
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -32,25 +33,31 @@ def credits(stack: Stack) -> list[dict[str, object]]:
     return [e for e in stack.entries() if "credit" in e["entry"]]
 
 
-async def run_again_while_paused(stack: Stack, mode: str) -> int:
-    """Run the scenario up to the second run's credit; return the paused pid."""
-    workers = [stack.start(f"worker-{n}", *WORKER, mode=mode) for n in "ab"]
+async def run_again_while_paused(stack: Stack, mode: str) -> tuple[int, Path]:
+    """Run the scenario up to the second run's credit; return the paused worker's
+    pid and log."""
+    workers = {stack.start(f"worker-{n}", *WORKER, mode=mode).pid: n for n in "ab"}
     stack.start("send", "-m", SEND, "arq", "1", mode=mode, lasting=False)
     paused = await stack.until(lambda: stack.marks("paused"), "a worker pausing")
     pid = int(paused[0])
-    assert pid in [w.pid for w in workers]
+    assert pid in workers
     await stack.until(lambda: stopped(pid), "the worker stopped")
     await stack.until(lambda: credits(stack), "the second run's credit")
-    return pid
+    return pid, stack.tmp / f"worker-{workers[pid]}.log"
 
 
 async def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
     async with queue_stack(tmp_path) as stack:
         job = f"{stack.prefix}order-1"
-        paused = await run_again_while_paused(stack, "fenced")
+        paused, log = await run_again_while_paused(stack, "fenced")
         os.kill(paused, signal.SIGCONT)
         late = await stack.until(lambda: stack.marks("late"), "the late write")
         assert late == [409]
+        ended = await stack.until(
+            lambda: re.search(r"job_run_ended.*action=(\w+).*job_try=1", log.read_text()),
+            "the paused run ending",
+        )
+        assert ended.group(1) in ("done", "stop"), log.read_text()  # not retried
         entries = stack.entries()
         assert [(sorted(e["entry"]), e["generation"]) for e in entries] == [
             (["debit", "order"], "1"),  # the first run's, before its pause
@@ -66,7 +73,7 @@ async def test_a_job_run_again_lands_its_effects_once(tmp_path: Path) -> None:
 
 async def test_without_the_integration_the_second_run_doubles_the_effects(tmp_path: Path) -> None:
     async with queue_stack(tmp_path) as stack:
-        paused = await run_again_while_paused(stack, "off")
+        paused, _ = await run_again_while_paused(stack, "off")
         os.kill(paused, signal.SIGCONT)
         await stack.until(lambda: len(credits(stack)) == 2, "the late credit")
         kinds = sorted(next(iter(set(e["entry"]) - {"order"})) for e in stack.entries())
