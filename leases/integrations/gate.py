@@ -166,7 +166,8 @@ class TaskGate:
     async def _open(self) -> _Clients:
         loop = asyncio.get_running_loop()
         task = self._clients.get(loop)
-        if task is None or (task.done() and task.exception() is not None):
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            # Never opened, or the opening failed: try again rather than fail for good.
             task = loop.create_task(self._connect())
             self._clients[loop] = task
         return await asyncio.shield(task)

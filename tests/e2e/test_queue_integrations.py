@@ -30,6 +30,7 @@ from tests.harness import (
     Gateway,
     RecordingUpstream,
     destination,
+    free_port,
     make_config,
     recording_upstream,
     running_gateway,
@@ -255,3 +256,13 @@ async def test_the_readme_celery_example_is_ten_lines_and_charges_once(tmp_path:
                 await asyncio.to_thread(lambda: charge.apply(args=(1001, 1999)).get())
             assert upstream.paths() == ["/api/charges"]
             await asyncio.to_thread(close_sync, namespace["gate"])
+
+
+async def test_an_unreachable_gateway_is_a_retry() -> None:
+    gate = TaskGate(f"http://127.0.0.1:{free_port()}", ttl=5)  # nothing listens there
+    with pytest.raises(StoreUnavailable) as raised:
+        async with gate.run("order-9"):
+            pytest.fail("the body ran without a lease")
+    found = await gate.verdict(raised.value, "order-9")
+    assert found is not None and (found.action, found.reason) == ("retry", "store_unavailable")
+    await gate.close()
