@@ -29,7 +29,9 @@ async def test_a_short_benchmark_run_measures_every_target(tmp_path: Path) -> No
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.run",
         "--targets", ",".join(targets),
-        "--duration", "1", "--warmup", "0", "--rounds", "1", "--pause", "0",
+        # 3 s: a connection repeats a key only after 32 sends of its own, which a
+        # loaded machine may not reach in 1 s (the mix would then show no replay)
+        "--duration", "3", "--warmup", "0", "--rounds", "1", "--pause", "0",
         "--connections", "4", "--mix-connections", "4",
         "--engine", "aiohttp",  # wrk may not be installed
         "--pg-admin-url", PG_ADMIN_URL,
