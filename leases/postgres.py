@@ -67,14 +67,21 @@ CREATE TABLE IF NOT EXISTS leases (
 """
 
 _LEASE_COLUMNS = "job_id, owner, generation, state, lease_until, ttl"
-_NOW_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8 + $1::float8"
-_DURABLE_SQL = (
-    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+# The SQL fragments every PostgreSQL statement of sinkgate shares (the gateway's too).
+# STORE_NOW: the store's clock, `{}` the placeholder of the clock offset (seconds).
+STORE_NOW = "extract(epoch FROM clock_timestamp())::float8 + {}::float8"
+# DURABLE: `synchronous_commit` raised to `on` for this transaction when the server
+# or role has it `off`; stronger settings are kept.
+DURABLE = (
+    "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
     "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
 )
+
+_NOW_SQL = f"SELECT {STORE_NOW.format('$1')}"
+_DURABLE_SQL = f"SELECT {DURABLE}"
 _GET_SQL = (
     "SELECT n.now, l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl "
-    "FROM (SELECT extract(epoch FROM clock_timestamp())::float8 + $2::float8 AS now) n "
+    f"FROM (SELECT {STORE_NOW.format('$2')} AS now) n "
     "LEFT JOIN leases l ON l.job_id = $1"
 )
 

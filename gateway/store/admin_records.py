@@ -165,4 +165,3 @@ class OperatorStore(Protocol):
     async def purge_audit(self, *, before: float, batch: int) -> int:
         """Delete up to `batch` audit rows older than `before`; returns how many."""
         ...
-

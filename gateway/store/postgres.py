@@ -53,31 +53,26 @@ from typing import Any, TypeVar, cast
 
 from gateway.store import postgres_admin
 from gateway.store.plan import plan_write
+from gateway.store.postgres_admin import LEASE_ALIASES, key_from_row, lease_row
 from gateway.store.records import (
-    KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,
-    REJECTION_FIELDS,
-    JobState,
     Outcome,
-    RejectionQuery,
     RejectionRecord,
-    StoredRejection,
     Verdict,
     WriteContext,
-    key_record,
     new_attempt_id,
     rejection_values,
 )
 from gateway.write.decision import (
     Fencing,
-    KeyRecord,
     StoredState,
     WriteFacts,
 )
-from leases.model import LeaseRow, State
 from leases.postgres import (
+    DURABLE,
     SCHEMA_LOCK_KEY,
+    STORE_NOW,
     Conn,
     PostgresLeaseStore,
     db_now,
@@ -159,18 +154,15 @@ CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
 CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
 """
 
-_NOW = "extract(epoch FROM clock_timestamp())::float8 + {}::float8"
+_NOW = STORE_NOW
 _KEY_COLUMNS = KEY_COLUMNS_SQL
 _REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
-_LEASE_ALIASES = "l.job_id AS l_job, l.owner AS l_owner, l.generation AS l_generation, " + (
-    "l.state AS l_state, l.lease_until AS l_until, l.ttl AS l_ttl"
-)
+_LEASE_ALIASES = LEASE_ALIASES
 
 # $1 job, $2 destination, $3 key (NULL: no key). A NULL lock key skips the lock
 # (the functions are strict). The target list is evaluated left to right.
 _LOCK_SQL = (
-    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
-    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true), "
+    f"SELECT {DURABLE}, "
     "pg_advisory_xact_lock(hashtextextended('job:' || $1::text, 0)), "
     "pg_advisory_xact_lock(hashtextextended('key:' || $2::text || chr(10) || $3::text, 0))"
 )
@@ -229,10 +221,7 @@ ON CONFLICT (job_id) DO UPDATE SET
 # setting ends with the statement (no session state). The sub-select must be read
 # by the statement (`FROM (...) durable`): a plain SELECT CTE that nothing
 # references is never evaluated.
-_DURABLE = (
-    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
-    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
-)
+_DURABLE = f"SELECT {DURABLE}"
 
 # An outcome: one statement, hence one round trip and one atomic transaction,
 # instead of BEGIN, durability setting, DELETE, UPDATE, COMMIT. No lock is needed
@@ -395,39 +384,15 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 await require_durable_commit(conn)
                 return await fn(conn)
 
-    # --- reads -------------------------------------------------------------------------
-
-    async def list_rejections(self, query: RejectionQuery) -> list[StoredRejection]:
-        return await self._read(lambda c: _list_rejections(c, query))
-
-    async def get_rejection(self, rejection_id: int) -> StoredRejection | None:
-        row = await self._read(
-            lambda c: c.fetchrow(
-                f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections WHERE id = $1",
-                rejection_id,
-            )
-        )
-        return None if row is None else _rejection(row)
-
-    async def job_state(self, job_id: str) -> JobState | None:
-        offset = self._offset()
+    async def _snapshot(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run `fn` in one read-only REPEATABLE READ transaction: a consistent view."""
         self._check_open()
         with driver_errors("PostgreSQL read failed"):
             async with (
                 self._pool.acquire() as conn,
                 conn.transaction(isolation="repeatable_read", readonly=True),
             ):
-                return await _job_state(conn, job_id, offset)
-
-    async def key_record(self, destination: str, key: str) -> KeyRecord | None:
-        row = await self._read(
-            lambda c: c.fetchrow(
-                f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = $1 AND key = $2",
-                destination,
-                key,
-            )
-        )
-        return None if row is None else _key_record(row)
+                return await fn(conn)
 
     async def ping(self) -> None:
         await self._read(lambda c: c.fetchval("SELECT 1"))
@@ -452,21 +417,12 @@ async def _init_schema(conn: Conn) -> None:
 
 
 def _state(facts: WriteFacts, row: Any) -> StoredState:
-    lease = None
-    if facts.fencing is Fencing.LEASE and row["l_job"] is not None:
-        lease = LeaseRow(
-            row["l_job"],
-            row["l_owner"],
-            row["l_generation"],
-            State(row["l_state"]),
-            row["l_until"],
-            row["l_ttl"],
-        )
+    lease = lease_row(row) if facts.fencing is Fencing.LEASE else None
     return StoredState(
         lease=lease,
         highest_generation=row["mark"],
         older_in_flight_until=row["older"],
-        record=None if row["key"] is None else _key_record(row),
+        record=None if row["key"] is None else key_from_row(row),
     )
 
 
@@ -534,84 +490,6 @@ async def _purge_tx(
         batch,
     )
     return _rowcount(keys), _rowcount(rejections)
-
-
-# --- reads ---------------------------------------------------------------------------------
-
-
-def _key_record(row: Any) -> KeyRecord:
-    return key_record([row[name] for name in KEY_COLUMNS])
-
-
-def _rejection(row: Any) -> StoredRejection:
-    return StoredRejection(
-        id=row["id"],
-        at=row["at"],
-        record=RejectionRecord(**{name: row[name] for name in REJECTION_FIELDS}),
-    )
-
-
-async def _list_rejections(conn: Conn, query: RejectionQuery) -> list[StoredRejection]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column, value in (
-        ("destination = ", query.destination),
-        ("job_id = ", query.job_id),
-        ("reason = ", query.reason),
-        ("at >= ", query.since),
-        ("at <= ", query.until),
-        ("id < ", query.before_id),
-    ):
-        if value is not None:
-            params.append(value)
-            clauses.append(f"{column}${len(params)}")
-    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
-    params.append(query.limit)
-    rows = await conn.fetch(
-        f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}"
-        f"ORDER BY id DESC LIMIT ${len(params)}",
-        *params,
-    )
-    return [_rejection(row) for row in rows]
-
-
-async def _job_state(conn: Conn, job_id: str, offset: float) -> JobState | None:
-    head = await conn.fetchrow(
-        f"SELECT {_NOW.format('$2')} AS now, {_LEASE_ALIASES}, "
-        "(SELECT highest_generation FROM fences WHERE job_id = $1) AS mark "
-        "FROM (SELECT 1) one LEFT JOIN leases l ON l.job_id = $1",
-        job_id,
-        offset,
-    )
-    in_flight = await conn.fetch(
-        "SELECT attempt, generation, destination, key, updated_at AS started_at, "
-        "barrier_until AS deadline FROM idempotency WHERE job_id = $1 "
-        "AND state = 'in_flight' AND barrier_until > $2 "
-        "UNION ALL SELECT attempt, generation, destination, key, started_at, deadline "
-        "FROM attempts WHERE job_id = $1 AND deadline > $2 ORDER BY started_at",
-        job_id,
-        head["now"],
-    )
-    recent = await _list_rejections(conn, RejectionQuery(job_id=job_id, limit=20))
-    lease = None
-    if head["l_job"] is not None:
-        lease = LeaseRow(
-            head["l_job"],
-            head["l_owner"],
-            head["l_generation"],
-            State(head["l_state"]),
-            head["l_until"],
-            head["l_ttl"],
-        )
-    if lease is None and head["mark"] is None and not in_flight and not recent:
-        return None
-    return JobState(
-        job_id=job_id,
-        lease=lease,
-        highest_generation=head["mark"],
-        in_flight=tuple(dict(r.items()) for r in in_flight),
-        recent_rejections=tuple(recent),
-    )
 
 
 def _placeholders(first: int, count: int) -> str:

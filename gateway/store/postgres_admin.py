@@ -24,9 +24,22 @@ from gateway.store.admin_records import (
     Summary,
     bucket_width,
 )
-from gateway.store.records import KEY_COLUMNS, KEY_COLUMNS_SQL, key_record, new_attempt_id
+from gateway.store.records import (
+    KEY_COLUMNS,
+    KEY_COLUMNS_SQL,
+    REJECTION_COLUMNS_SQL,
+    REJECTION_FIELDS,
+    JobState,
+    RejectionQuery,
+    RejectionRecord,
+    StoredRejection,
+    key_record,
+    new_attempt_id,
+)
 from gateway.store.sqlite_admin import add_counts
 from gateway.write.decision import KeyRecord, KeyState
+from leases.model import LeaseRow, State
+from leases.postgres import STORE_NOW
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -48,7 +61,13 @@ CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
 CREATE INDEX IF NOT EXISTS rejections_window ON rejections (at, reason, destination);
 """
 
-_NOW = "extract(epoch FROM clock_timestamp())::float8 + $1::float8"
+_NOW = STORE_NOW.format("$1")
+_KEY_COLUMNS = KEY_COLUMNS_SQL
+_REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
+# The leases row joined as `l`, each column under its own name (see `lease_row`).
+LEASE_ALIASES = "l.job_id AS l_job, l.owner AS l_owner, l.generation AS l_generation, " + (
+    "l.state AS l_state, l.lease_until AS l_until, l.ttl AS l_ttl"
+)
 _KEY_LOCK = (
     "SELECT pg_advisory_xact_lock(hashtextextended('key:' || $1::text || chr(10) || $2::text, 0))"
 )
@@ -82,6 +101,37 @@ class PostgresAdmin:
         def _offset(self) -> float: ...
         async def _read(self, fn: Callable[[Conn], Awaitable[Any]]) -> Any: ...
         async def _write_tx(self, fn: Callable[[Conn], Awaitable[Any]]) -> Any: ...
+        async def _snapshot(self, fn: Callable[[Conn], Awaitable[Any]]) -> Any: ...
+
+    # --- what the admin API and page read ----------------------------------------------
+
+    async def list_rejections(self, query: RejectionQuery) -> list[StoredRejection]:
+        rows: list[StoredRejection] = await self._read(lambda c: _list_rejections(c, query))
+        return rows
+
+    async def get_rejection(self, rejection_id: int) -> StoredRejection | None:
+        row = await self._read(
+            lambda c: c.fetchrow(
+                f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections WHERE id = $1",
+                rejection_id,
+            )
+        )
+        return None if row is None else _rejection(row)
+
+    async def job_state(self, job_id: str) -> JobState | None:
+        offset = self._offset()
+        state: JobState | None = await self._snapshot(lambda c: _job_state(c, job_id, offset))
+        return state
+
+    async def key_record(self, destination: str, key: str) -> KeyRecord | None:
+        row = await self._read(
+            lambda c: c.fetchrow(
+                f"SELECT {_KEY_COLUMNS} FROM idempotency WHERE destination = $1 AND key = $2",
+                destination,
+                key,
+            )
+        )
+        return None if row is None else key_from_row(row)
 
     async def list_keys(self, query: KeyQuery) -> list[KeyRecord]:
         offset = self._offset()
@@ -272,3 +322,87 @@ async def _summary(conn: Conn, since: float, until: float, offset: float) -> Sum
         by_state = summary.keys_by_state.setdefault(row["destination"], {})
         by_state[row["s"]] = by_state.get(row["s"], 0) + row["c"]
     return summary
+
+
+# --- rejections and job state -----------------------------------------------------------
+
+
+def key_from_row(row: Any) -> KeyRecord:
+    """A KeyRecord from a row selected with `KEY_COLUMNS`."""
+    return key_record([row[name] for name in KEY_COLUMNS])
+
+
+def _rejection(row: Any) -> StoredRejection:
+    return StoredRejection(
+        id=row["id"],
+        at=row["at"],
+        record=RejectionRecord(**{name: row[name] for name in REJECTION_FIELDS}),
+    )
+
+
+async def _list_rejections(conn: Conn, query: RejectionQuery) -> list[StoredRejection]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, value in (
+        ("destination = ", query.destination),
+        ("job_id = ", query.job_id),
+        ("reason = ", query.reason),
+        ("at >= ", query.since),
+        ("at <= ", query.until),
+        ("id < ", query.before_id),
+    ):
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{column}${len(params)}")
+    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    params.append(query.limit)
+    rows = await conn.fetch(
+        f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}"
+        f"ORDER BY id DESC LIMIT ${len(params)}",
+        *params,
+    )
+    return [_rejection(row) for row in rows]
+
+
+async def _job_state(conn: Conn, job_id: str, offset: float) -> JobState | None:
+    head = await conn.fetchrow(
+        f"SELECT {STORE_NOW.format('$2')} AS now, {LEASE_ALIASES}, "
+        "(SELECT highest_generation FROM fences WHERE job_id = $1) AS mark "
+        "FROM (SELECT 1) one LEFT JOIN leases l ON l.job_id = $1",
+        job_id,
+        offset,
+    )
+    in_flight = await conn.fetch(
+        "SELECT attempt, generation, destination, key, updated_at AS started_at, "
+        "barrier_until AS deadline FROM idempotency WHERE job_id = $1 "
+        "AND state = 'in_flight' AND barrier_until > $2 "
+        "UNION ALL SELECT attempt, generation, destination, key, started_at, deadline "
+        "FROM attempts WHERE job_id = $1 AND deadline > $2 ORDER BY started_at",
+        job_id,
+        head["now"],
+    )
+    recent = await _list_rejections(conn, RejectionQuery(job_id=job_id, limit=20))
+    lease = lease_row(head)
+    if lease is None and head["mark"] is None and not in_flight and not recent:
+        return None
+    return JobState(
+        job_id=job_id,
+        lease=lease,
+        highest_generation=head["mark"],
+        in_flight=tuple(dict(r.items()) for r in in_flight),
+        recent_rejections=tuple(recent),
+    )
+
+
+def lease_row(row: Any) -> LeaseRow | None:
+    """The lease selected with `LEASE_ALIASES`, or None when the job has no row."""
+    if row["l_job"] is None:
+        return None
+    return LeaseRow(
+        row["l_job"],
+        row["l_owner"],
+        row["l_generation"],
+        State(row["l_state"]),
+        row["l_until"],
+        row["l_ttl"],
+    )
