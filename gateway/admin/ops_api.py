@@ -34,6 +34,7 @@ from gateway.http.problem import invalid_request
 from gateway.store.admin_records import Resolution, ResolveRefused
 from gateway.telemetry.unknown_keys import UnknownKeysGauge
 from gateway.write.decision import KeyRecord
+from leases.reasons import Reason
 
 log = structlog.get_logger("sinkgate.admin")
 
@@ -152,19 +153,19 @@ def _page(cap: int | None, sent: int) -> int:
 
 def _refusal(refused: ResolveRefused) -> Rejection:
     record = refused.record
-    if refused.reason == "not_found":
-        return Rejection("not_found", "no idempotency record for this destination and key")
+    if refused.reason == Reason.NOT_FOUND:
+        return Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
     assert record is not None
-    if refused.reason == "key_not_unknown":
+    if refused.reason == Reason.KEY_NOT_UNKNOWN:
         return Rejection(
-            "key_not_unknown",
+            Reason.KEY_NOT_UNKNOWN,
             f"the key's outcome is {record.state}, not unknown: nothing to resolve",
             destination=record.destination,
             state=str(record.state),
             attempt=record.attempt,
         )
     return Rejection(
-        "attempt_mismatch",
+        Reason.ATTEMPT_MISMATCH,
         "another attempt holds the key now; read the key again and check that one",
         destination=record.destination,
         attempt=record.attempt,

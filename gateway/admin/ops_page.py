@@ -40,6 +40,7 @@ from gateway.errors import Rejection
 from gateway.http.bodies import read_body
 from gateway.write.decision import KeyState
 from leases.model import IDENT
+from leases.reasons import Reason
 
 if TYPE_CHECKING:
     from gateway.admin.session import SessionAuth
@@ -165,7 +166,7 @@ class OpsPage:
         try:
             form = {k: v[0] for k, v in parse_qs(raw.decode(), max_num_fields=20).items()}
         except (ValueError, UnicodeDecodeError):
-            raise Rejection("invalid_request", "the form could not be read") from None
+            raise Rejection(Reason.INVALID_REQUEST, "the form could not be read") from None
         if not hmac.compare_digest(
             form.get("csrf", "").encode(), csrf_token(self._auth, request).encode()
         ):
@@ -200,7 +201,7 @@ class OpsPage:
         destination, key = request.match_info["destination"], request.match_info["key"]
         record = await self._store.key_record(destination, key)
         if record is None:
-            raise Rejection("not_found", "no idempotency record for this destination and key")
+            raise Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
         now = self._store.clock()
         view = key_view(record, now)
         form = ""
@@ -228,7 +229,7 @@ class OpsPage:
         job_id = request.match_info["job_id"]
         state = await self._store.job_state(job_id) if IDENT.fullmatch(job_id) else None
         if state is None:
-            raise Rejection("not_found", "no lease, fence, attempt or rejection for this job")
+            raise Rejection(Reason.NOT_FOUND, "no lease, fence, attempt or rejection for this job")
         view = job_view(state, self._store.clock())
         lease = view.pop("lease") or {}
         in_flight = view.pop("in_flight")

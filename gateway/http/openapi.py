@@ -553,10 +553,10 @@ def _ops_paths() -> dict[str, Any]:
                     "404": _NOT_FOUND,
                     "409": _problem(
                         "the key is not unknown, or another attempt holds it",
-                        "key_not_unknown",
-                        "attempt_mismatch",
+                        Reason.KEY_NOT_UNKNOWN,
+                        Reason.ATTEMPT_MISMATCH,
                     ),
-                    "413": _problem("body too large", "body_too_large"),
+                    "413": _problem("body too large", Reason.BODY_TOO_LARGE),
                     "503": _STORE_DOWN,
                 },
             },

@@ -40,6 +40,7 @@ from gateway.store.sqlite_admin import add_counts
 from gateway.write.decision import KeyRecord, KeyState
 from leases.model import LeaseRow, State
 from leases.postgres import STORE_NOW
+from leases.reasons import Reason
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -263,10 +264,10 @@ async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord:
     if row is None:
         record = await _read_key(conn, r.destination, r.key)
         if record is None:
-            raise ResolveRefused("not_found", None)
+            raise ResolveRefused(Reason.NOT_FOUND, None)
         if record.state_at(now) is not KeyState.UNKNOWN:
-            raise ResolveRefused("key_not_unknown", record)
-        raise ResolveRefused("attempt_mismatch", record)
+            raise ResolveRefused(Reason.KEY_NOT_UNKNOWN, record)
+        raise ResolveRefused(Reason.ATTEMPT_MISMATCH, record)
     action = "resolve_applied" if r.applied else "resolve_not_applied"
     await _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
     return _record(row)

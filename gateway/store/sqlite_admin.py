@@ -28,6 +28,7 @@ from gateway.store.admin_records import (
 )
 from gateway.store.records import KEY_COLUMNS_SQL, key_record, new_attempt_id
 from gateway.write.decision import KeyRecord, KeyState
+from leases.reasons import Reason
 
 if TYPE_CHECKING:
     from gateway.store.records import Clock
@@ -216,10 +217,10 @@ def _resolve_tx(conn: sqlite3.Connection, r: Resolution, now: float) -> KeyRecor
 def _refuse(record: KeyRecord | None, r: Resolution, now: float) -> None:
     """Why the guard matched no row: raise the refusal that says so."""
     if record is None:
-        raise ResolveRefused("not_found", None)
+        raise ResolveRefused(Reason.NOT_FOUND, None)
     if record.state_at(now) is not KeyState.UNKNOWN:
-        raise ResolveRefused("key_not_unknown", record)
-    raise ResolveRefused("attempt_mismatch", record)
+        raise ResolveRefused(Reason.KEY_NOT_UNKNOWN, record)
+    raise ResolveRefused(Reason.ATTEMPT_MISMATCH, record)
 
 
 def _insert_audit(conn: sqlite3.Connection, now: float, *row: str | None) -> int:

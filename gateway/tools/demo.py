@@ -246,7 +246,7 @@ async def _late_at_destination(upstream_url: str, t: Timeline) -> None:
                 "destination",
                 "A's write arrives late, not via the gateway (gen 7)",
                 f"{resp.status} {reason} (leases.fence)",
-                resp.status == 409 and reason == "stale_generation",
+                resp.status == 409 and reason == Reason.STALE_GENERATION,
             )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import LeaseError
 from ..model import MAX_GENERATION, validate_ident
+from ..reasons import Reason
 
 DEFAULT_TABLE = "sinkgate_fence"
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -39,7 +40,7 @@ class StaleToken(LeaseError):
     written already. `highest` is that newer generation.
     """
 
-    reason = "stale_generation"
+    reason = Reason.STALE_GENERATION
 
     def __init__(self, job_id: str, token: int, highest: int) -> None:
         super().__init__(f"job {job_id!r}: token {token} is below the highest token {highest}")

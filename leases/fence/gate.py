@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model import IDENT, MAX_GENERATION
+from ..reasons import Reason, status_of, title_of
 from .core import Fence, StaleToken
 from .database import FenceDatabase
 
@@ -24,18 +25,6 @@ PROBLEM_JSON = "application/problem+json"
 PROBLEM_TYPE_BASE = "urn:sinkgate:problem:"  # the gateway's own problem types
 REJECTED_HEADER = "Sinkgate-Rejected"
 _TOKEN = re.compile(r"[1-9][0-9]{0,18}")
-_TITLES = {
-    "stale_generation": "Stale generation",
-    "missing_fencing_token": "Missing fencing token",
-    "invalid_fencing_token": "Invalid fencing token",
-    "store_unavailable": "Store unavailable",
-}
-_STATUS = {
-    "stale_generation": 409,
-    "missing_fencing_token": 400,
-    "invalid_fencing_token": 400,
-    "store_unavailable": 503,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +42,10 @@ class Refusal:
 
 def refusal(reason: str, detail: str, **members: Any) -> Refusal:
     """A problem+json answer (RFC 9457) in the gateway's shape."""
-    status = _STATUS[reason]
+    status = status_of(reason)  # the gateway's own statuses and titles (leases.reasons)
     body = {
         "type": PROBLEM_TYPE_BASE + reason,
-        "title": _TITLES[reason],
+        "title": title_of(reason),
         "status": status,
         "detail": detail,
         "reason": reason,
@@ -68,7 +57,7 @@ def refusal(reason: str, detail: str, **members: Any) -> Refusal:
 def stale_refusal(exc: StaleToken) -> Refusal:
     """The 409 `stale_generation` answer for a refused token."""
     return refusal(
-        "stale_generation",
+        Reason.STALE_GENERATION,
         f"generation {exc.token} is below generation {exc.highest}, "
         "which has already written to this destination",
         job_id=exc.job_id,
@@ -90,17 +79,17 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
         return None
     if not jobs or not tokens:
         missing = "Fencing-Job" if not jobs else "Fencing-Token"
-        return refusal("missing_fencing_token", f"{missing} is missing")
+        return refusal(Reason.MISSING_FENCING_TOKEN, f"{missing} is missing")
     if len(jobs) > 1 or len(tokens) > 1:
-        return refusal("invalid_fencing_token", "fencing headers must be sent once")
+        return refusal(Reason.INVALID_FENCING_TOKEN, "fencing headers must be sent once")
     job, token = jobs[0], tokens[0]
     if not IDENT.fullmatch(job):
         return refusal(
-            "invalid_fencing_token", "Fencing-Job must be 1-256 visible ASCII characters"
+            Reason.INVALID_FENCING_TOKEN, "Fencing-Job must be 1-256 visible ASCII characters"
         )
     if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
         return refusal(
-            "invalid_fencing_token",
+            Reason.INVALID_FENCING_TOKEN,
             "Fencing-Token must be a decimal integer from 1 to 2^63-1 without sign or leading zero",
         )
     return job, int(token)
@@ -163,7 +152,7 @@ class FenceGate:
 
 
 def unavailable(exc: BaseException) -> Refusal:
-    return refusal("store_unavailable", f"the fence's database failed: {type(exc).__name__}")
+    return refusal(Reason.STORE_UNAVAILABLE, f"the fence's database failed: {type(exc).__name__}")
 
 
 def _is_driver_error(exc: Exception) -> bool:

@@ -9,7 +9,7 @@
 
 The task body gets a `SyncRun` (or a `TaskRun` when it is `async def`, run on the
 private loop of `leases.integrations.sync`). What ends a run becomes Celery's idiom:
-the job already completed returns `{"sinkgate": "job_completed", ...}` (done,
+the job already completed returns `{"sinkgate": Reason.JOB_COMPLETED, ...}` (done,
 nothing redone); a lease held by another live run retries after it would expire;
 a newer generation elsewhere raises `Ignore` (this run stops, the newer one
 answers for the job); a lease that ran out with nobody else on it retries.
@@ -27,6 +27,7 @@ from celery import Celery, Task  # type: ignore[import-untyped]
 from celery.exceptions import Ignore  # type: ignore[import-untyped]
 
 from ..errors import LeaseError
+from ..reasons import Reason
 from ..writer import StaleWrite
 from .gate import TaskGate, Verdict, job_id_from
 from .sync import _THREAD, run_sync
@@ -93,7 +94,7 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
     if found.action == "stop":
         raise Ignore()
     retries: dict[str, int] = {}
-    if found.reason == "lease_held" and not task.request.is_eager:
+    if found.reason == Reason.LEASE_HELD and not task.request.is_eager:
         # A held lease has a live holder that renews it: wait for it as long as it
         # takes (its run ends in done or stop). Other retries count against the
         # task's own max_retries; so does every retry of an eager run, which

@@ -26,6 +26,7 @@ from yarl import URL
 from ..errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from ..hold import HeldLease, hold
 from ..model import IDENT, default_owner
+from ..reasons import Reason
 from ..store import LeaseStore, open_store
 from ..writer import FencedWriter, StaleWrite, derive_key
 
@@ -34,7 +35,7 @@ __all__ = ["TaskGate", "TaskRun", "Verdict", "job_id_from", "verdict"]
 Action = Literal["done", "retry", "stop"]
 
 # A newer generation exists: another run owns the job and answers for it.
-_SUPERSEDED = frozenset({"stale_generation", "unknown_generation", "owner_mismatch"})
+_SUPERSEDED = frozenset({"stale_generation", Reason.UNKNOWN_GENERATION, Reason.OWNER_MISMATCH})
 
 
 def job_id_from(*parts: object) -> str:
@@ -145,9 +146,9 @@ class TaskGate:
             return found
         mine = getattr(error, "generation", None)
         if current is not None and current.state == "done":
-            return Verdict("done", "job_completed")
+            return Verdict("done", Reason.JOB_COMPLETED)
         if current is not None and isinstance(mine, int) and current.generation > mine:
-            return Verdict("stop", "stale_generation")
+            return Verdict("stop", Reason.STALE_GENERATION)
         return found
 
     async def close(self) -> None:
@@ -190,15 +191,15 @@ def verdict(error: BaseException, retry_delay: float = 1.0) -> Verdict | None:
     """How a queue should treat a run that ended in `error`; None: not ours, let the
     queue's own error handling have it."""
     if isinstance(error, JobCompleted):
-        return Verdict("done", "job_completed")
+        return Verdict("done", Reason.JOB_COMPLETED)
     if isinstance(error, LeaseHeld):
-        return Verdict("retry", "lease_held", max(error.expires_in, 0.05))
+        return Verdict("retry", Reason.LEASE_HELD, max(error.expires_in, 0.05))
     if isinstance(error, LeaseLost | StaleWrite):
-        if error.reason == "job_completed":
-            return Verdict("done", "job_completed")
+        if error.reason == Reason.JOB_COMPLETED:
+            return Verdict("done", Reason.JOB_COMPLETED)
         if error.reason in _SUPERSEDED:
             return Verdict("stop", error.reason)
         return Verdict("retry", error.reason, retry_delay)
     if isinstance(error, StoreUnavailable):
-        return Verdict("retry", "store_unavailable", retry_delay)
+        return Verdict("retry", Reason.STORE_UNAVAILABLE, retry_delay)
     return None

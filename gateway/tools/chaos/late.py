@@ -39,6 +39,7 @@ from leases import Lease
 from leases.fence import Fence, StaleToken
 from leases.fence.gate import Refusal, refusal, stale_refusal
 from leases.model import MAX_GENERATION
+from leases.reasons import Reason
 from leases.writer import FencedWriter, GatewayRejected, derive_key
 
 T = TypeVar("T")
@@ -161,8 +162,8 @@ class FencedLedger:
         """Check and record the effect in one transaction; `applied()` (the in-memory
         record) runs once it has committed. Returns its result, or the refusal."""
         if not token.isdigit() or not 1 <= int(token) <= MAX_GENERATION:
-            self.refused["invalid_fencing_token"] += 1
-            return refusal("invalid_fencing_token", "the fence needs a valid Fencing-Token")
+            self.refused[Reason.INVALID_FENCING_TOKEN] += 1
+            return refusal(Reason.INVALID_FENCING_TOKEN, "the fence needs a valid Fencing-Token")
         try:
             with self._conn:  # commits, or rolls back on any exception
                 self._fence.check_sync(self._conn, job_id, int(token))
@@ -171,7 +172,7 @@ class FencedLedger:
                     (job_id, int(token), key),
                 )
         except StaleToken as exc:
-            self.refused["stale_generation"] += 1
+            self.refused[Reason.STALE_GENERATION] += 1
             if key is not None:
                 self.refused_keys[key] += 1
             return stale_refusal(exc)
