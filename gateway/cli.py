@@ -15,7 +15,15 @@ from typing import Any
 
 import structlog
 
-from gateway.config.model import Config, format_duration, format_size, load_config, redact_url
+from gateway.config.model import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    Config,
+    format_duration,
+    format_size,
+    load_config,
+    redact_url,
+)
 from gateway.errors import ConfigError, GatewayError
 from gateway.telemetry.logs import LEVELS, configure_logging
 from leases.errors import LeaseError
@@ -121,11 +129,22 @@ def _error(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> Config | None:
+    """The config, or None after printing every error, paths as the user gave them."""
+    given = args.config or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
     try:
-        config = load_config(args.config)
+        return load_config(given, display=given)
     except ConfigError as exc:
-        _error(str(exc))
+        for line in exc.errors:
+            _error(line)
+        if not os.path.exists(given):
+            _error("no config file: pass --config PATH")
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
         return 1
     json = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(args.log_level, json=json)
@@ -170,10 +189,8 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        _error(str(exc))
+    config = _load(args)
+    if config is None:
         return 1
     print(summary(config))
     return 0

@@ -6,6 +6,7 @@ raise `Rejection` and one place turns it into problem+json.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 # The store boundary raises the lease module's StoreUnavailable for every driver
@@ -29,7 +30,17 @@ class GatewayError(Exception):
 
 
 class ConfigError(GatewayError):
-    """The configuration is invalid; the message names the file and the key."""
+    """The configuration is invalid. Each of `errors` is one line naming the file
+    and the key; the message is all of them, one per line."""
+
+    def __init__(self, *errors: str) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+    @classmethod
+    def of(cls, problems: Iterable[ConfigError]) -> ConfigError:
+        """One error carrying every line of `problems`, in order."""
+        return cls(*(line for problem in problems for line in problem.errors))
 
 
 class Rejection(GatewayError):

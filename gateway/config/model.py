@@ -23,10 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from gateway.config import keys
+from gateway.config.keys import (
+    DEFAULT_ADMIN_TOKEN_ENV,
+    DEFAULT_METHODS,
+    DEFAULT_REPLAY_HEADERS,
+    DEFAULT_RETRYABLE_STATUSES,
+    DESTINATION,
+    HOP_BY_HOP,
+    RESERVED_HEADERS,
+)
 from gateway.config.reader import (
     MiB,
+    Problems,
     Table,
-    bearer_tokens,
     format_duration,
     format_size,
     is_loopback,
@@ -36,9 +46,9 @@ from gateway.config.reader import (
     parse_upstream,
     read_toml,
     redact_url,
-    secret,
     show,
 )
+from gateway.config.tls import check_destination_tls, check_server_tls
 from gateway.errors import ConfigError
 from gateway.write.decision import Fencing
 
@@ -70,62 +80,40 @@ __all__ = [
 
 CONFIG_ENV = "SINKGATE_CONFIG"
 DEFAULT_CONFIG_PATH = "config/gateway.toml"
-DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
-DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-DEFAULT_RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-DEFAULT_REPLAY_HEADERS = ("Content-Type", "Location", "ETag", "Content-Location")
 
 DESTINATION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (header names, methods)
-_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
-# RFC 9110 7.6.1 plus the proxy-era names; never forwarded in either direction.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-    }
-)
-# Hop-by-hop and headers the gateway computes or owns itself: a destination may
-# neither set nor replay them.
-RESERVED_HEADERS = HOP_BY_HOP | frozenset(
-    {
-        "host",
-        "content-length",
-        "idempotency-key",
-        "fencing-job",
-        "fencing-token",
-        "fencing-owner",
-    }
-)
+
+_D = DESTINATION.defaults
+_SERVER, _STORE, _RETENTION = (s.defaults for s in (keys.SERVER, keys.STORE, keys.RETENTION))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DestinationConfig:
-    """One `destinations/<name>.toml`: where writes go and how they are guarded."""
+    """One `destinations/<name>.toml`: where writes go and how they are guarded.
+    Defaults are those declared in `gateway.config.keys.DESTINATION`."""
 
     name: str
     upstream: str
-    fencing: Fencing = Fencing.LEASE
-    require_idempotency_key: bool = True
-    upstream_idempotent: bool = False
-    methods: frozenset[str] = DEFAULT_METHODS
-    timeout: float = 10.0
-    connect_timeout: float = 2.0
-    max_body: int = MiB
-    max_replay_body: int = MiB
-    retryable_statuses: frozenset[int] = DEFAULT_RETRYABLE_STATUSES
-    replay_headers: tuple[str, ...] = DEFAULT_REPLAY_HEADERS
-    forward_fencing_headers: bool = True
-    worker_tokens: tuple[str, ...] | None = field(default=None, repr=False)
-    upstream_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    max_in_flight: int = 256
+    fencing: Fencing = _D["fencing"]
+    require_idempotency_key: bool = _D["require_idempotency_key"]
+    upstream_idempotent: bool = _D["upstream_idempotent"]
+    methods: frozenset[str] = _D["methods"]
+    timeout: float = _D["timeout"]
+    connect_timeout: float = _D["connect_timeout"]
+    max_body: int = _D["max_body"]
+    max_replay_body: int = _D["max_replay_body"]
+    retryable_statuses: frozenset[int] = _D["retryable_statuses"]
+    replay_headers: tuple[str, ...] = _D["replay_headers"]
+    forward_fencing_headers: bool = _D["forward_fencing_headers"]
+    worker_tokens: tuple[str, ...] | None = field(default=_D["worker_tokens_env"], repr=False)
+    upstream_headers: tuple[tuple[str, str], ...] = field(
+        default=_D["upstream_headers"], repr=False
+    )
+    max_in_flight: int = _D["max_in_flight"]
+    ca_file: Path | None = _D["ca_file"]
+    client_cert: Path | None = _D["client_cert"]
+    client_key: Path | None = _D["client_key"]
+    tls_verify: bool = _D["tls_verify"]
     source: Path
 
     @property
@@ -136,127 +124,133 @@ class DestinationConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """The gateway's whole configuration; `destinations` is read-only, by name."""
+    """The gateway's whole configuration; `destinations` is read-only, by name.
+    Defaults are those declared in `gateway.config.keys`."""
 
     source: Path
     listen: tuple[str, int]
     admin_listen: tuple[str, int]
     # repr=False: a postgresql URL may carry a password; see `redact_url`.
     store_url: str = field(repr=False)
-    store_pool_size: int = 10
+    store_pool_size: int = _STORE["pool_size"]
     admin_token: str | None = field(default=None, repr=False)
     admin_token_env: str = DEFAULT_ADMIN_TOKEN_ENV
-    idempotency_ttl: float = 24 * 3600.0
-    rejections_ttl: float = 7 * 24 * 3600.0
+    idempotency_ttl: float = _RETENTION["idempotency_ttl"]
+    rejections_ttl: float = _RETENTION["rejections_ttl"]
     destinations: Mapping[str, DestinationConfig] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    max_in_flight: int = 4096
-    shutdown_grace: float = 30.0
-    lease_tokens: tuple[str, ...] | None = field(default=None, repr=False)  # None: open lease API
+    max_in_flight: int = _SERVER["max_in_flight"]
+    shutdown_grace: float = _SERVER["shutdown_grace"]
+    # None: open lease API
+    lease_tokens: tuple[str, ...] | None = field(default=_SERVER["lease_tokens_env"], repr=False)
+    tls_cert: Path | None = _SERVER["tls_cert"]
+    tls_key: Path | None = _SERVER["tls_key"]
 
 
 # --- the gateway file ------------------------------------------------------------
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    display: str | None = None,
 ) -> Config:
     """Load and validate the gateway config and every destination file.
 
     `path` defaults to `$SINKGATE_CONFIG`, then `config/gateway.toml`; `environ`
     (default `os.environ`) is where secrets named by `*_env` keys are read.
+    Every problem found is reported in one `ConfigError`, one line each, naming
+    the gateway file as `display` (default: its file name) and each destination
+    file relative to that.
     """
     env = os.environ if environ is None else environ
     given = Path(path if path is not None else env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
     source = given.absolute()
-    file = source.name
     if not source.is_file():
         what = "is a directory" if source.is_dir() else "no such file"
         raise ConfigError(f"{given}: cannot read: {what}")
+    file = display if display is not None else source.name
+    problems = Problems()
+    try:
+        data = read_toml(source, file)
+    except ConfigError as exc:
+        problems.append(exc)
+        data = {}
     root = Table(
-        read_toml(source, file),
+        data,
         file,
         "",
-        ("server", "store", "admin", "retention", "destinations"),
+        tuple(section.name for section in keys.GATEWAY_FILE),
+        env=env,
+        base=source.parent,
+        problems=problems,
     )
-    server = root.table(
-        "server", ("listen", "admin_listen", "max_in_flight", "shutdown_grace", "lease_tokens_env")
-    )
-    listen = server.parsed("listen", parse_listen, ("127.0.0.1", 8480))
-    admin_listen = server.parsed("admin_listen", parse_listen, ("127.0.0.1", 8481))
-    if listen == admin_listen and listen[1] != 0:
-        raise server.error("admin_listen", "must differ from server.listen")
-
-    store = root.table("store", ("url", "pool_size"))
-    store_url = _store_url(store, source.parent)
-
-    admin = root.table("admin", ("token_env",))
-    token_env = admin.env_name("token_env", DEFAULT_ADMIN_TOKEN_ENV)
+    server, store, admin, retention, dirs = (s.open(root) for s in keys.GATEWAY_FILE)
+    srv = keys.SERVER.read(server)
+    if srv["listen"] == srv["admin_listen"] and srv["listen"][1] != 0:
+        server.report("admin_listen", "must differ from server.listen")
+    check_server_tls(server, srv)
+    st = keys.STORE.read(store)
+    token_env = keys.ADMIN.read(admin)["token_env"]
     admin_token = env.get(token_env) or None
-    if admin_token is None and not is_loopback(admin_listen[0]):
-        raise server.error(
+    if admin_token is None and not is_loopback(srv["admin_listen"][0]):
+        server.report(
             "admin_listen",
-            f"listens beyond loopback on {show(admin_listen[0])} but no admin token is set "
-            f"(environment variable {token_env} is unset or empty)",
+            f"listens beyond loopback on {show(srv['admin_listen'][0])} but no admin token is "
+            f"set (environment variable {token_env} is unset or empty)",
         )
-
-    retention = root.table("retention", ("idempotency_ttl", "rejections_ttl"))
+    ret = keys.RETENTION.read(retention)
+    destinations = _destinations(dirs, source.parent, os.path.dirname(file))
+    problems.raise_any()
     return Config(
         source=source,
-        listen=listen,
-        admin_listen=admin_listen,
-        store_url=store_url,
-        store_pool_size=store.integer("pool_size", 10, 1, 1000),
+        listen=srv["listen"],
+        admin_listen=srv["admin_listen"],
+        store_url=_absolute_sqlite(st["url"], source.parent),
+        store_pool_size=st["pool_size"],
         admin_token=admin_token,
         admin_token_env=token_env,
-        idempotency_ttl=retention.duration("idempotency_ttl", 24 * 3600.0),
-        rejections_ttl=retention.duration("rejections_ttl", 7 * 24 * 3600.0),
-        destinations=MappingProxyType(_destinations(root, source.parent, env)),
-        max_in_flight=server.integer("max_in_flight", 4096, 1),
-        shutdown_grace=server.duration("shutdown_grace", 30.0, allow_zero=True),
-        lease_tokens=bearer_tokens(server, env, "lease_tokens_env"),
+        idempotency_ttl=ret["idempotency_ttl"],
+        rejections_ttl=ret["rejections_ttl"],
+        destinations=MappingProxyType(destinations),
+        max_in_flight=srv["max_in_flight"],
+        shutdown_grace=srv["shutdown_grace"],
+        lease_tokens=srv["lease_tokens_env"],
+        tls_cert=srv["tls_cert"],
+        tls_key=srv["tls_key"],
     )
 
 
-def _store_url(store: Table, base: Path) -> str:
-    url = store.string("url", "sqlite:///data/sinkgate.db")
-    scheme = url.partition(":")[0].lower()
-    if scheme in ("postgresql", "postgres") and url[len(scheme) :].startswith("://"):
+def _absolute_sqlite(url: str, base: Path) -> str:
+    """A relative sqlite path is relative to the config file, not the working directory."""
+    if not url.startswith("sqlite:///"):
         return url
-    if scheme != "sqlite":
-        # Only the scheme is echoed: the rest may hold a password.
-        raise store.error(
-            "url", f"expected sqlite:///path or postgresql://..., got a {show(scheme)} URL"
-        )
-    if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
-        raise store.error(
-            "url", f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
-        )
     rest = url[len("sqlite:///") :]
     if rest == ":memory:" or rest.startswith("/"):
         return url
     return "sqlite:///" + os.path.normpath(base / rest)
 
 
-def _destinations(root: Table, base: Path, env: Mapping[str, str]) -> dict[str, DestinationConfig]:
-    section = root.table("destinations", ("dir",))
-    explicit = "dir" in section.data
-    given = section.string("dir", "destinations")
+def _destinations(section: Table, base: Path, shown_dir: str) -> dict[str, DestinationConfig]:
+    given = keys.DESTINATIONS.read(section)["dir"]
     directory = base / given
     if not directory.is_dir():
-        if explicit:
-            raise section.error("dir", f"no such directory {show(given)} next to this file")
+        if "dir" in section.data:
+            section.report("dir", f"no such directory {show(given)} next to this file")
         return {}
     destinations: dict[str, DestinationConfig] = {}
     # Dot files are skipped: editors leave lock files like `.#payments.toml`.
     for path in sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".")):
-        destination = load_destination(path, environ=env, display=_display(path, base))
-        destinations[destination.name] = destination
+        display = os.path.join(shown_dir, _relative(path, base))
+        destination = _destination(path, section.env, display, section.problems)
+        if destination is not None:
+            destinations[destination.name] = destination
     return destinations
 
 
-def _display(path: Path, base: Path) -> str:
+def _relative(path: Path, base: Path) -> str:
     try:
         return path.relative_to(base).as_posix()
     except ValueError:
@@ -265,129 +259,49 @@ def _display(path: Path, base: Path) -> str:
 
 # --- one destination file ----------------------------------------------------------
 
-_DESTINATION_KEYS = (
-    "upstream",
-    "fencing",
-    "require_idempotency_key",
-    "upstream_idempotent",
-    "methods",
-    "timeout",
-    "connect_timeout",
-    "max_body",
-    "max_replay_body",
-    "retryable_statuses",
-    "replay_headers",
-    "forward_fencing_headers",
-    "worker_tokens_env",
-    "upstream_headers",
-    "max_in_flight",
-)
-
 
 def load_destination(
     path: Path, *, environ: Mapping[str, str] | None = None, display: str | None = None
 ) -> DestinationConfig:
     """Load one destination file; its name is the file's stem."""
     env = os.environ if environ is None else environ
-    display = display or str(path)
+    problems = Problems()
+    destination = _destination(path, env, display or str(path), problems)
+    problems.raise_any()
+    assert destination is not None
+    return destination
+
+
+def _destination(
+    path: Path, env: Mapping[str, str], display: str, problems: Problems
+) -> DestinationConfig | None:
+    """The destination in `path`, or None with its errors added to `problems`."""
+    found = len(problems)
     name = path.stem
     if not DESTINATION_NAME.fullmatch(name):
-        raise ConfigError(
-            f"{display}: the file name gives the destination name {show(name)}: "
-            "expected 1-64 characters of A-Z a-z 0-9 . _ -"
-        )
-    t = Table(read_toml(path, display), display, "", _DESTINATION_KEYS)
-    if "upstream" not in t.data:
-        raise t.error("upstream", 'missing: expected a URL like "https://payments.internal/api"')
-    upstream = t.parsed("upstream", parse_upstream, "")
-    fencing = t.string("fencing", Fencing.LEASE.value)
-    if fencing not in {f.value for f in Fencing}:
-        raise t.error("fencing", f'expected "lease" or "monotonic", got {show(fencing)}')
-    timeout = t.duration("timeout", 10.0)
-    # The 2 s default never exceeds a shorter timeout; only an explicit value can.
-    connect_timeout = t.duration("connect_timeout", min(2.0, timeout))
-    if connect_timeout > timeout:
-        raise t.error("connect_timeout", f"must not exceed timeout ({format_duration(timeout)})")
-    return DestinationConfig(
-        name=name,
-        upstream=upstream,
-        fencing=Fencing(fencing),
-        require_idempotency_key=t.boolean("require_idempotency_key", True),
-        upstream_idempotent=t.boolean("upstream_idempotent", False),
-        methods=_methods(t),
-        timeout=timeout,
-        connect_timeout=connect_timeout,
-        max_body=t.size("max_body", MiB),
-        max_replay_body=t.size("max_replay_body", MiB, allow_zero=True),
-        retryable_statuses=_statuses(t),
-        replay_headers=_replay_headers(t),
-        forward_fencing_headers=t.boolean("forward_fencing_headers", True),
-        worker_tokens=bearer_tokens(t, env),
-        upstream_headers=_upstream_headers(t, env),
-        max_in_flight=t.integer("max_in_flight", 256, 1),
-        source=path.absolute(),
-    )
-
-
-def _methods(t: Table) -> frozenset[str]:
-    methods = t.strings("methods", sorted(DEFAULT_METHODS))
-    if not methods:
-        raise t.error("methods", "expected at least one method")
-    for method in methods:
-        if not _TOKEN.fullmatch(method) or method.upper() == "CONNECT":
-            raise t.error("methods", f"not a method that can be forwarded: {show(method)}")
-    return frozenset(m.upper() for m in methods)
-
-
-def _statuses(t: Table) -> frozenset[int]:
-    value = t.data.get("retryable_statuses", sorted(DEFAULT_RETRYABLE_STATUSES))
-    if not isinstance(value, list):
-        raise t.error("retryable_statuses", f"expected an array of status codes, got {show(value)}")
-    for status in value:
-        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
-            raise t.error(
-                "retryable_statuses", f"expected status codes 100..599, got {show(status)}"
+        problems.append(
+            ConfigError(
+                f"{display}: the file name gives the destination name {show(name)}: "
+                "expected 1-64 characters of A-Z a-z 0-9 . _ -"
             )
-    return frozenset(value)
-
-
-def _replay_headers(t: Table) -> tuple[str, ...]:
-    names: dict[str, str] = {}
-    for name in t.strings("replay_headers", DEFAULT_REPLAY_HEADERS):
-        if not _TOKEN.fullmatch(name):
-            raise t.error("replay_headers", f"not a header name: {show(name)}")
-        if name.lower() in RESERVED_HEADERS:
-            raise t.error("replay_headers", f"{name} is hop-by-hop or set by the gateway")
-        names.setdefault(name.lower(), name)
-    return tuple(names.values())
-
-
-def _upstream_headers(t: Table, env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    table = t.table("upstream_headers", None)
-    seen: set[str] = set()
-    headers: list[tuple[str, str]] = []
-    for name, spec in table.data.items():
-        if not _TOKEN.fullmatch(name):
-            raise table.error(name, "not a valid header name")
-        if name.lower() in RESERVED_HEADERS:
-            raise table.error(name, "hop-by-hop or set by the gateway; it cannot be configured")
-        if name.lower() in seen:
-            raise table.error(name, "given twice (header names are case-insensitive)")
-        seen.add(name.lower())
-        if isinstance(spec, str):
-            value = spec
-        elif isinstance(spec, dict):
-            entry = table.table(name, ("env", "format"))
-            if "env" not in entry.data:
-                raise table.error(name, 'expected { env = "VAR" } with an optional format')
-            fmt = entry.string("format", "{}")
-            if fmt.count("{}") != 1:
-                raise entry.error("format", f'must contain "{{}}" exactly once, got {show(fmt)}')
-            value = fmt.replace("{}", secret(table, name, entry.env_name("env", ""), env))
-        else:
-            raise table.error(name, f'expected a string or {{ env = "VAR" }}, got {show(spec)}')
-        if not _HEADER_VALUE.fullmatch(value):
-            # Never echo the value: it is a secret.
-            raise table.error(name, "the value has control or non-ASCII characters")
-        headers.append((name, value))
-    return tuple(headers)
+        )
+        return None
+    try:
+        data = read_toml(path, display)
+    except ConfigError as exc:
+        problems.append(exc)
+        return None
+    t = Table(data, display, "", DESTINATION.names, env=env, base=path.parent, problems=problems)
+    values = DESTINATION.read(t)
+    if "connect_timeout" not in t.data:
+        # The 2 s default never exceeds a shorter timeout; only an explicit value can.
+        values["connect_timeout"] = min(values["connect_timeout"], values["timeout"])
+    elif values["connect_timeout"] > values["timeout"]:
+        t.report(
+            "connect_timeout", f"must not exceed timeout ({format_duration(values['timeout'])})"
+        )
+    check_destination_tls(t, values)
+    if len(problems) > found:
+        return None
+    values["worker_tokens"] = values.pop("worker_tokens_env")
+    return DestinationConfig(name=name, source=path.absolute(), **values)

@@ -187,13 +187,39 @@ def _is_ip(host: str, *, version: int) -> bool:
 # --- reading tables -----------------------------------------------------------
 
 
+class Problems(list[ConfigError]):
+    """Every error found while loading, in the order found (check-config shows them all)."""
+
+    def raise_any(self) -> None:
+        """Raise one `ConfigError` carrying every problem, if there is any."""
+        if self:
+            raise ConfigError.of(self)
+
+
 class Table:
-    """One TOML table of one file: typed getters whose errors name file and key."""
+    """One TOML table of one file: typed getters whose errors name file and key.
+
+    A Table shares `problems` with the tables made from it: an error found by
+    `Section.read` or `report` is collected there rather than raised, so one
+    load reports every bad key. `env` is where secrets are read; `base` is the
+    directory relative file names (PEM files) are resolved against.
+    """
 
     def __init__(
-        self, data: Mapping[str, Any], file: str, prefix: str, known: Iterable[str] | None
+        self,
+        data: Mapping[str, Any],
+        file: str,
+        prefix: str,
+        known: Iterable[str] | None,
+        *,
+        env: Mapping[str, str] | None = None,
+        base: Path | None = None,
+        problems: Problems | None = None,
     ) -> None:
         self.data, self.file, self.prefix = data, file, prefix
+        self.env: Mapping[str, str] = env if env is not None else {}
+        self.base = base if base is not None else Path()
+        self.problems = problems if problems is not None else Problems()
         if known is None:  # a table of free-form names, like [upstream_headers]
             return
         known = tuple(known)
@@ -201,7 +227,7 @@ class Table:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f' (did you mean "{close[0]}"?)' if close else ""
-                raise self.error(key, f"unknown key{hint}")
+                self.report(key, f"unknown key{hint}")
 
     def key(self, key: str) -> str:
         part = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
@@ -210,19 +236,32 @@ class Table:
     def error(self, key: str, what: str) -> ConfigError:
         return ConfigError(f"{self.file}: {self.key(key)}: {what}")
 
+    def report(self, key: str, what: str) -> None:
+        """Collect an error at `key` and go on reading."""
+        self.problems.append(self.error(key, what))
+
     def table(self, key: str, known: Iterable[str] | None) -> Table:
         value = self.data.get(key, {})
         if not isinstance(value, dict):
-            raise self.error(key, f"expected a table, got {show(value)}")
-        return Table(value, self.file, self.key(key), known)
+            self.report(key, f"expected a table, got {show(value)}")
+            value = {}
+        return Table(
+            value,
+            self.file,
+            self.key(key),
+            known,
+            env=self.env,
+            base=self.base,
+            problems=self.problems,
+        )
 
-    def string(self, key: str, default: str) -> str:
+    def string(self, key: str, default: str = "") -> str:
         value = self.data.get(key, default)
         if not isinstance(value, str):
             raise self.error(key, f"expected a string, got {show(value)}")
         return value
 
-    def boolean(self, key: str, default: bool) -> bool:
+    def boolean(self, key: str, default: bool = False) -> bool:
         value = self.data.get(key, default)
         if not isinstance(value, bool):
             raise self.error(key, f"expected true or false, got {show(value)}")
@@ -259,13 +298,13 @@ class Table:
         except ValueError as exc:
             raise self.error(key, str(exc)) from None
 
-    def strings(self, key: str, default: Iterable[str]) -> list[str]:
+    def strings(self, key: str, default: Iterable[str] = ()) -> list[str]:
         value = self.data.get(key, list(default))
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.error(key, f"expected an array of strings, got {show(value)}")
         return value
 
-    def env_name(self, key: str, default: str) -> str:
+    def env_name(self, key: str, default: str = "") -> str:
         name = self.string(key, default)
         if not _ENV_NAME.fullmatch(name):
             raise self.error(key, f"expected an environment variable name, got {show(name)}")

@@ -71,8 +71,9 @@ def test_check_config_with_an_unknown_key_exits_1_naming_file_and_key(tmp_path: 
     result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
     assert result.returncode == 1
     assert result.stdout == ""
+    # The file is named as the command line gave it.
     assert result.stderr == (
-        'sinkgate: gateway.toml: server.listn: unknown key (did you mean "listen"?)\n'
+        f'sinkgate: {tmp_path}/gateway.toml: server.listn: unknown key (did you mean "listen"?)\n'
     )
 
 
@@ -204,7 +205,9 @@ def test_serve_with_a_bad_config_exits_1_before_starting(
 ) -> None:
     (tmp_path / "gateway.toml").write_text("[server]\nlisten = 1\n")
     assert cli.main(["serve", "--config", str(tmp_path / "gateway.toml")]) == 1
-    assert capsys.readouterr().err.startswith("sinkgate: gateway.toml: server.listen: expected")
+    assert capsys.readouterr().err.startswith(
+        f"sinkgate: {tmp_path}/gateway.toml: server.listen: expected"
+    )
 
 
 def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -> None:

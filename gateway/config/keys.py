@@ -1,0 +1,320 @@
+"""Every config key, declared once: its name in the file, how it is read (type and
+bounds), its default, and what it is for (SPEC 5).
+
+`model` builds the dataclasses from these sections, taking their defaults from
+here too, and adds the rules that tie keys together (a connect timeout within
+the timeout, TLS keys in pairs); `reader` holds the typed getters. Unknown keys
+are derived from the same declarations, so a key cannot be known to the
+"did you mean" hint and missing from the loader, or the other way round.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from gateway.config.reader import (
+    MiB,
+    Table,
+    bearer_tokens,
+    parse_listen,
+    parse_upstream,
+    secret,
+    show,
+)
+from gateway.errors import ConfigError
+from gateway.write.decision import Fencing
+
+DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
+DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+DEFAULT_RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+DEFAULT_REPLAY_HEADERS = ("Content-Type", "Location", "ETag", "Content-Location")
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (header names, methods)
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+# RFC 9110 7.6.1 plus the proxy-era names; never forwarded in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+    }
+)
+# Hop-by-hop and headers the gateway computes or owns itself: a destination may
+# neither set nor replay them.
+RESERVED_HEADERS = HOP_BY_HOP | frozenset(
+    {
+        "host",
+        "content-length",
+        "idempotency-key",
+        "fencing-job",
+        "fencing-token",
+        "fencing-owner",
+    }
+)
+
+Reader = Callable[[Table, str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One config key: its name in the file, how it is read (type and bounds),
+    its default, and what it is for. A `required` key has no default."""
+
+    name: str
+    read: Reader
+    default: Any
+    help: str
+    required: str | None = None  # the "missing: ..." message
+
+
+class Section:
+    """The keys of one table, each declared once; `name` is "" for a file's top."""
+
+    def __init__(self, name: str, *keys: Key) -> None:
+        self.name = name
+        self.keys = {key.name: key for key in keys}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The keys a file may set here (anything else is an unknown key)."""
+        return tuple(self.keys)
+
+    @property
+    def defaults(self) -> Mapping[str, Any]:
+        """The value each key has when the file does not set it."""
+        return MappingProxyType({name: key.default for name, key in self.keys.items()})
+
+    def open(self, parent: Table) -> Table:
+        """This section's table under `parent`."""
+        return parent.table(self.name, self.names)
+
+    def read(self, t: Table) -> dict[str, Any]:
+        """Every key's value; a key that fails is reported and gets its default."""
+        values: dict[str, Any] = {}
+        for name, key in self.keys.items():
+            values[name] = key.default
+            if name not in t.data:
+                if key.required is not None:
+                    t.report(name, f"missing: {key.required}")
+                continue
+            try:
+                values[name] = key.read(t, name)
+            except ConfigError as exc:
+                t.problems.append(exc)
+        return values
+
+
+def integer(low: int, high: int | None = None) -> Reader:
+    """An integer in `low..high` (no upper bound if None)."""
+    return lambda t, name: t.integer(name, 0, low, high)
+
+
+def duration(*, allow_zero: bool = False) -> Reader:
+    """A duration like "10s", > 0 (or >= 0)."""
+    return lambda t, name: t.duration(name, 0.0, allow_zero=allow_zero)
+
+
+def size(*, allow_zero: bool = False) -> Reader:
+    """A size like "1MiB", > 0 (or >= 0)."""
+    return lambda t, name: t.size(name, 0, allow_zero=allow_zero)
+
+
+def parsed(parse: Callable[[object], Any]) -> Reader:
+    """A value read by one of the parsers above."""
+    return lambda t, name: t.parsed(name, parse, None)
+
+
+def string(t: Table, name: str) -> str:
+    return t.string(name)
+
+
+def boolean(t: Table, name: str) -> bool:
+    return t.boolean(name)
+
+
+def env_name(t: Table, name: str) -> str:
+    return t.env_name(name)
+
+
+def tokens(t: Table, name: str) -> tuple[str, ...] | None:
+    return bearer_tokens(t, t.env, name)
+
+
+def pem_file(t: Table, name: str) -> Path:
+    """A PEM file, relative to the directory of the file that names it."""
+    given = t.string(name)
+    path = t.base / given
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise t.error(name, f"cannot read {show(given)}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in text:
+        raise t.error(name, f"{show(given)} is not a PEM file")
+    return path.absolute()
+
+
+# --- readers of one key's own rules -------------------------------------------
+
+
+def store_url(t: Table, name: str) -> str:
+    """A sqlite:/// or postgresql:// URL; never echoed whole (it may hold a password)."""
+    url = t.string(name)
+    scheme = url.partition(":")[0].lower()
+    if scheme in ("postgresql", "postgres") and url[len(scheme) :].startswith("://"):
+        return url
+    if scheme != "sqlite":
+        # Only the scheme is echoed: the rest may hold a password.
+        raise t.error(
+            name, f"expected sqlite:///path or postgresql://..., got a {show(scheme)} URL"
+        )
+    if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
+        raise t.error(
+            name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
+        )
+    return url
+
+
+def fencing(t: Table, name: str) -> Fencing:
+    value = t.string(name)
+    if value not in {f.value for f in Fencing}:
+        raise t.error(name, f'expected "lease" or "monotonic", got {show(value)}')
+    return Fencing(value)
+
+
+def methods(t: Table, name: str) -> frozenset[str]:
+    given = t.strings(name)
+    if not given:
+        raise t.error(name, "expected at least one method")
+    for method in given:
+        if not _TOKEN.fullmatch(method) or method.upper() == "CONNECT":
+            raise t.error(name, f"not a method that can be forwarded: {show(method)}")
+    return frozenset(m.upper() for m in given)
+
+
+def statuses(t: Table, name: str) -> frozenset[int]:
+    value = t.data[name]
+    if not isinstance(value, list):
+        raise t.error(name, f"expected an array of status codes, got {show(value)}")
+    for status in value:
+        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
+            raise t.error(name, f"expected status codes 100..599, got {show(status)}")
+        if 200 <= status <= 299:
+            # A 2xx is the upstream saying it did it: releasing the key would
+            # let a retry do it twice.
+            raise t.error(name, f"{status} is a success, not a status to retry")
+    return frozenset(value)
+
+
+def replay_headers(t: Table, name: str) -> tuple[str, ...]:
+    names: dict[str, str] = {}
+    for header in t.strings(name):
+        if not _TOKEN.fullmatch(header):
+            raise t.error(name, f"not a header name: {show(header)}")
+        if header.lower() in RESERVED_HEADERS:
+            raise t.error(name, f"{header} is hop-by-hop or set by the gateway")
+        names.setdefault(header.lower(), header)
+    return tuple(names.values())
+
+
+def upstream_headers(t: Table, name: str) -> tuple[tuple[str, str], ...]:
+    table = t.table(name, None)
+    seen: set[str] = set()
+    headers: list[tuple[str, str]] = []
+    for header, spec in table.data.items():
+        if not _TOKEN.fullmatch(header):
+            raise table.error(header, "not a valid header name")
+        if header.lower() in RESERVED_HEADERS:
+            raise table.error(header, "hop-by-hop or set by the gateway; it cannot be configured")
+        if header.lower() in seen:
+            raise table.error(header, "given twice (header names are case-insensitive)")
+        seen.add(header.lower())
+        if isinstance(spec, str):
+            value = spec
+        elif isinstance(spec, dict):
+            entry = table.table(header, ("env", "format"))
+            if "env" not in entry.data:
+                raise table.error(header, 'expected { env = "VAR" } with an optional format')
+            fmt = entry.string("format", "{}")
+            if fmt.count("{}") != 1:
+                raise entry.error("format", f'must contain "{{}}" exactly once, got {show(fmt)}')
+            value = fmt.replace("{}", secret(table, header, entry.env_name("env"), t.env))
+        else:
+            raise table.error(header, f'expected a string or {{ env = "VAR" }}, got {show(spec)}')
+        if not _HEADER_VALUE.fullmatch(value):
+            # Never echo the value: it is a secret.
+            raise table.error(header, "the value has control or non-ASCII characters")
+        headers.append((header, value))
+    return tuple(headers)
+
+
+# --- the declarations -------------------------------------------------------------
+
+SERVER = Section(
+    "server",
+    Key("listen", parsed(parse_listen), ("127.0.0.1", 8480), "writes, the lease API, /healthz"),
+    Key("admin_listen", parsed(parse_listen), ("127.0.0.1", 8481), "/admin and /metrics"),
+    Key("max_in_flight", integer(1), 4096, "writes forwarded at once, all destinations"),
+    Key("shutdown_grace", duration(allow_zero=True), 30.0, "time in-flight writes get on stop"),
+    Key("lease_tokens_env", tokens, None, "variable with the lease API's bearer tokens"),
+    Key("tls_cert", pem_file, None, "PEM certificate chain: both listeners serve HTTPS only"),
+    Key("tls_key", pem_file, None, "PEM private key of tls_cert"),
+)
+STORE = Section(
+    "store",
+    Key("url", store_url, "sqlite:///data/sinkgate.db", "sqlite:///relative/path or postgresql://"),
+    Key("pool_size", integer(1, 1000), 10, "connections to the store"),
+)
+ADMIN = Section(
+    "admin",
+    Key("token_env", env_name, DEFAULT_ADMIN_TOKEN_ENV, "variable holding the admin token"),
+)
+RETENTION = Section(
+    "retention",
+    Key("idempotency_ttl", duration(), 24 * 3600.0, "how long a completed key is kept"),
+    Key("rejections_ttl", duration(), 7 * 24 * 3600.0, "how long a rejection is kept"),
+)
+DESTINATIONS = Section(
+    "destinations",
+    Key("dir", string, "destinations", "directory of destination files, next to this file"),
+)
+GATEWAY_FILE = (SERVER, STORE, ADMIN, RETENTION, DESTINATIONS)
+
+DESTINATION = Section(
+    "",
+    Key(
+        "upstream",
+        parsed(parse_upstream),
+        "",
+        "the URL writes are forwarded under",
+        required='expected a URL like "https://payments.internal/api"',
+    ),
+    Key("fencing", fencing, Fencing.LEASE, '"lease" or "monotonic"'),
+    Key("require_idempotency_key", boolean, True, "refuse writes without Idempotency-Key"),
+    Key("upstream_idempotent", boolean, False, "the upstream dedups Idempotency-Key itself"),
+    Key("methods", methods, DEFAULT_METHODS, "methods forwarded"),
+    Key("timeout", duration(), 10.0, "for the whole upstream request"),
+    Key("connect_timeout", duration(), 2.0, "for the connection; at most timeout"),
+    Key("max_body", size(), MiB, "largest request body"),
+    Key("max_replay_body", size(allow_zero=True), MiB, "largest answer body stored for replays"),
+    Key("retryable_statuses", statuses, DEFAULT_RETRYABLE_STATUSES, "answers that release the key"),
+    Key("replay_headers", replay_headers, DEFAULT_REPLAY_HEADERS, "headers stored for replays"),
+    Key("forward_fencing_headers", boolean, True, "pass Fencing-* on to the upstream"),
+    Key("worker_tokens_env", tokens, None, "variable with the workers' bearer tokens"),
+    Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
+    Key("max_in_flight", integer(1), 256, "writes forwarded at once to this destination"),
+    Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),
+    Key("client_cert", pem_file, None, "PEM certificate for mutual TLS to the upstream"),
+    Key("client_key", pem_file, None, "PEM private key of client_cert"),
+    Key("tls_verify", boolean, True, "false only for an https:// upstream on loopback"),
+)

@@ -1,0 +1,179 @@
+"""Config keys declared once (gateway.config.keys), every error reported in one
+load, and the TLS keys' rules (SPEC 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import trustme
+
+from gateway.config import keys
+from gateway.config.model import Config, DestinationConfig, load_config
+from gateway.errors import ConfigError
+
+UPSTREAM = 'upstream = "http://127.0.0.1:9000/api"\n'
+HTTPS = 'upstream = "https://127.0.0.1:9443/api"\n'
+
+
+def write_config(tmp_path: Path, gateway: str = "", **destinations: str) -> Path:
+    (tmp_path / "destinations").mkdir(exist_ok=True)
+    (tmp_path / "gateway.toml").write_text(gateway)
+    for name, text in destinations.items():
+        (tmp_path / "destinations" / f"{name}.toml").write_text(text)
+    return tmp_path / "gateway.toml"
+
+
+def errors(path: Path) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == "\n".join(info.value.errors)
+    return info.value.errors
+
+
+def test_every_declared_key_has_help_and_is_a_dataclass_default() -> None:
+    fields = {f.name: f for f in dataclasses.fields(DestinationConfig)}
+    for name, key in keys.DESTINATION.keys.items():
+        assert key.help, name
+        field = fields["worker_tokens" if name == "worker_tokens_env" else name]
+        if name != "upstream":
+            assert field.default == key.default, name
+    config_fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert config_fields["max_in_flight"].default == keys.SERVER.defaults["max_in_flight"]
+    assert config_fields["rejections_ttl"].default == keys.RETENTION.defaults["rejections_ttl"]
+
+
+def test_one_load_reports_every_error_of_every_file(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        '[server]\nlisten = "nope"\nmax_in_flight = 0\n[retention]\nrejections_ttl = "0s"\n',
+        a=UPSTREAM + 'timout = "1s"\nmax_body = 0\n',
+        b="x = 1\n",
+        c="x = \n",
+    )
+    assert errors(path) == (
+        'gateway.toml: server.listen: expected "host:port" like "127.0.0.1:8480" or '
+        '"[::1]:8480", got "nope"',
+        "gateway.toml: server.max_in_flight: must be >= 1, got 0",
+        'gateway.toml: retention.rejections_ttl: must be > 0, got "0s"',
+        'destinations/a.toml: timout: unknown key (did you mean "timeout"?)',
+        "destinations/a.toml: max_body: must be > 0, got 0",
+        "destinations/b.toml: x: unknown key",
+        'destinations/b.toml: upstream: missing: expected a URL like "https://payments.internal/api"',
+        "destinations/c.toml: line 1, column 5: invalid TOML: Invalid value",
+    )
+
+
+def test_files_are_named_as_the_caller_shows_them(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "colour = 1\n", a="x = 1\n" + UPSTREAM)
+    assert errors_shown(path, "./conf/gateway.toml") == (
+        "./conf/gateway.toml: colour: unknown key",
+        "./conf/destinations/a.toml: x: unknown key",
+    )
+
+
+def errors_shown(path: Path, display: str) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={}, display=display)
+    return info.value.errors
+
+
+@pytest.mark.parametrize("status", [200, 204, 299])
+def test_a_2xx_status_is_not_retryable(tmp_path: Path, status: int) -> None:
+    path = write_config(tmp_path, a=UPSTREAM + f"retryable_statuses = [503, {status}]\n")
+    assert errors(path) == (
+        f"destinations/a.toml: retryable_statuses: {status} is a success, not a status to retry",
+    )
+
+
+# --- TLS keys -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+def pem(directory: Path, ca: trustme.CA) -> None:
+    (directory / "tls").mkdir(parents=True, exist_ok=True)
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(directory / "tls" / "both.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(directory / "tls" / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "tls" / "key.pem"))
+    ca.cert_pem.write_to_path(str(directory / "tls" / "ca.pem"))
+
+
+def test_tls_files_load_relative_to_the_file_naming_them(tmp_path: Path, ca: trustme.CA) -> None:
+    pem(tmp_path, ca)
+    pem(tmp_path / "destinations", ca)
+    path = write_config(
+        tmp_path,
+        '[server]\ntls_cert = "tls/cert.pem"\ntls_key = "tls/key.pem"\n',
+        a=HTTPS + 'ca_file = "tls/ca.pem"\nclient_cert = "tls/cert.pem"\n'
+        'client_key = "tls/key.pem"\n',
+        b=HTTPS + "tls_verify = false\n",
+    )
+    config = load_config(path, environ={})
+    assert config.tls_cert == tmp_path / "tls" / "cert.pem"
+    assert config.destinations["a"].ca_file == tmp_path / "destinations" / "tls" / "ca.pem"
+    assert config.destinations["a"].client_key == tmp_path / "destinations" / "tls" / "key.pem"
+    assert config.destinations["b"].tls_verify is False
+
+
+@pytest.mark.parametrize(
+    ("gateway", "destination", "message"),
+    [
+        (
+            '[server]\ntls_cert = "tls/cert.pem"\n',
+            UPSTREAM,
+            "gateway.toml: server.tls_key: missing: server.tls_cert is set, so server.tls_key "
+            "must be too",
+        ),
+        (
+            '[server]\ntls_cert = "tls/none.pem"\ntls_key = "tls/key.pem"\n',
+            UPSTREAM,
+            'gateway.toml: server.tls_cert: cannot read "tls/none.pem": No such file or directory',
+        ),
+        (
+            '[server]\ntls_cert = "gateway.toml"\ntls_key = "tls/key.pem"\n',
+            UPSTREAM,
+            'gateway.toml: server.tls_cert: "gateway.toml" is not a PEM file',
+        ),
+        (
+            '[server]\ntls_cert = "tls/ca.pem"\ntls_key = "tls/key.pem"\n',
+            UPSTREAM,
+            "gateway.toml: server.tls_cert: cannot be used with tls_key: key values mismatch",
+        ),
+        (
+            "",
+            UPSTREAM + 'ca_file = "../tls/ca.pem"\n',
+            "destinations/a.toml: ca_file: only for an https:// upstream, not "
+            "http://127.0.0.1:9000/api",
+        ),
+        (
+            "",
+            'upstream = "https://partner.example/api"\ntls_verify = false\n',
+            "destinations/a.toml: tls_verify: false is only allowed for an upstream on "
+            "loopback, not partner.example",
+        ),
+        (
+            "",
+            HTTPS + 'client_key = "../tls/key.pem"\n',
+            "destinations/a.toml: client_cert: missing: client_key is set, so client_cert "
+            "must be too",
+        ),
+        (
+            "",
+            HTTPS + 'ca_file = "../tls/key.pem"\n',
+            "destinations/a.toml: ca_file: not a usable CA bundle",
+        ),
+    ],
+)
+def test_tls_key_errors(
+    tmp_path: Path, ca: trustme.CA, gateway: str, destination: str, message: str
+) -> None:
+    pem(tmp_path, ca)
+    path = write_config(tmp_path, gateway, a=destination)
+    found = errors(path)
+    assert len(found) == 1 and found[0].startswith(message), found
