@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate("gateway.admin.cli", "rejections", args)
     if args.command == "keys":
         return _delegate("gateway.admin.keys_cli", "keys", args)
+    if args.command == "init":
+        return _delegate("gateway.config.init", "init", args)
     parser.print_help(sys.stderr)
     return 2
 
@@ -57,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="A fencing-aware, idempotent sink gateway."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the gateway")
@@ -78,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_config(check)
 
     commands.add_parser("demo", help="run the worked example of a stale and a duplicate write")
+
+    init = commands.add_parser("init", help="write a commented config to start from")
+    init.add_argument(
+        "dir", nargs="?", default="config", metavar="DIR", help="where (default: ./config)"
+    )
 
     rejections = commands.add_parser("rejections", help="list rejected writes")
     rejections.add_argument(
@@ -125,6 +133,15 @@ def _limit(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PROG)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def _error(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr)
 
@@ -138,7 +155,7 @@ def _load(args: argparse.Namespace) -> Config | None:
         for line in exc.errors:
             _error(line)
         if not os.path.exists(given):
-            _error("no config file: pass --config PATH")
+            _error("no config file: run `sinkgate init` to write one, or pass --config PATH")
         return None
 
 

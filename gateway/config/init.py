@@ -1,0 +1,45 @@
+"""`sinkgate init [DIR]` (SPEC 6): a commented gateway file and one example
+destination from the templates this package carries, never over a file that
+is already there."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+from gateway.config.model import DEFAULT_CONFIG_PATH
+
+# (template, where it goes under DIR)
+FILES = (("gateway.toml", "gateway.toml"), ("example.toml", "destinations/example.toml"))
+DEFAULT_DIR = str(Path(DEFAULT_CONFIG_PATH).parent)
+
+
+def template(name: str) -> str:
+    """The text of one shipped template."""
+    return resources.files("gateway.config").joinpath("templates", name).read_text("utf-8")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Write the files; exit 1 naming the first that exists, before writing any."""
+    directory = Path(args.dir)
+    targets = [(directory / where, template(name)) for name, where in FILES]
+    for path, _ in targets:
+        if path.exists() or path.is_symlink():
+            print(f"sinkgate: {path} already exists; not overwriting it", file=sys.stderr)
+            return 1
+    for path, text in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("x", encoding="utf-8") as fh:  # "x": never over a file made meanwhile
+            fh.write(text)
+        print(f"wrote {path}")
+    option = "" if args.dir == DEFAULT_DIR else f" --config {directory / 'gateway.toml'}"
+    example = directory / "destinations" / "example.toml"
+    print(
+        f"\nnext: point upstream in {example} at your service, then\n"
+        f"  sinkgate check-config{option}\n"
+        f"  sinkgate serve{option}\n"
+        f"  curl http://127.0.0.1:8480/healthz"
+    )
+    return 0

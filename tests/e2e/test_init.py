@@ -1,0 +1,116 @@
+"""`sinkgate init`, `--version`, and `serve` without a config file (SPEC 6), through
+the real entry point, in an empty directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from gateway.config import keys
+from gateway.config.init import template
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sinkgate(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=cwd,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_version_prints_the_package_version() -> None:
+    result = sinkgate(REPO, "--version")
+    assert result.returncode == 0
+    assert result.stdout == f"sinkgate {version('sinkgate')}\n"
+
+
+def test_init_writes_files_that_check_config_accepts(tmp_path: Path) -> None:
+    result = sinkgate(tmp_path, "init")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "config" / "gateway.toml").read_text() == template("gateway.toml")
+    assert (tmp_path / "config" / "destinations" / "example.toml").read_text() == template(
+        "example.toml"
+    )
+    assert result.stdout.splitlines()[:2] == [
+        "wrote config/gateway.toml",
+        "wrote config/destinations/example.toml",
+    ]
+    assert "  sinkgate check-config\n  sinkgate serve\n" in result.stdout
+    check = sinkgate(tmp_path, "check-config")
+    assert check.returncode == 0, check.stderr
+    assert "example  http://127.0.0.1:9000/api" in check.stdout
+
+
+def test_init_into_a_directory_names_it_in_the_next_commands(tmp_path: Path) -> None:
+    result = sinkgate(tmp_path, "init", "etc/sg")
+    assert result.returncode == 0, result.stderr
+    assert "  sinkgate serve --config etc/sg/gateway.toml\n" in result.stdout
+    check = sinkgate(tmp_path, "check-config", "--config", "etc/sg/gateway.toml")
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("existing", ["gateway.toml", "destinations/example.toml"])
+def test_init_refuses_to_overwrite_and_writes_nothing(tmp_path: Path, existing: str) -> None:
+    target = tmp_path / "config" / existing
+    target.parent.mkdir(parents=True)
+    target.write_text("# mine\n")
+    result = sinkgate(tmp_path, "init")
+    assert result.returncode == 1
+    assert result.stderr == f"sinkgate: config/{existing} already exists; not overwriting it\n"
+    assert target.read_text() == "# mine\n"
+    assert sorted(p.name for p in (tmp_path / "config").rglob("*.toml")) == [target.name]
+
+
+def test_serve_without_a_config_file_says_to_run_init(tmp_path: Path) -> None:
+    result = sinkgate(tmp_path, "serve")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "sinkgate: config/gateway.toml: cannot read: no such file",
+        "sinkgate: no config file: run `sinkgate init` to write one, or pass --config PATH",
+    ]
+
+
+def test_every_key_is_in_the_templates_that_init_writes() -> None:
+    """The templates document every key: a key added to keys.py and not to them fails."""
+    gateway, example = template("gateway.toml"), template("example.toml")
+    for section in keys.GATEWAY_FILE:
+        assert f"[{section.name}]" in gateway
+        for name in section.names:
+            assert f"{name} = " in gateway, name
+    for name in keys.DESTINATION.names:
+        assert f"{name} = " in example or f"[{name}]" in example, name
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_templates(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("sinkgate-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gateway/config/templates/gateway.toml" in names
+    assert "gateway/config/templates/example.toml" in names
