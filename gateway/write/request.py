@@ -17,6 +17,7 @@ from multidict import CIMultiDictProxy
 from gateway.config.model import DestinationConfig
 from gateway.errors import Rejection
 from gateway.write.decision import WriteFacts, fingerprint
+from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
 from leases.model import IDENT, MAX_GENERATION, VISIBLE
 from leases.reasons import Reason
 
@@ -55,22 +56,6 @@ def parse_target(raw_path: str) -> Target | None:
     if path == "/":
         path = ""
     return Target(unquote(name), path, query)
-
-
-def path_escapes(path: str) -> bool:
-    """True if `path` would climb above the base path or name another host."""
-    if path.startswith("//"):
-        return True
-    depth = 0
-    for raw_segment in path.split("/"):
-        for segment in re.split(r"[/\\]", unquote(raw_segment)):
-            if segment == "..":
-                depth -= 1
-                if depth < 0:
-                    return True
-            elif segment not in ("", "."):
-                depth += 1
-    return False
 
 
 def write_facts(

@@ -1,0 +1,42 @@
+"""The forwarded path's rule (SPEC 2 "Paths"): a pure function of the raw path.
+
+A path is refused when a `..` segment would climb above the upstream's base
+path (`%2F` and `%5C` inside a segment count as separators for this check), or
+when a URL parser downstream could read it as naming another host: it begins
+with two slashes or backslashes in any mix (`//host`, `/\\host`), or its first
+segment is a scheme followed by two of them (`/http://host`). Percent-encoded
+forms such as `/http:%2F%2Fhost` and `/%40host` name no host and pass.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+# WHATWG URL parsers treat `\` as `/` in http(s) URLs, so both count.
+_NETWORK_PATH = re.compile(r"/[/\\]")
+_SCHEME_THEN_AUTHORITY = re.compile(r"/[A-Za-z][A-Za-z0-9+.-]*:[/\\]{2}")
+
+
+def names_another_host(path: str) -> bool:
+    """True if `path` (raw, starting with `/` or empty) could be read as an authority."""
+    return bool(_NETWORK_PATH.match(path) or _SCHEME_THEN_AUTHORITY.match(path))
+
+
+def climbs_above_base(path: str) -> bool:
+    """True if `..` segments, decoded, would climb above the upstream's base path."""
+    depth = 0
+    for raw_segment in path.split("/"):
+        for segment in re.split(r"[/\\]", unquote(raw_segment)):
+            if segment == "..":
+                depth -= 1
+                if depth < 0:
+                    return True
+            elif segment not in ("", "."):
+                depth += 1
+    return False
+
+
+def path_escapes(path: str) -> bool:
+    """True if `path` would climb above the base path or name another host."""
+    return names_another_host(path) or climbs_above_base(path)

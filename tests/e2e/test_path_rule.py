@@ -1,0 +1,56 @@
+"""The path rule through a real gateway (SPEC 2 "Paths"): refused paths reach no
+upstream; encoded look-alikes are forwarded exactly as sent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import (
+    Gateway,
+    RecordingUpstream,
+    destination,
+    make_config,
+    recording_upstream,
+    running_gateway,
+)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with recording_upstream() as up:
+        yield up
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
+    config = make_config(tmp_path, destination("pay", upstream.url + "/api"))
+    async with running_gateway(config) as gateway:
+        yield gateway
+
+
+@pytest.mark.parametrize(
+    "path", ["/\\host/x", "/\\\\host", "/\\/host", "//host", "/http://host/x", "/https:\\\\h"]
+)
+async def test_a_path_naming_another_host_is_400_and_not_forwarded(
+    gw: Gateway, upstream: RecordingUpstream, path: str
+) -> None:
+    await gw.claim("job-1")
+    status, headers, body = await gw.write("/to/pay" + path)
+    assert status == 400, body
+    assert headers["Sinkgate-Rejected"] == "invalid_path"
+    assert json.loads(body)["reason"] == "invalid_path"
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("path", ["/http:%2F%2Fhost", "/@host", "/%40host"])
+async def test_encoded_look_alikes_are_forwarded_as_they_are(
+    gw: Gateway, upstream: RecordingUpstream, path: str
+) -> None:
+    await gw.claim("job-1")
+    status, _, body = await gw.write("/to/pay" + path)
+    assert status == 201, body
+    assert upstream.paths() == ["/api" + path]
