@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import signal
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
+from gateway.config.tls import server_context
 from gateway.errors import Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
@@ -155,12 +157,13 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
     await runner.setup()
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
+    tls = _listener_tls(config)
     try:
-        await web.TCPSite(runner, *config.listen).start()
+        await web.TCPSite(runner, *config.listen, ssl_context=tls).start()
         admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
         admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, *config.admin_listen).start()
+        await web.TCPSite(admin_runner, *config.admin_listen, ssl_context=tls).start()
         from gateway.store.janitor import run_janitor
 
         janitor = asyncio.create_task(
@@ -175,6 +178,7 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
         info = {
             "listen": _address(runner),
             "admin_listen": _address(admin_runner),
+            "tls": tls is not None,
             "store": redact_url(config.store_url),
             "destinations": sorted(config.destinations),
         }
@@ -198,6 +202,13 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             await admin_runner.cleanup()
         await runner.cleanup()
         log.info("stopped")
+
+
+def _listener_tls(config: Config) -> ssl.SSLContext | None:
+    """Both listeners serve HTTPS only when [server] tls_cert and tls_key are set."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    return server_context(config.tls_cert, config.tls_key)
 
 
 def _tune_gc() -> None:

@@ -15,11 +15,16 @@ from gateway.config.reader import Table, is_loopback
 class UpstreamTLS(Protocol):
     """What `upstream_context` reads: a `DestinationConfig`."""
 
-    upstream: str
-    ca_file: Path | None
-    client_cert: Path | None
-    client_key: Path | None
-    tls_verify: bool
+    @property
+    def upstream(self) -> str: ...
+    @property
+    def ca_file(self) -> Path | None: ...
+    @property
+    def client_cert(self) -> Path | None: ...
+    @property
+    def client_key(self) -> Path | None: ...
+    @property
+    def tls_verify(self) -> bool: ...
 
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -4,6 +4,7 @@ translation of client errors into the three outcomes of SPEC 2 step 8."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -13,6 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.config.model import HOP_BY_HOP, DestinationConfig
+from gateway.config.tls import destination_context
 from leases.reasons import Reason
 
 # Set by the client library for the forwarded request itself.
@@ -101,13 +103,21 @@ def upstream_url(destination: DestinationConfig, raw_path: str, query: str) -> U
     return URL(target, encoded=True)
 
 
+def _ssl(destination: DestinationConfig) -> ssl.SSLContext | bool:
+    """The destination's own trust and client certificate; True: the system's defaults."""
+    context = destination_context(destination)
+    return True if context is None else context
+
+
 class Upstreams:
     """One keep-alive connection pool per destination, owned by the app."""
 
     def __init__(self, destinations: Mapping[str, DestinationConfig]) -> None:
         self._sessions = {
             name: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=dest.max_in_flight, ttl_dns_cache=60),
+                connector=aiohttp.TCPConnector(
+                    limit=dest.max_in_flight, ttl_dns_cache=60, ssl=_ssl(dest)
+                ),
                 auto_decompress=False,
                 # Forward what the worker sent, not the client library's defaults
                 # (an Accept-Encoding it never sent would get it a gzip answer).
