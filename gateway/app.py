@@ -24,6 +24,7 @@ from gateway.http.leases import add_lease_routes
 from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import GatewayRunner
+from gateway.reload import Reloader
 from gateway.store import open_store
 from gateway.store.protocol import Store
 from gateway.store.records import Clock
@@ -36,6 +37,7 @@ from leases.reasons import Reason
 log = structlog.get_logger("gateway.app")
 
 WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
+RELOADER: web.AppKey[Reloader] = web.AppKey("reloader", Reloader)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,8 +85,9 @@ def create_app(
     """The main listener's app. A `store` passed in is used and left open;
     otherwise the app opens `config.store_url` on startup and closes it on cleanup."""
     app = web.Application(middlewares=[dispatch_writes], client_max_size=64 * 1024)
-    app[CONFIG] = config
+    app[CONFIG] = config  # as started; what a reload applied is in app[RELOADER].config
     app[METRICS] = metrics or Metrics()
+    app[RELOADER] = Reloader(config, app[METRICS])
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         owned = store is None
@@ -96,6 +99,7 @@ def create_app(
         upstreams = Upstreams(config.destinations)
         writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
         app[WRITES] = writes
+        app[RELOADER].attach(writes)
         try:
             yield
         finally:
@@ -161,6 +165,8 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
     try:
         await web.TCPSite(runner, *config.listen, ssl_context=tls).start()
         admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
+        reloader = app[RELOADER]
+        admin_app.router.add_post("/admin/reload", reloader.handle)
         admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, *config.admin_listen, ssl_context=tls).start()
@@ -172,9 +178,12 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
                 app[METRICS],
                 idempotency_ttl=config.idempotency_ttl,
                 rejections_ttl=config.rejections_ttl,
+                retention=lambda: (reloader.config.idempotency_ttl, reloader.config.rejections_ttl),
             ),
             name="janitor",
         )
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
         info = {
             "listen": _address(runner),
             "admin_listen": _address(admin_runner),
@@ -195,6 +204,8 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             raise RuntimeError(f"retention janitor stopped: {exc!r}") from exc
         log.info("shutting_down")
     finally:
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(signal.SIGHUP)
         if janitor is not None and not janitor.done():
             janitor.cancel()
             await asyncio.gather(janitor, return_exceptions=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -86,8 +87,11 @@ async def run_janitor(
     rejections_ttl: float,
     interval: float = 30.0,
     batch: int = 500,
+    retention: Callable[[], tuple[float, float]] | None = None,
 ) -> None:
-    """Purge every `interval` seconds until cancelled.
+    """Purge every `interval` seconds until cancelled; `retention`, if given, is
+    asked for (idempotency_ttl, rejections_ttl) before each purge (a reload may
+    have changed them).
 
     A store that does not answer is logged and retried at the next interval (the
     gateway already fails closed while it is down); any other error ends the
@@ -96,6 +100,8 @@ async def run_janitor(
     if idempotency_ttl <= 0 or rejections_ttl <= 0 or interval <= 0:
         raise ValueError("idempotency_ttl, rejections_ttl and interval must be positive")
     while True:
+        if retention is not None:
+            idempotency_ttl, rejections_ttl = retention()
         try:
             await purge_once(
                 store,

@@ -72,6 +72,12 @@ class Metrics:
             ["destination"],
             registry=r,
         )
+        self.reloads = Counter(
+            "sinkgate_reloads_total",
+            "Config reloads, by result (applied, failed).",
+            ["result"],
+            registry=r,
+        )
 
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

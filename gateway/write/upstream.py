@@ -109,26 +109,102 @@ def _ssl(destination: DestinationConfig) -> ssl.SSLContext | bool:
     return True if context is None else context
 
 
+def _session(dest: DestinationConfig) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=dest.max_in_flight, ttl_dns_cache=60, ssl=_ssl(dest)),
+        auto_decompress=False,
+        # Forward what the worker sent, not the client library's defaults
+        # (an Accept-Encoding it never sent would get it a gzip answer).
+        skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=dest.timeout, sock_connect=dest.connect_timeout),
+    )
+
+
+class _Pool:
+    """One destination's session, the requests using it, and whether a reload
+    has put it out of service (it is closed when its last request ends)."""
+
+    __slots__ = ("destination", "retired", "session", "users")
+
+    def __init__(self, destination: DestinationConfig) -> None:
+        self.destination = destination
+        self.session = _session(destination)
+        self.users = 0
+        self.retired = False
+
+
 class Upstreams:
-    """One keep-alive connection pool per destination, owned by the app."""
+    """One keep-alive connection pool per destination, owned by the app.
+
+    `replace` (a reload) swaps the pools of changed and removed destinations out;
+    a write already past its checks still holds its destination as it was and
+    is sent through that destination's old pool, which is closed once its last
+    request has ended.
+    """
 
     def __init__(self, destinations: Mapping[str, DestinationConfig]) -> None:
-        self._sessions = {
-            name: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=dest.max_in_flight, ttl_dns_cache=60, ssl=_ssl(dest)
-                ),
-                auto_decompress=False,
-                # Forward what the worker sent, not the client library's defaults
-                # (an Accept-Encoding it never sent would get it a gzip answer).
-                skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(
-                    total=dest.timeout, sock_connect=dest.connect_timeout
-                ),
-            )
-            for name, dest in destinations.items()
-        }
+        self._pools = {name: _Pool(dest) for name, dest in destinations.items()}
+        self._retired: list[_Pool] = []
+        self._timers: list[asyncio.TimerHandle] = []
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _pool(self, destination: DestinationConfig) -> _Pool:
+        pool = self._pools.get(destination.name)
+        if pool is not None and (
+            pool.destination is destination or pool.destination == destination
+        ):
+            return pool
+        for old in self._retired:
+            if old.destination == destination:
+                return old
+        # Checked under a destination whose pool a reload already closed: a pool
+        # of its own, closed after this request.
+        old = _Pool(destination)
+        old.retired = True
+        self._retired.append(old)
+        return old
+
+    async def replace(self, destinations: Mapping[str, DestinationConfig]) -> None:
+        """New pools for added and changed destinations; the old ones retire."""
+        for name, pool in list(self._pools.items()):
+            new = destinations.get(name)
+            if new is not None and new == pool.destination:
+                pool.destination = new  # same settings: keep the pool and its connections
+                continue
+            del self._pools[name]
+            pool.retired = True
+            if pool.users:
+                self._retired.append(pool)
+            else:
+                await pool.session.close()
+        for name, dest in destinations.items():
+            if name not in self._pools:
+                self._pools[name] = _Pool(dest)
+
+    async def _close_retired(self, pool: _Pool, streaming: bool) -> None:
+        if not streaming:
+            self._retired.remove(pool)
+            await pool.session.close()
+            return
+        # The answer's body is still being relayed through this pool; the
+        # session's total timeout bounds that, so close it once that has passed.
+        loop = asyncio.get_running_loop()
+
+        def close_later() -> None:
+            if pool.users or pool not in self._retired:
+                return  # in use again (or closed meanwhile): its last request closes it
+            self._retired.remove(pool)
+            task = loop.create_task(pool.session.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+        self._timers.append(loop.call_later(pool.destination.timeout + 1, close_later))
+
+    @property
+    def retired_open(self) -> int:
+        """Pools a reload took out of service that still carry a request."""
+        return len(self._retired)
 
     async def send(
         self,
@@ -142,9 +218,11 @@ class Upstreams:
         """Send and read the answer: at most `buffer_limit` + 1 bytes of its body are
         read here; an answer longer than that comes back with `rest` set, for the
         caller to relay and then close."""
-        session = self._sessions[destination.name]
+        pool = self._pool(destination)
+        pool.users += 1
+        streaming = False
         try:
-            response = await session.request(
+            response = await pool.session.request(
                 method, url, headers=headers, data=body, allow_redirects=False
             )
             try:
@@ -161,6 +239,7 @@ class Upstreams:
             )
             if answer.rest is None:
                 response.release()
+            streaming = answer.rest is not None
             return answer
         except aiohttp.ConnectionTimeoutError as exc:
             raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout: {exc}") from exc
@@ -171,10 +250,17 @@ class Upstreams:
         except (aiohttp.ClientError, OSError) as exc:
             # Connection lost after (part of) the request may have been written.
             raise ForwardFailed(SendFailure.DISCONNECTED, f"connection lost: {exc!r}") from exc
+        finally:
+            pool.users -= 1
+            if pool.retired and not pool.users:
+                await self._close_retired(pool, streaming)
 
     async def close(self) -> None:
-        """Close every destination's connection pool."""
-        await asyncio.gather(*(s.close() for s in self._sessions.values()))
+        """Close every destination's connection pool, retired ones too."""
+        for handle in self._timers:
+            handle.cancel()
+        pools = [*self._pools.values(), *self._retired]
+        await asyncio.gather(*(pool.session.close() for pool in pools))
 
 
 async def _read_up_to(response: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -1,0 +1,164 @@
+"""Reload without a restart (SPEC 5): SIGHUP or `POST /admin/reload` re-reads the
+destination files and `[retention]`.
+
+One `Reloader` per gateway process, so a parent running several processes only
+has to pass the signal on. A reload validates every file first and changes
+nothing if one is broken, logging each error exactly as `check-config` prints
+it. Changes to `[server]`, `[store]` and `[admin]` need a restart: they are
+logged as `reload_refused` and the rest goes ahead. A write already past its
+checks holds its destination as it was and finishes under it (see
+`Upstreams.replace`); new writes see the new files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from gateway.config.model import Config, DestinationConfig, load_config
+from gateway.errors import ConfigError, Rejection
+from gateway.http.problem import problem_response
+from gateway.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from gateway.write.route import WriteGateway
+
+log = structlog.get_logger("gateway.reload")
+
+# Config fields a reload does not apply, by the key that sets them.
+RESTART_ONLY: tuple[tuple[str, str], ...] = (
+    ("listen", "server.listen"),
+    ("admin_listen", "server.admin_listen"),
+    ("max_in_flight", "server.max_in_flight"),
+    ("shutdown_grace", "server.shutdown_grace"),
+    ("lease_tokens", "server.lease_tokens_env"),
+    ("tls_cert", "server.tls_cert"),
+    ("tls_key", "server.tls_key"),
+    ("store_url", "store.url"),
+    ("store_pool_size", "store.pool_size"),
+    ("admin_token_env", "admin.token_env"),
+    ("admin_token", "admin.token_env"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reloaded:
+    """What one applied reload did."""
+
+    destinations: tuple[str, ...]
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    refused: tuple[str, ...]  # keys whose change needs a restart
+
+
+class Reloader:
+    """Re-reads the config files of `config` and applies what may change live."""
+
+    def __init__(self, config: Config, metrics: Metrics) -> None:
+        self.config = config
+        self._metrics = metrics
+        self._writes: WriteGateway | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def attach(self, writes: WriteGateway) -> None:
+        """The write route whose destinations and pools a reload swaps."""
+        self._writes = writes
+
+    async def reload(self, trigger: str) -> Reloaded:
+        """Apply the files as they are now; `ConfigError` (logged) if they do not load."""
+        async with self._lock:  # one at a time: each compares with the last applied
+            old = self.config
+            try:
+                new = load_config(old.source, display=old.display)
+            except ConfigError as exc:
+                for line in exc.errors:
+                    log.error("reload_failed", trigger=trigger, error=line)
+                self._metrics.reloads.labels("failed").inc()
+                raise
+            refused = tuple(
+                dict.fromkeys(k for f, k in RESTART_ONLY if getattr(new, f) != getattr(old, f))
+            )
+            if refused:
+                log.warning("reload_refused", trigger=trigger, keys=list(refused))
+            destinations = _keep_unchanged(old.destinations, new.destinations)
+            applied = replace(
+                old,
+                destinations=MappingProxyType(destinations),
+                idempotency_ttl=new.idempotency_ttl,
+                rejections_ttl=new.rejections_ttl,
+            )
+            if self._writes is not None:
+                await self._writes.upstreams.replace(destinations)
+                for name in destinations:
+                    self._writes.in_flight.setdefault(name, 0)
+                self._writes.config = applied
+            self.config = applied
+            result = _difference(old.destinations, destinations, refused)
+            log.info(
+                "reload_applied",
+                trigger=trigger,
+                destinations=list(result.destinations),
+                added=list(result.added),
+                changed=list(result.changed),
+                removed=list(result.removed),
+                idempotency_ttl_s=applied.idempotency_ttl,
+                rejections_ttl_s=applied.rejections_ttl,
+            )
+            self._metrics.reloads.labels("applied").inc()
+            return result
+
+    def on_signal(self) -> None:
+        """SIGHUP: reload in the background (errors are logged by `reload`)."""
+        task = asyncio.get_running_loop().create_task(self._quiet("sighup"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _quiet(self, trigger: str) -> None:
+        try:
+            await self.reload(trigger)
+        except ConfigError:
+            pass  # logged, and nothing changed
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """`POST /admin/reload`: 200 with the destinations, or 400 `invalid_config`."""
+        try:
+            result = await self.reload("admin")
+        except ConfigError as exc:
+            return problem_response(
+                Rejection(
+                    "invalid_config",
+                    exc.errors[0] if exc.errors else str(exc),
+                    status=400,
+                    errors=list(exc.errors),
+                )
+            )
+        return web.json_response({"reloaded": True, "destinations": list(result.destinations)})
+
+
+def _keep_unchanged(
+    old: Mapping[str, DestinationConfig], new: Mapping[str, DestinationConfig]
+) -> dict[str, DestinationConfig]:
+    """`new`, with the very objects of `old` where nothing changed (their pools stay)."""
+    return {name: old[name] if old.get(name) == dest else dest for name, dest in new.items()}
+
+
+def _difference(
+    old: Mapping[str, DestinationConfig],
+    new: Mapping[str, DestinationConfig],
+    refused: tuple[str, ...],
+) -> Reloaded:
+    return Reloaded(
+        destinations=tuple(sorted(new)),
+        added=tuple(sorted(set(new) - set(old))),
+        changed=tuple(sorted(n for n in new if n in old and old[n] is not new[n])),
+        removed=tuple(sorted(set(old) - set(new))),
+        refused=refused,
+    )

@@ -1,0 +1,203 @@
+"""Reload without a restart (SPEC 5): destinations added, changed and removed,
+a write in flight finishing under the destination as it was, a broken file
+changing nothing, restart-only keys refused; through SIGHUP and /admin/reload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from structlog.testing import capture_logs
+
+from gateway.app import RELOADER, WRITES
+from gateway.config.model import load_config
+from gateway.errors import ConfigError
+from tests.harness import (
+    Gateway,
+    RecordingUpstream,
+    eventually,
+    recording_upstream,
+    running_gateway,
+)
+from tests.served import served
+
+GATEWAY = '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+
+
+def write_files(directory: Path, gateway: str = GATEWAY, **destinations: str | None) -> Path:
+    """gateway.toml and destinations/<name>.toml; None removes that file."""
+    (directory / "destinations").mkdir(exist_ok=True)
+    (directory / "gateway.toml").write_text(gateway)
+    for name, text in destinations.items():
+        path = directory / "destinations" / f"{name}.toml"
+        if text is None:
+            path.unlink()
+        else:
+            path.write_text(text)
+    return directory / "gateway.toml"
+
+
+def to(upstream: RecordingUpstream, base: str = "/api") -> str:
+    return f'upstream = "{upstream.url}{base}"\ntimeout = "20s"\n'
+
+
+@pytest.fixture
+async def one() -> AsyncIterator[RecordingUpstream]:
+    async with recording_upstream() as up:
+        yield up
+
+
+@pytest.fixture
+async def two() -> AsyncIterator[RecordingUpstream]:
+    async with recording_upstream() as up:
+        yield up
+
+
+async def test_destinations_are_added_changed_and_removed(
+    tmp_path: Path, one: RecordingUpstream, two: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one), b=to(one), c=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        await gw.claim("job-1")
+        write_files(tmp_path, a=to(two, "/v2"), b=None, c=to(one), d=to(two))
+        result = await gw.app[RELOADER].reload("test")
+        assert (result.added, result.changed, result.removed) == (("d",), ("a",), ("b",))
+        assert result.destinations == ("a", "c", "d")
+        assert (await gw.write("/to/a/x", key="k1"))[0] == 201
+        assert (await gw.write("/to/c/x", key="k2"))[0] == 201
+        assert (await gw.write("/to/d/x", key="k3"))[0] == 201
+        status, headers, _ = await gw.write("/to/b/x", key="k4")
+        assert status == 404 and headers["Sinkgate-Rejected"] == "unknown_destination"
+    assert one.paths() == ["/api/x"]
+    assert two.paths() == ["/v2/x", "/api/x"]
+
+
+async def held_write(gw: Gateway, upstream: RecordingUpstream, key: str) -> asyncio.Task:
+    """A write the upstream holds until `upstream.release` is set."""
+    task = asyncio.create_task(gw.write("/to/a/slow/1", key=key))
+    await eventually(lambda: upstream.arrived.is_set(), what="the held write's arrival")
+    return task
+
+
+@pytest.mark.parametrize("change", ["changed", "removed"])
+async def test_a_write_in_flight_finishes_under_the_destination_as_it_was(
+    tmp_path: Path, one: RecordingUpstream, two: RecordingUpstream, change: str
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        await gw.claim("job-1")
+        held = await held_write(gw, one, "k-held")
+        write_files(tmp_path, a=to(two) if change == "changed" else None)
+        await gw.app[RELOADER].reload("test")
+        upstreams = gw.app[WRITES].upstreams
+        # The old pool stays open for the write it still carries...
+        assert upstreams.retired_open == 1
+        if change == "changed":
+            assert (await gw.write("/to/a/new", key="k-new"))[0] == 201
+            assert two.paths() == ["/api/new"]
+        one.release.set()
+        status, _, body = await held
+        assert status == 201, body
+        # ...and is closed once that write has ended.
+        assert upstreams.retired_open == 0
+        record = await gw.store.key_record("a", "k-held")
+        assert record is not None and record.state == "completed"
+    assert one.paths() == ["/api/slow/1"]
+
+
+async def test_a_broken_file_changes_nothing_and_is_logged_as_check_config_says(
+    tmp_path: Path, one: RecordingUpstream, two: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(str(path), {}, display=str(path))) as gw:
+        await gw.claim("job-1")
+        write_files(
+            tmp_path,
+            GATEWAY + '[retention]\nidempotency_ttl = "1h"\n',
+            a=to(two),
+            b='upstream = "ftp://x"\n',
+            c=to(two) + "retries = 3\n",
+        )
+        with capture_logs() as logs, pytest.raises(ConfigError):
+            await gw.app[RELOADER].reload("test")
+        assert gw.app[RELOADER].config.idempotency_ttl == 24 * 3600
+        assert (await gw.write("/to/a/x", key="k1"))[0] == 201
+        assert one.paths() == ["/api/x"] and two.received == []
+        assert (await gw.write("/to/c/x", key="k2"))[0] == 404
+    checked = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "gateway", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = [line.removeprefix("sinkgate: ") for line in checked.stderr.splitlines()]
+    assert len(expected) == 2
+    assert [e["error"] for e in logs if e["event"] == "reload_failed"] == expected
+
+
+async def test_restart_only_keys_are_refused_and_the_rest_goes_ahead(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        write_files(
+            tmp_path,
+            GATEWAY + "max_in_flight = 7\n[store]\npool_size = 3\n"
+            '[admin]\ntoken_env = "OTHER"\n[retention]\nrejections_ttl = "1d"\n',
+            b=to(one),
+        )
+        with capture_logs() as logs:
+            result = await gw.app[RELOADER].reload("test")
+        keys = ["server.max_in_flight", "store.pool_size", "admin.token_env"]
+        assert result.refused == tuple(keys)
+        assert [e["keys"] for e in logs if e["event"] == "reload_refused"] == [keys]
+        applied = gw.app[WRITES].config
+        assert applied.max_in_flight == 4096 and applied.store_pool_size == 10
+        assert applied.rejections_ttl == 24 * 3600 and sorted(applied.destinations) == ["a", "b"]
+
+
+# --- through the real triggers ------------------------------------------------------
+
+
+async def test_sighup_and_admin_reload_apply_and_are_counted(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+    config = load_config(path, {})
+    async with served(config) as info, aiohttp.ClientSession() as session:
+        main, admin = f"http://{info['listen']}", f"http://{info['admin_listen']}"
+        write_files(tmp_path, a=to(one), b=to(one))
+        os.kill(os.getpid(), signal.SIGHUP)
+
+        async def b_is_known() -> bool:
+            async with session.post(f"{main}/to/b/x") as resp:
+                return resp.status != 404
+
+        await eventually(b_is_known, what="destination b after SIGHUP")
+
+        write_files(tmp_path, a=to(one), b=to(one), c=to(one))
+        async with session.post(f"{admin}/admin/reload") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"reloaded": True, "destinations": ["a", "b", "c"]}
+
+        write_files(tmp_path, a='upstream = "nope"\n')
+        async with session.post(f"{admin}/admin/reload") as resp:
+            assert resp.status == 400
+            assert resp.headers["Content-Type"].startswith("application/problem+json")
+            problem = await resp.json()
+        assert problem["reason"] == "invalid_config"
+        assert problem["detail"].startswith("destinations/a.toml: upstream: expected an absolute")
+        assert problem["errors"] == [problem["detail"]]
+
+        async with session.get(f"{admin}/metrics") as resp:
+            text = await resp.text()
+        assert 'sinkgate_reloads_total{result="applied"} 2.0' in text
+        assert 'sinkgate_reloads_total{result="failed"} 1.0' in text
