@@ -19,6 +19,7 @@ from gateway.config.model import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     Config,
+    DestinationConfig,
     format_duration,
     format_size,
     load_config,
@@ -219,6 +220,21 @@ def _lease_api_access(config: Config) -> str:
     return "open to whoever reaches the listener (no [server] lease_tokens_env)"
 
 
+def _listener_tls(config: Config) -> str:
+    if config.tls_cert is None:
+        return "off: both listeners serve plain HTTP"
+    return f"both listeners serve HTTPS only ({config.tls_cert})"
+
+
+def _upstream_tls(dest: DestinationConfig) -> str:
+    if not dest.upstream.startswith("https://"):
+        return ""
+    trust = "ca_file" if dest.ca_file else "system CAs"
+    if not dest.tls_verify:
+        trust = "not verified"
+    return f"  tls={trust}{',client_cert' if dest.client_cert else ''}"
+
+
 def summary(config: Config) -> str:
     """A readable account of `config`; names secrets' variables, never their values."""
 
@@ -231,6 +247,7 @@ def summary(config: Config) -> str:
         f"config        {config.source}: OK",
         f"listen        {addr(config.listen)}",
         f"admin listen  {addr(config.admin_listen)}",
+        f"tls           {_listener_tls(config)}",
         f"store         {redact_url(config.store_url)} (pool size {config.store_pool_size})",
         f"admin token   {token} (${config.admin_token_env})",
         f"lease API     {_lease_api_access(config)}",
@@ -254,7 +271,7 @@ def summary(config: Config) -> str:
             f"  max_body={format_size(dest.max_body)}"
             f"  idempotency_key={'required' if dest.require_idempotency_key else 'optional'}"
             f"  auth={'yes' if dest.worker_tokens else 'no'}"
-            f"  upstream_headers={headers}"
+            f"  upstream_headers={headers}" + _upstream_tls(dest)
         )
     return "\n".join(lines)
 

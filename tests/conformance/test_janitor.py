@@ -180,6 +180,36 @@ async def test_run_janitor_purges_each_interval_and_survives_a_store_outage(stor
     assert metrics.purged.labels(kind="idempotency")._value.get() == 4
 
 
+async def test_run_janitor_asks_retention_before_each_purge(store, fake_clock):
+    """A reload may change [retention]: the janitor uses the TTLs of the moment."""
+    for i in range(2):
+        await completed(store, f"k-{i}")
+    fake_clock.advance(2 * DAY)
+    counting = CountingStore(store)
+    ttls = [(3 * DAY, 3 * DAY)]
+    task = asyncio.create_task(
+        run_janitor(
+            counting,
+            Metrics(),
+            idempotency_ttl=3 * DAY,
+            rejections_ttl=3 * DAY,
+            interval=0.01,
+            retention=lambda: ttls[-1],
+        )
+    )
+    try:
+        await asyncio.wait_for(counting.purged.wait(), timeout=10)
+        assert counting.calls[0] == (0, 0)  # younger than 3 days: kept
+        ttls.append((DAY, DAY))  # as a reload would
+        while sum(keys for keys, _ in counting.calls) < 2:
+            counting.purged.clear()
+            await asyncio.wait_for(counting.purged.wait(), timeout=10)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 async def test_run_janitor_crashes_on_other_errors(store):
     class Broken(CountingStore):
         async def purge(self, **kwargs: float) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+from gateway.cli import summary
 from gateway.config import keys
 from gateway.config.model import Config, DestinationConfig, load_config
 from gateway.errors import ConfigError
@@ -119,6 +120,9 @@ def test_tls_files_load_relative_to_the_file_naming_them(tmp_path: Path, ca: tru
     assert config.destinations["a"].ca_file == tmp_path / "destinations" / "tls" / "ca.pem"
     assert config.destinations["a"].client_key == tmp_path / "destinations" / "tls" / "key.pem"
     assert config.destinations["b"].tls_verify is False
+    shown = summary(config)
+    assert f"tls           both listeners serve HTTPS only ({tmp_path}/tls/cert.pem)" in shown
+    assert "  tls=ca_file,client_cert" in shown and "  tls=not verified" in shown
 
 
 @pytest.mark.parametrize(
