@@ -220,6 +220,16 @@ def _lease_api_access(config: Config) -> str:
     return "open to whoever reaches the listener (no [server] lease_tokens_env)"
 
 
+def _store_shown(url: str) -> str:
+    """A SQLite store as its file (relative to here when it is below), else the URL
+    without its password."""
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return redact_url(url)
+    path = url[len("sqlite:///") :]
+    relative = os.path.relpath(path)
+    return f"SQLite file {path if relative.startswith('..') else relative}"
+
+
 def _listener_tls(config: Config) -> str:
     if config.tls_cert is None:
         return "off: both listeners serve plain HTTP"
@@ -244,11 +254,11 @@ def summary(config: Config) -> str:
 
     token = "set" if config.admin_token else "not set"
     lines = [
-        f"config        {config.source}: OK",
+        f"config        {config.display or config.source}: OK",
         f"listen        {addr(config.listen)}",
         f"admin listen  {addr(config.admin_listen)}",
         f"tls           {_listener_tls(config)}",
-        f"store         {redact_url(config.store_url)} (pool size {config.store_pool_size})",
+        f"store         {_store_shown(config.store_url)} (pool size {config.store_pool_size})",
         f"admin token   {token} (${config.admin_token_env})",
         f"lease API     {_lease_api_access(config)}",
         f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "
