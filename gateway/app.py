@@ -99,7 +99,7 @@ def create_app(
         upstreams = Upstreams(config.destinations)
         writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
         app[WRITES] = writes
-        app[RELOADER].attach(writes)
+        app[RELOADER].attach(writes, audit=app[STORE].record_audit)
         try:
             yield
         finally:

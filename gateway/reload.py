@@ -13,7 +13,7 @@ checks holds its destination as it was and finishes under it (see
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from gateway.config.model import Config, DestinationConfig, load_config
-from gateway.errors import ConfigError, Rejection
+from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
 from gateway.telemetry.metrics import Metrics
 
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from gateway.write.route import WriteGateway
 
 log = structlog.get_logger("gateway.reload")
+
+# The store's `record_audit` verb, as the reloader calls it.
+Audit = Callable[..., Awaitable[int]]
 
 # Config fields a reload does not apply, by the key that sets them.
 RESTART_ONLY: tuple[tuple[str, str], ...] = (
@@ -65,15 +68,19 @@ class Reloader:
         self.config = config
         self._metrics = metrics
         self._writes: WriteGateway | None = None
+        self._audit: Audit | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def attach(self, writes: WriteGateway) -> None:
-        """The write route whose destinations and pools a reload swaps."""
+    def attach(self, writes: WriteGateway, audit: Audit | None = None) -> None:
+        """The write route whose destinations and pools a reload swaps, and the
+        store verb each applied reload is recorded with (`record_audit`)."""
         self._writes = writes
+        self._audit = audit
 
-    async def reload(self, trigger: str) -> Reloaded:
-        """Apply the files as they are now; `ConfigError` (logged) if they do not load."""
+    async def reload(self, trigger: str, *, remote: str | None = None) -> Reloaded:
+        """Apply the files as they are now; `ConfigError` (logged) if they do not load.
+        `remote` is who asked (the admin route's client), for the audit log."""
         async with self._lock:  # one at a time: each compares with the last applied
             old = self.config
             try:
@@ -113,7 +120,29 @@ class Reloader:
                 rejections_ttl_s=applied.rejections_ttl,
             )
             self._metrics.reloads.labels("applied").inc()
+            await self._record(trigger, result, remote)
             return result
+
+    async def _record(self, trigger: str, result: Reloaded, remote: str | None) -> None:
+        if self._audit is None:
+            return
+        note = "; ".join(
+            f"{what} {', '.join(names)}"
+            for what, names in (
+                ("added", result.added),
+                ("changed", result.changed),
+                ("removed", result.removed),
+                ("refused", result.refused),
+            )
+            if names
+        )
+        try:
+            await self._audit(
+                action="reload", note=f"{trigger}: {note or 'no change'}", remote=remote
+            )
+        except StoreUnavailable as exc:
+            # Applied all the same: the files are what they are; the log line stays.
+            log.error("reload_not_audited", trigger=trigger, error=str(exc))
 
     def on_signal(self) -> None:
         """SIGHUP: reload in the background (errors are logged by `reload`)."""
@@ -130,7 +159,7 @@ class Reloader:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """`POST /admin/reload`: 200 with the destinations, or 400 `invalid_config`."""
         try:
-            result = await self.reload("admin")
+            result = await self.reload("admin", remote=request.remote)
         except ConfigError as exc:
             return problem_response(
                 Rejection(

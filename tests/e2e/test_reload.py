@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from gateway.app import RELOADER, WRITES
 from gateway.config.model import load_config
 from gateway.errors import ConfigError
+from gateway.store.admin_records import AuditQuery
 from tests.harness import (
     Gateway,
     RecordingUpstream,
@@ -162,6 +163,22 @@ async def test_restart_only_keys_are_refused_and_the_rest_goes_ahead(
         applied = gw.app[WRITES].config
         assert applied.max_in_flight == 4096 and applied.store_pool_size == 10
         assert applied.rejections_ttl == 24 * 3600 and sorted(applied.destinations) == ["a", "b"]
+
+
+async def test_each_applied_reload_is_in_the_audit_log_and_a_failed_one_is_not(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one), b=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        reloader = gw.app[RELOADER]
+        write_files(tmp_path, GATEWAY + "max_in_flight = 7\n", a=to(one, "/v2"), b=None, c=to(one))
+        await reloader.reload("test", remote="10.0.0.7")
+        write_files(tmp_path, a='upstream = "nope"\n')
+        with pytest.raises(ConfigError):
+            await reloader.reload("test")
+        (entry,) = await gw.store.list_audit(AuditQuery())
+    assert (entry.action, entry.remote) == ("reload", "10.0.0.7")
+    assert entry.note == "test: added c; changed a; removed b; refused server.max_in_flight"
 
 
 # --- through the real triggers ------------------------------------------------------
