@@ -125,13 +125,15 @@ class _Pool:
     """One destination's session, the requests using it, and whether a reload
     has put it out of service (it is closed when its last request ends)."""
 
-    __slots__ = ("destination", "retired", "session", "users")
+    __slots__ = ("destination", "retired", "session", "stream_until", "users")
 
     def __init__(self, destination: DestinationConfig) -> None:
         self.destination = destination
         self.session = _session(destination)
         self.users = 0
         self.retired = False
+        # Until when an answer it returned may still be relayed from it (loop time).
+        self.stream_until = 0.0
 
 
 class Upstreams:
@@ -174,22 +176,22 @@ class Upstreams:
                 continue
             del self._pools[name]
             pool.retired = True
-            if pool.users:
-                self._retired.append(pool)
-            else:
-                await pool.session.close()
+            self._retired.append(pool)
+            if not pool.users:
+                await self._close_retired(pool)
         for name, dest in destinations.items():
             if name not in self._pools:
                 self._pools[name] = _Pool(dest)
 
-    async def _close_retired(self, pool: _Pool, streaming: bool) -> None:
-        if not streaming:
+    async def _close_retired(self, pool: _Pool) -> None:
+        """Close a retired pool now, or once an answer it may still be relaying
+        has run out of time."""
+        loop = asyncio.get_running_loop()
+        delay = pool.stream_until - loop.time()
+        if delay <= 0:
             self._retired.remove(pool)
             await pool.session.close()
             return
-        # The answer's body is still being relayed through this pool; the
-        # session's total timeout bounds that, so close it once that has passed.
-        loop = asyncio.get_running_loop()
 
         def close_later() -> None:
             if pool.users or pool not in self._retired:
@@ -199,7 +201,7 @@ class Upstreams:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-        self._timers.append(loop.call_later(pool.destination.timeout + 1, close_later))
+        self._timers.append(loop.call_later(delay, close_later))
 
     @property
     def retired_open(self) -> int:
@@ -220,7 +222,6 @@ class Upstreams:
         caller to relay and then close."""
         pool = self._pool(destination)
         pool.users += 1
-        streaming = False
         try:
             response = await pool.session.request(
                 method, url, headers=headers, data=body, allow_redirects=False
@@ -239,7 +240,10 @@ class Upstreams:
             )
             if answer.rest is None:
                 response.release()
-            streaming = answer.rest is not None
+            if answer.rest is not None:
+                # The session's total timeout bounds how long the rest is relayed.
+                loop = asyncio.get_running_loop()
+                pool.stream_until = loop.time() + destination.timeout + 1
             return answer
         except aiohttp.ConnectionTimeoutError as exc:
             raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout: {exc}") from exc
@@ -253,7 +257,7 @@ class Upstreams:
         finally:
             pool.users -= 1
             if pool.retired and not pool.users:
-                await self._close_retired(pool, streaming)
+                await self._close_retired(pool)
 
     async def close(self) -> None:
         """Close every destination's connection pool, retired ones too."""

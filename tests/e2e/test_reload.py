@@ -113,6 +113,25 @@ async def test_a_write_in_flight_finishes_under_the_destination_as_it_was(
     assert one.paths() == ["/api/slow/1"]
 
 
+async def test_a_pool_that_relayed_a_streamed_answer_closes_after_its_timeout(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    """An answer longer than max_replay_body is relayed after send() returned: the
+    old pool stays open until that relay has run out of time, then closes."""
+    path = write_files(
+        tmp_path, a=f'upstream = "{one.url}/api"\ntimeout = "1s"\nmax_replay_body = "16B"\n'
+    )
+    async with running_gateway(load_config(path, {})) as gw:
+        await gw.claim("job-1")
+        status, _, body = await gw.write("/to/a/big/200000", key="k-big")
+        assert status == 200 and len(body) == 200000
+        write_files(tmp_path, a=None)
+        await gw.app[RELOADER].reload("test")
+        upstreams = gw.app[WRITES].upstreams
+        assert upstreams.retired_open == 1
+        await eventually(lambda: upstreams.retired_open == 0, what="the old pool's close")
+
+
 async def test_a_broken_file_changes_nothing_and_is_logged_as_check_config_says(
     tmp_path: Path, one: RecordingUpstream, two: RecordingUpstream
 ) -> None:
