@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 import structlog
 
+# Loaded before any test fakes `gateway.admin.cli`: the keys command's parser
+# imports its page limit from there, so a test run alone would find the fake.
+import gateway.admin.keys_cli  # noqa: F401
 from gateway import cli
 from gateway.config.model import Config
 from gateway.telemetry.logs import configure_logging
