@@ -25,6 +25,7 @@ from gateway.config.model import Config, DestinationConfig, load_config
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
 from gateway.telemetry.metrics import Metrics
+from leases.reasons import Reason
 
 if TYPE_CHECKING:
     from gateway.write.route import WriteGateway
@@ -163,9 +164,8 @@ class Reloader:
         except ConfigError as exc:
             return problem_response(
                 Rejection(
-                    "invalid_config",
+                    Reason.INVALID_CONFIG,
                     exc.errors[0] if exc.errors else str(exc),
-                    status=400,
                     errors=list(exc.errors),
                 )
             )

@@ -30,6 +30,7 @@ class Reason(StrEnum):
     INVALID_PATH = "invalid_path"
     INVALID_REQUEST = "invalid_request"
     NOT_FOUND = "not_found"
+    INVALID_CONFIG = "invalid_config"
     # SPEC 2 step 6: the fence, in the contract's order, and the barrier
     LEASE_NOT_HELD = "lease_not_held"
     STALE_GENERATION = "stale_generation"
@@ -97,6 +98,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     R.INVALID_PATH: ReasonInfo(400, F.REQUEST),
     R.INVALID_REQUEST: ReasonInfo(400, F.REQUEST),
     R.NOT_FOUND: ReasonInfo(404, F.REQUEST),
+    R.INVALID_CONFIG: ReasonInfo(400, F.REQUEST),  # a reload whose files do not validate
     R.LEASE_NOT_HELD: ReasonInfo(409, F.FENCE, recorded=True),
     R.STALE_GENERATION: ReasonInfo(409, F.FENCE, recorded=True),
     R.UNKNOWN_GENERATION: ReasonInfo(409, F.FENCE, recorded=True),

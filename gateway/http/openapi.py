@@ -571,6 +571,29 @@ def _ops_paths() -> dict[str, Any]:
             _ref("Summary"),
             window,
         ),
+        "/admin/reload": {
+            "servers": _ADMIN_SERVERS,
+            "post": {
+                "summary": "re-read the destination files and [retention], as SIGHUP does",
+                "tags": ["admin"],
+                "security": _ADMIN_SECURITY,
+                "responses": {
+                    "200": _json(
+                        "the reload was applied",
+                        {
+                            "type": "object",
+                            "required": ["reloaded", "destinations"],
+                            "properties": {
+                                "reloaded": {"type": "boolean", "enum": [True]},
+                                "destinations": {"type": "array", "items": _STRING},
+                            },
+                        },
+                    ),
+                    "400": _problem("the files do not validate", Reason.INVALID_CONFIG),
+                    "401": _UNAUTHORIZED,
+                },
+            },
+        },
     }
 
 
