@@ -159,7 +159,7 @@ class WriteGateway:
             except StoreUnavailable as exc:
                 self.metrics.store_errors.labels("decide").inc()
                 raise Rejection(
-                    Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)
+                    Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, **_write_members(facts)
                 ) from exc
             finally:
                 elapsed = time.perf_counter() - store_started
@@ -294,7 +294,9 @@ class WriteGateway:
         try:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
-            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
+            raise Rejection(
+                Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, destination=destination
+            ) from exc
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:
