@@ -100,7 +100,15 @@ def driver_errors(what: str) -> Iterator[None]:
         yield
     except asyncpg.ClientConfigurationError:
         raise
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+    except (
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        # "another operation is in progress": a pooled connection left mid-operation
+        # when its backend was terminated or its connection cut (seen under
+        # `sinkgate chaos --store-faults --wire-faults`); an outage, not a 500.
+        asyncpg.InternalClientError,
+        OSError,
+    ) as exc:
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 

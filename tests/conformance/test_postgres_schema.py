@@ -18,6 +18,7 @@ from leases.model import Lease
 from leases.postgres import (
     PostgresLeaseStore,
     db_now,
+    driver_errors,
     ensure_schema,
     read_lease_for_update,
     require_durable_commit,
@@ -243,6 +244,15 @@ async def test_an_unreachable_server_is_store_unavailable() -> None:
         await PostgresLeaseStore.open(_closed_port_url(), connect_timeout=5)
     assert isinstance(caught.value.__cause__, OSError)
     assert caught.value.reason == "store_unavailable"
+
+
+def test_a_connection_in_a_bad_state_is_store_unavailable() -> None:
+    """asyncpg raises InternalClientError ("another operation is in progress") on a
+    pooled connection left mid-operation by a terminated backend or a cut
+    connection: an outage like any other, never a 500."""
+    with pytest.raises(StoreUnavailable) as caught, driver_errors("write"):
+        raise asyncpg.InternalClientError("cannot switch to state 12")
+    assert isinstance(caught.value.__cause__, asyncpg.InternalClientError)
 
 
 async def test_driver_errors_and_a_closed_store_are_store_unavailable(pg_url: str) -> None:
