@@ -8,6 +8,10 @@ clocks, upstream latency / 503 / dropped connections and, with `--kill-every`,
 Then it checks the destination's own record and the lease store
 (`chaos_judge`), prints a report and exits 1 on any violation.
 
+`--store-faults` and `--wire-faults` (`chaos_plan`: `chaos_faults`, `chaos_proxy`)
+fault the store and the network to it and to the destination, and the record
+checks (`chaos_records`) read the store's key records at the end.
+
 `--bypass-gateway` sends the writes straight to the destination (leases still
 come from the gateway's lease API): the same checks must then find violations.
 
@@ -41,6 +45,7 @@ import aiohttp
 from gateway.telemetry.logs import configure_logging
 from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+from gateway.tools.chaos.plan import FaultPlan
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
 from leases import StoreUnavailable
@@ -106,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--upstream-faults", type=_rate, default=0.2, help="share of upstream faults (0.2)"
+    )
+    p.add_argument(
+        "--store-faults", type=_rate, default=0.0, help="share of time the store is faulted (0)"
+    )
+    p.add_argument(
+        "--wire-faults", type=_rate, default=0.0, help="share of connections faulted (0)"
     )
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
@@ -200,15 +211,17 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     gateways: list[GatewayProcess] = []
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     stores: list[HTTPLeaseStore] = []
+    plan = FaultPlan(args)
     try:
         await destination.start()
-        store_url = _store_url(args.store, workdir)
+        store_url = await plan.store(_store_url(args.store, workdir))
+        upstream = await plan.upstream(destination.url)
         gateways = [
-            GatewayProcess(
+            plan.gateway_class(
                 i,
                 workdir,
                 store_url=store_url,
-                upstream=destination.url,
+                upstream=upstream,
                 timeout=f"{GATEWAY_TIMEOUT_S:g}s",
                 upstream_idempotent=args.upstream_idempotent,
             )
@@ -218,13 +231,26 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         await gateways[0].start(session)
         await asyncio.gather(*(g.start(session) for g in gateways[1:]))
         stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
-        ctx = _context(args, gateways, destination, stores, session)
-        kills = await _work(args, ctx, gateways, session)
+        ctx = _context(args, gateways, upstream, stores, session, plan.extra_patience)
+        plan.start(gateways, lambda: [j for j in ctx.tally.granted if j not in ctx.done])
+        try:
+            kills = await _work(args, ctx, gateways, session)
+        finally:
+            await plan.calm()
         record = await late_mode.settled_record(lambda: destination.record(session))
+        plan.explain_drops(record)
         final = await _final_leases(ctx)
-        return _report(args, ctx, record, final, kills, time.monotonic() - started, workdir)
+        keys = {job: job_keys(job, ctx.steps) for job in ctx.jobs}
+        records = await plan.records([k for ks in keys.values() for k in ks])
+        report = _report(
+            args, ctx, record, final, kills, time.monotonic() - started, workdir, plan.strands
+        )
+        effects: Any = record["effects"]
+        plan.extend_report(report, effects=effects, jobs=keys, records=records, tally=ctx.tally)
+        return report
     finally:
         await asyncio.gather(*(g.stop() for g in gateways), destination.stop())
+        await plan.close()
         await session.close()
         if args.keep:
             print(f"work dir kept: {workdir}", file=sys.stderr)
@@ -235,9 +261,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def _context(
     args: argparse.Namespace,
     gateways: list[GatewayProcess],
-    destination: Destination,
+    upstream: str,
     stores: list[HTTPLeaseStore],
     session: aiohttp.ClientSession,
+    extra_patience: float = 0.0,
 ) -> RunContext:
     run_id = secrets.token_hex(3)  # job ids unique per run, on a store that may be reused
     jobs = [f"chaos-{run_id}-{n:03d}" for n in range(args.jobs)]
@@ -253,12 +280,13 @@ def _context(
         max_pause=args.max_pause,
         clock_skew=min(args.clock_skew, 0.5),
         step_work=step_work,
-        write_urls=[destination.url] if args.bypass_gateway else [g.url for g in gateways],
+        write_urls=[upstream] if args.bypass_gateway else [g.url for g in gateways],
         lease_stores=stores,
         session=session,
         seed=args.seed,
-        deadline=loop.time() + 2 * args.duration + 10,
-        write_timeout=GATEWAY_TIMEOUT_S + 3,
+        # Store faults stall the work for about their share of the time.
+        deadline=loop.time() + (2 + 2 * args.store_faults) * args.duration + 10,
+        write_timeout=GATEWAY_TIMEOUT_S + 3 + extra_patience,
     )
     if args.late_writes:
         ctx.late_write = functools.partial(late_mode.late_write, ctx)
@@ -313,7 +341,17 @@ async def _killer(
         victim = rng.choice(gateways)
         await victim.kill()
         kills[0] += 1
-        await victim.start(session)  # every gateway is up again before the checks
+        # Every gateway is up again before the checks. Under store or wire faults a
+        # start-up may meet the fault (its schema check fails): try again.
+        for attempt in range(5):
+            try:
+                await victim.start(session)
+                break
+            except ProcessFailed:
+                if attempt == 4 or not (args.store_faults or args.wire_faults):
+                    raise
+                await victim.stop()
+                await asyncio.sleep(1.0)
 
 
 async def _final_leases(ctx: RunContext) -> dict[str, FinalLease | None]:
@@ -343,6 +381,7 @@ def _report(
     kills: int,
     elapsed: float,
     workdir: Path,
+    strands: bool = False,
 ) -> dict[str, Any]:
     tally: Tally = ctx.tally
     verdict: Verdict = judge(
@@ -354,7 +393,7 @@ def _report(
         confirmed=tally.completions_confirmed,
         unknown_keys=tally.unknown_keys,
         upstream_idempotent=args.upstream_idempotent,
-        gateways_killed=kills > 0,
+        gateways_killed=kills > 0 or strands,
         fenced=late_mode.fenced_keys(record),
     )
     skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
@@ -434,8 +473,9 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {prefix:<44} {value}")
 
     for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
-                "writes", "leases_lost", "faults", "destination", "violations"):  # fmt: skip
-        walk(key, report[key])
+                "writes", "leases_lost", "faults", "store_unavailable", "destination",
+                "violations"):  # fmt: skip
+        walk(key, report.get(key))
     for name, items in report["violation_examples"].items():
         lines.append(f"  {name}:")
         lines.extend(f"    - {item}" for item in items)

@@ -83,6 +83,11 @@ class Tally:
     clock_rates: list[float] = field(default_factory=list)
     late_writes_sent: int = 0  # --late-writes
     late_write_answers: Counter[str] = field(default_factory=Counter)
+    # Keys a worker got a 2xx for (applied or replayed), with the loop time.
+    acknowledged: dict[str, float] = field(default_factory=dict)
+    # Loop times of `store_unavailable` answers, and how many lacked Retry-After.
+    store_refusals: list[float] = field(default_factory=list)
+    store_refusals_without_retry_after: int = 0
 
 
 @dataclass
@@ -332,6 +337,8 @@ async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) ->
             tally.retries[exc.reason] += 1
             if exc.reason in UNKNOWN_REASONS:
                 tally.unknown_keys.add(key)
+            if exc.reason == "store_unavailable":
+                _store_refusal(tally, exc)
             await asyncio.sleep(0.2)
             continue
         except BadWrite as exc:
@@ -342,6 +349,7 @@ async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) ->
             await asyncio.sleep(0.2)
             continue
         if 200 <= result.status < 300:
+            tally.acknowledged[key] = asyncio.get_running_loop().time()
             if result.replayed:
                 tally.duplicates_replayed += 1
             else:
@@ -349,6 +357,12 @@ async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) ->
             return
         tally.unexpected.append(f"{job} step {step}: upstream answered {result.status}")
         return
+
+
+def _store_refusal(tally: Tally, exc: GatewayUnavailable) -> None:
+    tally.store_refusals.append(asyncio.get_running_loop().time())
+    if exc.retry_after is None:
+        tally.store_refusals_without_retry_after += 1
 
 
 async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zombie) -> None:
@@ -379,6 +393,9 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
                     await asyncio.sleep(0.2)
                     continue
                 tally.stale_writes_accepted += 1
+                if 200 <= result.status < 300:
+                    key = derive_key(job, step_name(step))
+                    tally.acknowledged[key] = asyncio.get_running_loop().time()
             break
     tally.stale_completions_attempted += 1
     try:

@@ -1,0 +1,70 @@
+"""A deliberately weakened gateway, for the chaos controls only (never shipped).
+
+    python -m tests.processes.weak_gateway WEAKNESS[,WEAKNESS] serve --config ...
+
+runs the real gateway with one protection switched off, so a test can show that
+a fault kind of `sinkgate chaos` does reach what the protection guards:
+
+- `fail_open`: a write whose decision could not be made durable (the store
+  failed: a backend terminated, the connection cut, the database refusing,
+  a lock wait given up, a failed SQLite commit) is forwarded anyway, without a
+  reservation - the gateway that forwards before its reservation commits;
+- `impatient`: gives up on SQLite's write lock after 0.2 s instead of
+  `BUSY_TIMEOUT_S` (with `fail_open`: a held write lock then reaches it);
+- `forget_lost_answers`: a forward whose answer was lost (connection reset,
+  timeout) is recorded as released instead of unknown, so it is sent again.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+WEAKNESSES = ("fail_open", "impatient", "forget_lost_answers")
+
+
+def _fail_open() -> None:
+    from gateway.store.postgres import PostgresStore
+    from gateway.store.records import Verdict, new_attempt_id
+    from gateway.store.sqlite import SQLiteStore
+    from gateway.write.decision import Forward
+    from leases.errors import StoreUnavailable
+
+    for cls in (PostgresStore, SQLiteStore):
+        decide = cls.decide_write
+
+        async def weak(self: Any, facts: Any, context: Any, _decide: Any = decide) -> Any:
+            try:
+                return await _decide(self, facts, context)
+            except StoreUnavailable:
+                return Verdict(Forward(), attempt=new_attempt_id())
+
+        cls.decide_write = weak  # type: ignore[method-assign]
+
+
+def _impatient() -> None:
+    import leases.sqlite
+
+    leases.sqlite.BUSY_TIMEOUT_S = 0.2
+
+
+def _forget_lost_answers() -> None:
+    from gateway.write.upstream import SendFailure
+
+    SendFailure.maybe_sent = property(lambda self: False)  # type: ignore[assignment, method-assign]
+
+
+def main(argv: list[str]) -> int:
+    weaknesses = argv[0].split(",")
+    for name in weaknesses:
+        if name not in WEAKNESSES:
+            print(f"unknown weakness {name!r}", file=sys.stderr)
+            return 2
+        globals()[f"_{name}"]()
+    from gateway.cli import main as gateway_main
+
+    return int(gateway_main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
