@@ -138,6 +138,8 @@ def test_bypassing_the_gateway_the_same_checks_find_violations(tmp_path: Path) -
     assert report["faults"]["upstream_drop_after_apply"] >= 1
     assert report["violations"]["no_duplicate_effect"] >= 1
     assert report["stale_writes"]["accepted"] >= 1
+    # No write went through a reservation: the store holds no record of any.
+    assert report["violations"]["effects_have_key_records"] >= 1
     assert "FAILED" in out
 
 

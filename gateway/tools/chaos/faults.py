@@ -154,12 +154,16 @@ class StoreFaults:
     async def run(self, stop: asyncio.Event, pending: Callable[[], list[str]]) -> None:
         """Inject until `stop` is set; every fault is over when this returns."""
         loop = asyncio.get_running_loop()
+        nominal = 1.5  # mean length of a fault, seconds
+        gap = nominal * (1 - self.share) / max(self.share, 0.01)
+        first = True
         while not stop.is_set():
-            nominal = 1.5  # mean length of a fault, seconds
-            gap = nominal * (1 - self.share) / max(self.share, 0.01)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), gap * self.rng.uniform(0.5, 1.5))
+                # The first fault early: a short run still gets each kind.
+                wait = 0.5 if first else gap * self.rng.uniform(0.5, 1.5)
+                await asyncio.wait_for(stop.wait(), wait)
                 return
+            first = False
             if not self._deck:
                 self._deck = list(self.kinds)
                 self.rng.shuffle(self._deck)

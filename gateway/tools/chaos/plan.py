@@ -94,12 +94,16 @@ class FaultPlan:
     @property
     def strands(self) -> bool:
         """Whether a reservation may be left without its forward, as by a killed
-        gateway: on PostgreSQL a COMMIT whose answer was lost (its backend
-        terminated, its connection reset or stalled) makes the gateway refuse a
-        write whose reservation did commit; the key then reads as unknown and is
-        never sent (SPEC 2 step 8), so its absence is explained. (A failed SQLite
-        commit is rolled back: nothing is stranded.)"""
-        return not self._sqlite and bool(self.store_share or self.wire_share)
+        gateway; the key then reads as unknown and is never sent (SPEC 2 step
+        8), so its absence from the destination is explained:
+
+        - on PostgreSQL a COMMIT whose answer was lost (its backend terminated,
+          its connection reset or stalled) makes the gateway refuse a write
+          whose reservation did commit;
+        - on either store, an outcome that cannot be recorded while the store is
+          failing (the destination answered 503, or was never reached) leaves
+          the reservation in flight."""
+        return bool(self.store_share) or bool(self.wire_share and not self._sqlite)
 
     @property
     def gateway_class(self) -> type[GatewayProcess]:
@@ -142,9 +146,10 @@ class FaultPlan:
             await self.db.drop()
 
     def explain_drops(self, record: dict[str, Any]) -> None:
-        """Count the requests the destination's proxy cut before any answer as
-        dropped before they were applied (the destination's own `dropped_before`):
-        a key left unknown and unapplied by them is explained, as by a drop."""
+        """Count the requests the destination's proxy cut before they all arrived,
+        or whose not-applied answer it cut, as dropped before they were applied
+        (the destination's own `dropped_before`): a key left unknown and
+        unapplied by them is explained, as by a drop."""
         proxy = self.proxies.get("destination")
         if proxy is None:
             return
@@ -179,6 +184,8 @@ class FaultPlan:
                 faults[f"wire_{name}_{kind}"] = n
             faults[f"wire_{name}_connections"] = proxy.connections
         report["store_unavailable"] = _refusals(tally, self.injector)
+        if self.db is not None:
+            report["run_database"] = self.db.name  # dropped at the end unless --keep
         found = check_records(
             effects=effects, jobs=jobs, records=records, acknowledged=tally.acknowledged
         )

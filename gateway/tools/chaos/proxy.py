@@ -46,6 +46,7 @@ class _Link:
     armed_request: bool = True  # the direction the armed fault fires on
     slow_until: float = 0.0
     open_key: str | None = None  # HTTP: the key of a request not answered yet
+    unapplied_key: str | None = None  # HTTP: the key of the last non-2xx answer
     closed: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -74,8 +75,9 @@ class FaultProxy:
         self.counts: dict[str, int] = dict.fromkeys(WIRE_KINDS, 0)
         self.connections = 0
         self.http = http
-        # HTTP: keys of requests cut on the wire before any answer came back
-        # (whether they reached the target is unknown, as for the gateway).
+        # HTTP: keys of requests cut on the wire before they all arrived, or
+        # whose answer saying they were not applied was cut (whether either
+        # reached the other side is unknown, as for the gateway).
         self.cut_keys: dict[str, int] = {}
         self.port = 0
         self._links: set[_Link] = set()
@@ -134,51 +136,61 @@ class FaultProxy:
         self, link: _Link, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, request: bool
     ) -> None:
         loop = asyncio.get_running_loop()
+        held = False  # a chunk read and not relayed (yet): lost if we stop now
+        reset = False
         try:
             while not link.closed:
                 chunk = await src.read(_CHUNK)
                 if not chunk:
                     break
+                held = True
                 if self.http:
                     self._follow(link, chunk, request=request)
                 if link.armed is not None and link.armed_request == request:
                     kind, link.armed = link.armed, None
-                    if kind == "reset":
-                        self._cut(link)
-                        return
                     if kind == "stall":
                         await asyncio.sleep(self.rng.uniform(*self.stall_s))
-                        self._cut(link)
-                        return
+                    if kind in ("reset", "stall"):
+                        reset = True
+                        break
                     link.slow_until = loop.time() + LATENCY_S
                 if loop.time() < link.slow_until:
                     await asyncio.sleep(self.rng.uniform(0, self.max_latency))
                 if link.closed:  # e.g. the client gave up while the chunk was held
-                    self._cut(link, discarded=request)
-                    return
+                    break
                 dst.write(chunk)
                 await dst.drain()
+                held = False
         except (OSError, asyncio.IncompleteReadError):
-            self._cut(link, discarded=request)
+            pass
         finally:
+            # Also when cancelled: the other direction closed the link meanwhile.
+            if held and self.http:
+                self._lost(link, request=request)
             if not link.closed:
-                _close(link, reset=False)
+                _close(link, reset=reset)
 
     def _follow(self, link: _Link, chunk: bytes, *, request: bool) -> None:
-        if not request:
-            link.open_key = None  # an answer is coming back: the request arrived
+        if request:
+            match = _KEY.search(chunk)
+            if match is not None:
+                link.open_key = match.group(1).decode("ascii")
+                link.unapplied_key = None
             return
-        match = _KEY.search(chunk)
-        if match is not None:
-            link.open_key = match.group(1).decode("ascii")
-
-    def _cut(self, link: _Link, *, discarded: bool = True) -> None:
-        """Reset the link; a request whose data was discarded is counted as cut."""
-        if discarded and link.open_key is not None:
-            self.cut_keys[link.open_key] = self.cut_keys.get(link.open_key, 0) + 1
+        if chunk.startswith(b"HTTP/") and link.open_key is not None:
+            # The answer's head: the request arrived. The destination applies only
+            # when it answers 2xx; the key of any other answer was not applied.
+            status = chunk[9:12]
+            link.unapplied_key = None if status.startswith(b"2") else link.open_key
             link.open_key = None
-        if not link.closed:
-            _close(link, reset=True)
+
+    def _lost(self, link: _Link, *, request: bool) -> None:
+        """A chunk was dropped: the key of a request that did not (all) arrive, or
+        of an answer saying it was not applied, is counted as cut."""
+        key = link.open_key if request else link.unapplied_key
+        if key is not None:
+            self.cut_keys[key] = self.cut_keys.get(key, 0) + 1
+            link.open_key = link.unapplied_key = None
 
     async def _tick(self) -> None:
         while True:

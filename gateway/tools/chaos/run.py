@@ -269,6 +269,7 @@ def _context(
     run_id = secrets.token_hex(3)  # job ids unique per run, on a store that may be reused
     jobs = [f"chaos-{run_id}-{n:03d}" for n in range(args.jobs)]
     busy = min(args.workers, args.jobs)
+    faulted = bool(args.store_faults or args.wire_faults)
     # Pace the work so that the jobs take about --duration (workers idle at the tail).
     step_work = max(0.01, args.duration * busy * 0.45 / (args.jobs * args.steps))
     loop = asyncio.get_running_loop()
@@ -284,8 +285,9 @@ def _context(
         lease_stores=stores,
         session=session,
         seed=args.seed,
-        # Store faults stall the work for about their share of the time.
-        deadline=loop.time() + (2 + 2 * args.store_faults) * args.duration + 10,
+        # Store and wire faults stall the work now and then: more slack (the
+        # deadline only matters for jobs still pending).
+        deadline=loop.time() + 2 * args.duration + 10 + faulted * (args.duration + 60),
         write_timeout=GATEWAY_TIMEOUT_S + 3 + extra_patience,
     )
     if args.late_writes:
