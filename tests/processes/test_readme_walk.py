@@ -205,6 +205,19 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/processes/test_chaos_fence.py",
         '"--bypass-gateway", "--fenced-destination"',
     ),
+    "sinkgate chaos --store-faults 0.3": (
+        "tests/processes/test_chaos_faults.py",
+        '"--store-faults", "0.4", "--wire-faults", "0.3"',
+    ),
+    "sinkgate chaos --wire-faults 0.3": (
+        "tests/processes/test_chaos_faults.py",
+        '"--wire-faults", "0.3", "--store", url',
+    ),
+    "sinkgate chaos --gateways 3 --store-faults 0.3 --wire-faults 0.3 "
+    "--store postgresql://postgres@127.0.0.1:5432/postgres": (
+        "tests/processes/test_chaos_faults.py",
+        '"--gateways", "2", "--store-faults", "0.4"',
+    ),
     "python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
     "celery -A examples.celery.tasks worker --loglevel INFO": (
         "tests/processes/test_queue_examples.py",
@@ -246,6 +259,14 @@ NOT_RUN: dict[str, str] = {
     "python3 -m examples.arq.destination": "the queue example test runs its own ledger",
     "python3 -m tests.e2e.test_admin_browser docs": "needs chromium; writes docs/",
     "export SINKGATE_ADMIN_URL=http://127.0.0.1:8481 SINKGATE_ADMIN_TOKEN=...": "sets variables",
+    "sinkgate chaos --jobs 3800 --workers 24 --duration 320 --gateways 3 --store-faults 0.2 "
+    "--wire-faults 0.2 --seed 102 --store postgresql://postgres@127.0.0.1:5432/postgres": (
+        "the proof run: 8 minutes; its short form is tests/processes/test_chaos_faults.py"
+    ),
+    "sinkgate chaos --jobs 3800 --workers 24 --duration 320 --store-faults 0.2 "
+    "--wire-faults 0.2 --seed 101": (
+        "the proof run: 8 minutes; its short form is tests/processes/test_chaos_faults.py"
+    ),
 }
 
 
