@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.write.decision import KeyRecord, KeyState
 
@@ -165,3 +165,8 @@ class OperatorStore(Protocol):
     async def purge_audit(self, *, before: float, batch: int) -> int:
         """Delete up to `batch` audit rows older than `before`; returns how many."""
         ...
+
+
+def audit_filters(query: AuditQuery) -> tuple[tuple[str, Any], ...]:
+    """The audit log's filters (SPEC 4), for `where_set`."""
+    return (("at >=", query.since), ("at <=", query.until), ("id <", query.before_id))

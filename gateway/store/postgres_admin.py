@@ -22,6 +22,7 @@ from gateway.store.admin_records import (
     Resolution,
     ResolveRefused,
     Summary,
+    audit_filters,
     bucket_width,
 )
 from gateway.store.records import (
@@ -35,6 +36,8 @@ from gateway.store.records import (
     StoredRejection,
     key_record,
     new_attempt_id,
+    rejection_filters,
+    where_set,
 )
 from gateway.store.sqlite_admin import add_counts
 from gateway.write.decision import KeyRecord, KeyState
@@ -284,15 +287,8 @@ async def _insert_audit(conn: Conn, now: float, *row: str | None) -> int:
 
 
 async def _list_audit(conn: Conn, query: AuditQuery) -> list[AuditEntry]:
-    params: list[Any] = []
-    clauses: list[str] = []
-    bounds = (("at >= ", query.since), ("at <= ", query.until), ("id < ", query.before_id))
-    for clause, value in bounds:
-        if value is not None:
-            params.append(value)
-            clauses.append(f"{clause}${len(params)}")
+    where, params = where_set(audit_filters(query), numbered=True)
     params.append(query.limit)
-    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
     rows = await conn.fetch(
         f"SELECT {_AUDIT_COLUMNS} FROM audit {where}ORDER BY id DESC LIMIT ${len(params)}",
         *params,
@@ -342,20 +338,7 @@ def _rejection(row: Any) -> StoredRejection:
 
 
 async def _list_rejections(conn: Conn, query: RejectionQuery) -> list[StoredRejection]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column, value in (
-        ("destination = ", query.destination),
-        ("job_id = ", query.job_id),
-        ("reason = ", query.reason),
-        ("at >= ", query.since),
-        ("at <= ", query.until),
-        ("id < ", query.before_id),
-    ):
-        if value is not None:
-            params.append(value)
-            clauses.append(f"{column}${len(params)}")
-    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    where, params = where_set(rejection_filters(query), numbered=True)
     params.append(query.limit)
     rows = await conn.fetch(
         f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}"

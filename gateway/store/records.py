@@ -186,3 +186,28 @@ def rejection_record(
 
 def rejection_values(record: RejectionRecord) -> list[Any]:
     return [getattr(record, name) for name in REJECTION_FIELDS]
+
+
+def where_set(conditions: Sequence[tuple[str, Any]], *, numbered: bool) -> tuple[str, list[Any]]:
+    """`WHERE a = ? AND b >= ? ` for the conditions whose value is set (`"a ="`,
+    value), and those values in order; `numbered` writes PostgreSQL's `$1, $2, ...`.
+    The one filter builder of the admin listings, on both backends."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    for condition, value in conditions:
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{condition} ${len(params)}" if numbered else f"{condition} ?")
+    return (f"WHERE {' AND '.join(clauses)} " if clauses else ""), params
+
+
+def rejection_filters(query: RejectionQuery) -> tuple[tuple[str, Any], ...]:
+    """The rejection log's filters (SPEC 4), for `where_set`."""
+    return (
+        ("destination =", query.destination),
+        ("job_id =", query.job_id),
+        ("reason =", query.reason),
+        ("at >=", query.since),
+        ("at <=", query.until),
+        ("id <", query.before_id),
+    )

@@ -29,7 +29,9 @@ from gateway.store.records import (
     WriteContext,
     key_record,
     new_attempt_id,
+    rejection_filters,
     rejection_values,
+    where_set,
 )
 from gateway.write.decision import (
     Fencing,
@@ -368,20 +370,7 @@ def _rejection(row: tuple[Any, ...]) -> StoredRejection:
 
 
 def _list_rejections(conn: sqlite3.Connection, query: RejectionQuery) -> list[StoredRejection]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for column, value in (
-        ("destination = ?", query.destination),
-        ("job_id = ?", query.job_id),
-        ("reason = ?", query.reason),
-        ("at >= ?", query.since),
-        ("at <= ?", query.until),
-        ("id < ?", query.before_id),
-    ):
-        if value is not None:
-            clauses.append(column)
-            params.append(value)
-    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    where, params = where_set(rejection_filters(query), numbered=False)
     rows = conn.execute(
         f"SELECT id, at, {_REJECTION_COLUMNS} FROM rejections {where}ORDER BY id DESC LIMIT ?",
         (*params, query.limit),

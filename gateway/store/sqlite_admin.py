@@ -24,9 +24,10 @@ from gateway.store.admin_records import (
     Resolution,
     ResolveRefused,
     Summary,
+    audit_filters,
     bucket_width,
 )
-from gateway.store.records import KEY_COLUMNS_SQL, key_record, new_attempt_id
+from gateway.store.records import KEY_COLUMNS_SQL, key_record, new_attempt_id, where_set
 from gateway.write.decision import KeyRecord, KeyState
 from leases.reasons import Reason
 
@@ -234,17 +235,7 @@ def _insert_audit(conn: sqlite3.Connection, now: float, *row: str | None) -> int
 
 
 def _list_audit(conn: sqlite3.Connection, query: AuditQuery) -> list[AuditEntry]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for clause, value in (
-        ("at >= ?", query.since),
-        ("at <= ?", query.until),
-        ("id < ?", query.before_id),
-    ):
-        if value is not None:
-            clauses.append(clause)
-            params.append(value)
-    where = f"WHERE {' AND '.join(clauses)} " if clauses else ""
+    where, params = where_set(audit_filters(query), numbered=False)
     rows = conn.execute(
         f"SELECT {_AUDIT_COLUMNS} FROM audit {where}ORDER BY id DESC LIMIT ?",
         (*params, query.limit),
