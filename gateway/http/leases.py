@@ -19,10 +19,13 @@ import structlog
 from aiohttp import web
 
 from gateway.errors import WORKER_CHALLENGE, Rejection
+from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
+from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
+from gateway.http.schema import field_names, required_names, to_json
 from gateway.store.protocol import LeaseVerbs
 from gateway.telemetry import traces
 from leases import model
@@ -34,15 +37,19 @@ log = structlog.get_logger("gateway.lease_api")
 
 MAX_BODY = 64 * 1024
 
-# The fields each verb reads; anything else in the body is refused, so a typo
-# ("tll") fails loudly instead of silently falling back to a default.
-_REQUIRED: dict[str, tuple[str, ...]] = {
-    "claim": ("owner", "ttl"),
-    "renew": ("owner", "generation"),
-    "complete": ("owner", "generation"),
-    "release": ("owner", "generation"),
+# The body each verb takes (gateway.http.models): any other field is refused, so a
+# typo ("tll") fails loudly instead of silently falling back to a default.
+_REQUESTS: dict[str, type[LeaseRequest]] = {
+    "claim": ClaimRequest,
+    "renew": RenewRequest,
+    "complete": HeldRequest,
+    "release": HeldRequest,
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"renew": ("ttl",)}
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "owner": lambda v: model.validate_ident(v, "owner"),
+    "generation": model.validate_generation,
+    "ttl": model.validate_ttl,
+}
 
 
 LEASE_TOKENS: web.AppKey[tuple[str, ...]] = web.AppKey("lease_tokens", tuple)
@@ -62,22 +69,19 @@ def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = N
     app.router.add_route("*", "/leases/{job_id}/{op}", traced(_wrong_method))
 
 
-def rfc3339(moment: datetime) -> str:
-    """`2026-11-30T13:45:00.123456Z`: UTC, always six fractional digits."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:
-    """The lease object of SPEC 3."""
-    return {
-        "job_id": lease.job_id,
-        "owner": lease.owner,
-        "generation": lease.generation,
-        "state": lease.state,
-        "lease_until": rfc3339(lease.lease_until),
-        "expires_in": lease.expires_in,
-        "server_time": rfc3339(datetime.fromtimestamp(now, UTC)),
-    }
+    """The lease object of SPEC 3 (`models.Lease`)."""
+    return to_json(
+        models.Lease(
+            job_id=lease.job_id,
+            owner=lease.owner,
+            generation=lease.generation,
+            state=lease.state,
+            lease_until=rfc3339(lease.lease_until),
+            expires_in=lease.expires_in,
+            server_time=rfc3339(datetime.fromtimestamp(now, UTC)),
+        )
+    )
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -92,7 +96,7 @@ def _authorize(request: web.Request) -> None:
 
 
 async def _get(request: web.Request) -> web.StreamResponse:
-    async def run(store: LeaseVerbs, job_id: str, _: dict[str, Any]) -> Lease:
+    async def run(store: LeaseVerbs, job_id: str, _: LeaseRequest | None) -> Lease:
         lease = await store.get(job_id)
         if lease is None:
             raise Rejection(
@@ -108,14 +112,14 @@ async def _get(request: web.Request) -> web.StreamResponse:
 
 async def _post(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
-    if op not in _REQUIRED:
+    if op not in _REQUESTS:
         return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     return await _answer(request, op, _VERBS[op])
 
 
 async def _wrong_method(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
-    if op not in _REQUIRED:
+    if op not in _REQUESTS:
         return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     refusal = Rejection(
         Reason.METHOD_NOT_ALLOWED,
@@ -125,23 +129,27 @@ async def _wrong_method(request: web.Request) -> web.StreamResponse:
     return _finish(request, op, problem_response(refusal), Reason.METHOD_NOT_ALLOWED, {})
 
 
-async def _claim(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
-    return await store.claim(job_id, owner=body["owner"], ttl=body["ttl"])
+async def _claim(store: LeaseVerbs, job_id: str, body: LeaseRequest | None) -> Lease:
+    assert isinstance(body, ClaimRequest)
+    return await store.claim(job_id, owner=body.owner, ttl=body.ttl)
 
 
-async def _renew(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
-    return await store.renew(_named(job_id, body), ttl=body.get("ttl"))
+async def _renew(store: LeaseVerbs, job_id: str, body: LeaseRequest | None) -> Lease:
+    assert isinstance(body, RenewRequest)
+    return await store.renew(_named(job_id, body), ttl=body.ttl)
 
 
-async def _complete(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
+async def _complete(store: LeaseVerbs, job_id: str, body: LeaseRequest | None) -> Lease:
+    assert isinstance(body, HeldRequest)
     return await store.complete(_named(job_id, body))
 
 
-async def _release(store: LeaseVerbs, job_id: str, body: dict[str, Any]) -> Lease:
+async def _release(store: LeaseVerbs, job_id: str, body: LeaseRequest | None) -> Lease:
+    assert isinstance(body, HeldRequest)
     return await store.release(_named(job_id, body))
 
 
-Verb = Callable[[LeaseVerbs, str, dict[str, Any]], Awaitable[Lease]]
+Verb = Callable[[LeaseVerbs, str, LeaseRequest | None], Awaitable[Lease]]
 _VERBS: dict[str, Verb] = {
     "claim": _claim,
     "renew": _renew,
@@ -150,8 +158,8 @@ _VERBS: dict[str, Verb] = {
 }
 
 
-def _named(job_id: str, body: dict[str, Any]) -> LeaseRef:
-    return LeaseRef(job_id, body["owner"], body["generation"])
+def _named(job_id: str, body: RenewRequest | HeldRequest) -> LeaseRef:
+    return LeaseRef(job_id, body.owner, body.generation)
 
 
 async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamResponse:
@@ -159,10 +167,11 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     facts: dict[str, Any] = {}
     try:
         _authorize(request)
-        job_id = _job_id(request)
-        facts["job_id"] = job_id
-        body = await _body(request, op) if op in _REQUIRED else {}
-        facts.update(owner=body.get("owner"), generation=body.get("generation"))
+        facts["job_id"] = job_id = _job_id(request)
+        body = await _body(request, op) if op in _REQUESTS else None
+        facts.update(
+            owner=getattr(body, "owner", None), generation=getattr(body, "generation", None)
+        )
         started = time.perf_counter()
         try:
             lease = await verb(store, job_id, body)
@@ -170,44 +179,43 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
             request.app[METRICS].store_latency.labels(op=f"lease_{op}").observe(
                 time.perf_counter() - started
             )
-    except Rejection as refused:
-        return _reject(request, op, refused, facts)
-    except ValueError as exc:  # the store's own argument check; nothing was written
-        return _reject(request, op, invalid_request(str(exc), job_id=facts.get("job_id")), facts)
-    except LeaseHeld as exc:
-        retry_after = max(1, math.ceil(exc.expires_in))
-        rejection = Rejection(
+    except (Rejection, ValueError, LeaseHeld, JobCompleted, LeaseLost, StoreUnavailable) as exc:
+        if isinstance(exc, StoreUnavailable):
+            request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
+        return _reject(request, op, _refusal(exc, facts.get("job_id")), facts)
+    now = store.clock()
+    facts.update(owner=lease.owner, generation=lease.generation)
+    return _finish(request, op, web.json_response(lease_json(lease, now)), "ok", facts)
+
+
+def _refusal(exc: Exception, job_id: str | None) -> Rejection:
+    """The answer to a refused call: the request's own problem, or the store's."""
+    if isinstance(exc, Rejection):
+        return exc
+    if isinstance(exc, LeaseHeld):
+        return Rejection(
             Reason.LEASE_HELD,
             str(exc),
-            retry_after=retry_after,
+            retry_after=max(1, math.ceil(exc.expires_in)),
             job_id=exc.job_id,
             owner=exc.owner,
             expires_in=exc.expires_in,
             current_generation=exc.current_generation,
         )
-        return _reject(request, op, rejection, facts)
-    except JobCompleted as exc:
-        return _reject(
-            request, op, Rejection(Reason.JOB_COMPLETED, str(exc), job_id=exc.job_id), facts
-        )
-    except LeaseLost as exc:
-        rejection = Rejection(
+    if isinstance(exc, JobCompleted):
+        return Rejection(Reason.JOB_COMPLETED, str(exc), job_id=exc.job_id)
+    if isinstance(exc, LeaseLost):
+        return Rejection(
             exc.reason,
             str(exc),
             job_id=exc.job_id,
             generation=exc.generation,
             current_generation=exc.current_generation,
         )
-        return _reject(request, op, rejection, facts)
-    except StoreUnavailable as exc:
-        request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
-        rejection = Rejection(
-            Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, job_id=facts.get("job_id")
-        )
-        return _reject(request, op, rejection, facts)
-    now = store.clock()
-    facts.update(owner=lease.owner, generation=lease.generation)
-    return _finish(request, op, web.json_response(lease_json(lease, now)), "ok", facts)
+    if isinstance(exc, StoreUnavailable):
+        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, job_id=job_id)
+    # ValueError: the store's own argument check; nothing was written
+    return invalid_request(str(exc), job_id=job_id)
 
 
 def _reject(
@@ -258,7 +266,7 @@ def _job_id(request: web.Request) -> str:
         raise invalid_request(str(exc)) from None
 
 
-async def _body(request: web.Request, op: str) -> dict[str, Any]:
+async def _body(request: web.Request, op: str) -> LeaseRequest:
     raw = await read_body(request, MAX_BODY)
     try:
         body = json.loads(raw)
@@ -266,26 +274,22 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
         raise invalid_request("the body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):
         raise invalid_request(f"the body must be a JSON object, not {type(body).__name__}")
-    allowed = _REQUIRED[op] + _OPTIONAL.get(op, ())
+    shape = _REQUESTS[op]
+    allowed = field_names(shape)
     unknown = sorted(set(body) - set(allowed))
     if unknown:
         raise invalid_request(
             f"unknown field {unknown[0]!r}; {op} takes {', '.join(allowed)}", field=unknown[0]
         )
-    for name in _REQUIRED[op]:
+    for name in required_names(shape):
         if body.get(name) is None:
             raise invalid_request(f"missing field {name!r}", field=name)
-    checks: dict[str, Callable[[Any], Any]] = {
-        "owner": lambda v: model.validate_ident(v, "owner"),
-        "generation": model.validate_generation,
-        "ttl": model.validate_ttl,
-    }
     parsed: dict[str, Any] = {}
     for name in allowed:
         if body.get(name) is None:
             continue  # only an optional field can be absent here (renew's ttl)
         try:
-            parsed[name] = checks[name](body[name])
+            parsed[name] = _CHECKS[name](body[name])
         except ValueError as exc:
             raise invalid_request(str(exc), field=name) from None
-    return parsed
+    return shape(**parsed)

@@ -1,0 +1,203 @@
+"""Typed JSON shapes: frozen dataclasses, their JSON Schema, and their JSON.
+
+A model is a frozen dataclass whose fields are `int`, `float`, `str`, `bool`, a
+`Literal`, an `Enum`, a nested model, `list[...]`, `dict[str, ...]` or one of
+these `| None`; `Annotated[..., Meta(...)]` adds bounds, patterns, formats and
+descriptions. `schema_of` walks a model into JSON Schema (nested models become
+components referenced by `$ref`), and `to_json` turns an instance into the dict
+a handler sends, so the document and the answer come from one declaration.
+
+A field is required unless it has a default. A field declared with `absent()`
+is left out of the JSON when it is None (documented as optional, never null);
+any other `X | None` field is always sent, null or not. A model's own docstring
+is its schema's description; its JSON has no property it does not declare
+unless it sets `open_ended = True`.
+
+Only the standard library: nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, Literal, Union
+
+_ABSENT = "sinkgate.absent_if_none"
+_REF_BASE = "#/components/schemas/"
+_SCALARS: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """JSON Schema keywords for an `Annotated` type (None: not set)."""
+
+    description: str | None = None
+    pattern: str | None = None
+    format: str | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    max_items: int | None = None
+    enum: tuple[Any, ...] | None = None
+
+    def keywords(self) -> dict[str, Any]:
+        names = {"min_length": "minLength", "max_length": "maxLength", "max_items": "maxItems"}
+        found = {
+            names.get(f.name, f.name): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+        if "enum" in found:
+            found["enum"] = list(found["enum"])
+        return found
+
+
+def absent() -> Any:
+    """A field's default: None, and left out of the JSON when it is None."""
+    return dataclasses.field(default=None, metadata={_ABSENT: True})
+
+
+def ref(model: type) -> dict[str, str]:
+    """A `$ref` to `model`'s component."""
+    return {"$ref": _REF_BASE + model.__name__}
+
+
+# --- the schema walker -------------------------------------------------------------------
+
+
+def schema_of(model: type, components: dict[str, Any]) -> dict[str, Any]:
+    """`model`'s JSON Schema; it and every model it holds are added to `components`
+    by class name. Returns the `$ref`."""
+    name = model.__name__
+    if name not in components:
+        components[name] = {}  # a placeholder, so a model that holds itself terminates
+        components[name] = _object_schema(model, components)
+    return ref(model)
+
+
+def _object_schema(model: type, components: dict[str, Any]) -> dict[str, Any]:
+    hints = _hints(model)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for f in dataclasses.fields(model):
+        absent_if_none = f.metadata.get(_ABSENT, False)
+        properties[f.name] = _type_schema(hints[f.name], components, drop_none=absent_if_none)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+    schema: dict[str, Any] = {"type": "object"}
+    description = _description(model)
+    if description:
+        schema["description"] = description
+    schema["required"] = required
+    if not getattr(model, "open_ended", False):
+        schema["additionalProperties"] = False
+    schema["properties"] = properties
+    return schema
+
+
+def _type_schema(tp: Any, components: dict[str, Any], *, drop_none: bool = False) -> dict[str, Any]:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        inner = _type_schema(args[0], components, drop_none=drop_none)
+        extra: dict[str, Any] = {}
+        for meta in args[1:]:
+            if isinstance(meta, Meta):
+                extra.update(meta.keywords())
+        return {**inner, **extra}
+    if origin in (Union, types.UnionType):
+        return _union_schema(args, components, drop_none=drop_none)
+    if origin is Literal:
+        return {"type": _SCALARS[type(args[0])], "enum": list(args)}
+    if origin is list or origin is tuple:
+        return {"type": "array", "items": _type_schema(args[0], components)}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _type_schema(args[1], components)}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        values = [m.value for m in tp]
+        return {"type": _SCALARS[type(values[0])], "enum": values}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return schema_of(tp, components)
+    if tp in _SCALARS:
+        return {"type": _SCALARS[tp]}
+    if tp is Any:
+        return {}
+    raise TypeError(f"no JSON Schema for {tp!r}")
+
+
+def _union_schema(
+    args: tuple[Any, ...], components: dict[str, Any], *, drop_none: bool
+) -> dict[str, Any]:
+    """`X | None`: X, nullable unless the field is left out when None."""
+    options = [a for a in args if a is not type(None)]
+    if len(options) != 1:
+        raise TypeError(f"only `X | None` unions are supported, not {args!r}")
+    inner = _type_schema(options[0], components)
+    if drop_none or len(options) == len(args):
+        return inner
+    if isinstance(inner.get("type"), str) and "enum" not in inner:
+        return {**inner, "type": [inner["type"], "null"]}
+    return {"anyOf": [inner, {"type": "null"}]}
+
+
+def _description(model: type) -> str | None:
+    doc = model.__doc__ or ""
+    if doc.startswith(model.__name__ + "("):  # the one dataclass writes itself
+        return None
+    return " ".join(doc.split("\n\n", 1)[0].split()) or None
+
+
+@cache
+def _hints(model: type) -> dict[str, Any]:
+    return typing.get_type_hints(model, include_extras=True)
+
+
+# --- the encoder ---------------------------------------------------------------------------
+
+
+def to_json(instance: Any) -> dict[str, Any]:
+    """`instance` (a model) as the dict its schema describes, fields in order."""
+    out: dict[str, Any] = {}
+    for name, absent_if_none in _plan(type(instance)):
+        value = getattr(instance, name)
+        if value is None and absent_if_none:
+            continue
+        out[name] = _value(value)
+    return out
+
+
+def _value(value: Any) -> Any:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value.value if isinstance(value, enum.Enum) else value
+    if dataclasses.is_dataclass(value):
+        return to_json(value)
+    if isinstance(value, list | tuple):
+        return [_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _value(v) for k, v in value.items()}
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"not a JSON value: {value!r}")
+
+
+@cache
+def _plan(model: type) -> tuple[tuple[str, bool], ...]:
+    return tuple((f.name, bool(f.metadata.get(_ABSENT))) for f in dataclasses.fields(model))
+
+
+def field_names(model: type) -> tuple[str, ...]:
+    """The JSON member names of `model`, in order."""
+    return tuple(f.name for f in dataclasses.fields(model))
+
+
+def required_names(model: type) -> tuple[str, ...]:
+    """The members `model` cannot do without (no default), in order."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(model)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
