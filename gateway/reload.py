@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from gateway.admin.models import ReloadAnswer
 from gateway.config.model import Config, DestinationConfig, load_config
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
+from gateway.http.schema import to_json
 from gateway.telemetry.metrics import Metrics
 from leases.reasons import Reason
 
@@ -169,7 +171,7 @@ class Reloader:
                     errors=list(exc.errors),
                 )
             )
-        return web.json_response({"reloaded": True, "destinations": list(result.destinations)})
+        return web.json_response(to_json(ReloadAnswer(True, list(result.destinations))))
 
 
 def _keep_unchanged(

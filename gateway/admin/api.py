@@ -37,9 +37,12 @@ from gateway.admin.views import (
     only_params,
     parse_rejection_query,
     rejection_item,
+    rejection_page,
 )
 from gateway.errors import Rejection, StoreUnavailable
+from gateway.http.models import OK
 from gateway.http.problem import problem_response, router_refusal
+from gateway.http.schema import to_json
 from gateway.store.protocol import AdminOpsStore, AdminStore
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
@@ -123,7 +126,7 @@ def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) 
     """
 
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return web.json_response(to_json(OK))
 
     async def readyz(request: web.Request) -> web.Response:
         try:
@@ -133,7 +136,7 @@ def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) 
             return problem_response(
                 Rejection(Reason.STORE_UNAVAILABLE, f"the store does not answer: {exc}")
             )
-        return web.json_response({"status": "ok"})
+        return web.json_response(to_json(OK))
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -188,9 +191,7 @@ class _Api:
             return await self._ops.export(request)
         query = parse_rejection_query(request.query, self._store.clock())
         items, next_cursor = await fetch_page(self._store, query)
-        return web.json_response(
-            {"items": [rejection_item(r) for r in items], "next_cursor": next_cursor}
-        )
+        return web.json_response(rejection_page(items, next_cursor))
 
     async def get_rejection(self, request: web.Request) -> web.Response:
         only_params(request.query, ())

@@ -6,17 +6,17 @@ error answers come from that app's middlewares.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import structlog
 from aiohttp import web
 from multidict import MultiDict
 
+from gateway.admin import models
 from gateway.admin.ops_views import (
     RESOLVE_REQUEST_MAX,
-    audit_cursor,
-    audit_item,
+    audit_page,
     encode_key_cursor,
     export_header,
     export_limit,
@@ -27,10 +27,11 @@ from gateway.admin.ops_views import (
     parse_summary_window,
     summary_view,
 )
-from gateway.admin.views import key_view, parse_rejection_query
+from gateway.admin.views import key_model, parse_rejection_query
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.bodies import read_body
 from gateway.http.problem import invalid_request
+from gateway.http.schema import to_json
 from gateway.store.admin_records import Resolution, ResolveRefused
 from gateway.telemetry.unknown_keys import UnknownKeysGauge
 from gateway.write.decision import KeyRecord
@@ -59,9 +60,8 @@ class OpsApi:
             rows = rows[: query.limit]
             last = rows[-1]
             next_cursor = encode_key_cursor(last.updated_at, last.destination, last.key)
-        return web.json_response(
-            {"items": [key_view(r, now) for r in rows], "next_cursor": next_cursor}
-        )
+        items = [key_model(r, now) for r in rows]
+        return web.json_response(to_json(models.KeyPage(items=items, next_cursor=next_cursor)))
 
     async def resolve(self, request: web.Request) -> web.Response:
         resolution = await self.read_resolution(request)
@@ -101,12 +101,7 @@ class OpsApi:
     async def list_audit(self, request: web.Request) -> web.Response:
         query = parse_audit_query(request.query, self._store.clock())
         rows = await self._store.list_audit(replace(query, limit=query.limit + 1))
-        return web.json_response(
-            {
-                "items": [audit_item(e) for e in rows[: query.limit]],
-                "next_cursor": audit_cursor(rows, query.limit),
-            }
-        )
+        return web.json_response(audit_page(rows, query.limit))
 
     async def summary(self, request: web.Request) -> web.Response:
         since, until = parse_summary_window(request.query, self._store.clock())
@@ -175,10 +170,11 @@ def _refusal(refused: ResolveRefused) -> Rejection:
 def resolved_view(record: KeyRecord, resolution: Resolution, now: float) -> dict[str, Any]:
     """The key after the change; a released key (not_applied) no longer exists, so it
     is shown as it was with state `released`."""
-    view = key_view(record, now)
+    view = key_model(record, now)
+    members = {f.name: getattr(view, f.name) for f in fields(view)}
     if not resolution.applied:
-        view["state"] = "released"
-    return view
+        members["state"] = "released"
+    return to_json(models.ResolvedKey(**members))
 
 
 def add_ops_routes(app: web.Application, api: OpsApi, *, audit_page: Handler) -> None:

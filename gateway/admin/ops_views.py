@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.admin import models
+from gateway.admin.models import CONTENT_TYPE, NOTE_MAX, ResolveRequest
 from gateway.admin.views import (
     DECIMAL_ID,
     MAX_LIMIT,
@@ -24,9 +26,10 @@ from gateway.admin.views import (
     parse_time,
     parse_window,
     rejection_item,
-    rfc3339,
+    utc_time,
 )
 from gateway.http.problem import invalid_request
+from gateway.http.schema import field_names, to_json
 from gateway.store.admin_records import AuditEntry, AuditQuery, KeyQuery, Resolution, Summary
 from gateway.store.records import StoredRejection
 from gateway.write.decision import KeyState
@@ -38,11 +41,10 @@ SUMMARY_FILTERS = ("since", "until")
 DEFAULT_SUMMARY_WINDOW_S = 86400.0
 PRESETS = ("15m", "1h", "24h", "7d")  # the page's time filters
 REFRESH_S = 30  # the page's auto-refresh period
-NOTE_MAX = 1000
 RESOLVE_BODY_MAX = 1024 * 1024  # the stored answer; the request may be a little larger
 RESOLVE_REQUEST_MAX = RESOLVE_BODY_MAX * 2 + 16 * 1024  # JSON escaping can double it
-_RESOLVE_FIELDS = {"outcome", "attempt", "note", "status", "body", "content_type"}
-_CONTENT_TYPE = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,254}")
+_RESOLVE_FIELDS = set(field_names(ResolveRequest))
+_CONTENT_TYPE = re.compile(CONTENT_TYPE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _KEY_CURSOR_PREFIX = "k1:"
 
@@ -205,16 +207,27 @@ def _encodable(text: str) -> bool:
 
 
 def audit_item(entry: AuditEntry) -> dict[str, Any]:
-    return {
-        "id": entry.id,
-        "at": rfc3339(entry.at),
-        "action": entry.action,
-        "destination": entry.destination,
-        "key": entry.key,
-        "attempt": entry.attempt,
-        "note": entry.note,
-        "remote": entry.remote,
-    }
+    """`models.AuditEntry`."""
+    return to_json(_audit_model(entry))
+
+
+def audit_page(entries: list[AuditEntry], limit: int) -> dict[str, Any]:
+    """One page of `entries` (read `limit` + 1, to know whether another follows)."""
+    items = [_audit_model(e) for e in entries[:limit]]
+    return to_json(models.AuditPage(items=items, next_cursor=audit_cursor(entries, limit)))
+
+
+def _audit_model(entry: AuditEntry) -> models.AuditEntry:
+    return models.AuditEntry(
+        id=entry.id,
+        at=utc_time(entry.at),
+        action=entry.action,
+        destination=entry.destination,
+        key=entry.key,
+        attempt=entry.attempt,
+        note=entry.note,
+        remote=entry.remote,
+    )
 
 
 def audit_cursor(items: list[AuditEntry], limit: int) -> str | None:
@@ -225,18 +238,22 @@ def summary_view(summary: Summary) -> dict[str, Any]:
     """SPEC 4 `GET /admin/summary`: every bucket, empty ones included, oldest first."""
     width = summary.bucket_seconds
     buckets = [
-        {"at": rfc3339(summary.first_bucket + n * width), "counts": summary.series.get(n, {})}
+        models.SummaryBucket(
+            at=utc_time(summary.first_bucket + n * width), counts=summary.series.get(n, {})
+        )
         for n in range(summary.bucket_count)
     ]
-    return {
-        "since": rfc3339(summary.since),
-        "until": rfc3339(summary.until),
-        "rejections_by_reason": dict(sorted(summary.by_reason.items())),
-        "rejections_by_destination": dict(sorted(summary.by_destination.items())),
-        "keys_by_state": summary.keys_by_state,
-        "bucket_seconds": width,
-        "series": {"bucket_seconds": width, "buckets": buckets},
-    }
+    return to_json(
+        models.Summary(
+            since=utc_time(summary.since),
+            until=utc_time(summary.until),
+            rejections_by_reason=dict(sorted(summary.by_reason.items())),
+            rejections_by_destination=dict(sorted(summary.by_destination.items())),
+            keys_by_state=summary.keys_by_state,
+            bucket_seconds=width,
+            series=models.SummarySeries(bucket_seconds=width, buckets=buckets),
+        )
+    )
 
 
 # --- export --------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.admin import models
 from gateway.errors import STATUS_BY_REASON, Rejection
 from gateway.http.problem import invalid_request
+from gateway.http.schema import to_json
 from gateway.store.protocol import AdminStore
 from gateway.store.records import JobState, RejectionQuery, StoredRejection
 from gateway.write.decision import KeyRecord
@@ -159,8 +161,11 @@ def parse_time(text: str, name: str, now: float | None = None) -> float:
 
 
 def rfc3339(ts: float | None) -> str | None:
-    if ts is None:
-        return None
+    return None if ts is None else utc_time(ts)
+
+
+def utc_time(ts: float) -> str:
+    """`ts` as RFC 3339 in UTC with microseconds: `2026-11-30T13:45:00.123456Z`."""
     moment = datetime.fromtimestamp(ts, UTC)
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -189,80 +194,96 @@ def decode_cursor(cursor: str) -> int:
 
 
 def rejection_item(row: StoredRejection) -> dict[str, Any]:
-    """An item of SPEC 4, field for field."""
+    """An item of SPEC 4, field for field (`models.Rejection`)."""
+    return to_json(rejection_model(row))
+
+
+def rejection_page(rows: list[StoredRejection], next_cursor: str | None) -> dict[str, Any]:
+    items = [rejection_model(r) for r in rows]
+    return to_json(models.RejectionPage(items=items, next_cursor=next_cursor))
+
+
+def rejection_model(row: StoredRejection) -> models.Rejection:
     r = row.record
-    return {
-        "id": row.id,
-        "at": rfc3339(row.at),
-        "destination": r.destination,
-        "method": r.method,
-        "path": r.path,
-        "job_id": r.job_id,
-        "generation": r.generation,
-        "owner": r.owner,
-        "idempotency_key": r.idempotency_key,
-        "reason": r.reason,
-        "detail": r.detail,
-        "current_generation": r.current_generation,
-        "highest_generation": r.highest_generation,
-        "remote": r.remote,
-        "body_sha256": r.body_sha256,
-        "body_bytes": r.body_bytes,
-    }
+    return models.Rejection(
+        id=row.id,
+        at=utc_time(row.at),
+        destination=r.destination,
+        method=r.method,
+        path=r.path,
+        job_id=r.job_id,
+        generation=r.generation,
+        owner=r.owner,
+        idempotency_key=r.idempotency_key,
+        reason=r.reason,
+        detail=r.detail,
+        current_generation=r.current_generation,
+        highest_generation=r.highest_generation,
+        remote=r.remote,
+        body_sha256=r.body_sha256,
+        body_bytes=r.body_bytes,
+    )
 
 
 def job_view(state: JobState, now: float) -> dict[str, Any]:
+    """`models.JobState`: the lease, the fence mark, attempts on the wire."""
     lease = state.lease
-    return {
-        "job_id": state.job_id,
-        "server_time": rfc3339(now),
-        "lease": None
-        if lease is None
-        else {
-            "job_id": lease.job_id,
-            "owner": lease.owner,
-            "generation": lease.generation,
-            "state": str(lease.state),
-            "lease_until": rfc3339(lease.lease_until),
-            "expires_in": expires_in(lease, now),
-        },
-        "highest_generation": state.highest_generation,
-        "in_flight": [
-            {
-                "attempt": a.get("attempt"),
-                "generation": a.get("generation"),
-                "destination": a.get("destination"),
-                "key": a.get("key"),
-                "started_at": rfc3339(a.get("started_at")),
-                "deadline": rfc3339(a.get("deadline")),
-            }
-            for a in state.in_flight
-        ],
-        "recent_rejections": [rejection_item(r) for r in state.recent_rejections],
-    }
+    return to_json(
+        models.JobState(
+            job_id=state.job_id,
+            server_time=utc_time(now),
+            lease=None
+            if lease is None
+            else models.JobLease(
+                job_id=lease.job_id,
+                owner=lease.owner,
+                generation=lease.generation,
+                state=str(lease.state),
+                lease_until=utc_time(lease.lease_until),
+                expires_in=expires_in(lease, now),
+            ),
+            highest_generation=state.highest_generation,
+            in_flight=[
+                models.InFlightAttempt(
+                    attempt=a.get("attempt"),
+                    generation=a.get("generation"),
+                    destination=a.get("destination"),
+                    key=a.get("key"),
+                    started_at=rfc3339(a.get("started_at")),
+                    deadline=rfc3339(a.get("deadline")),
+                )
+                for a in state.in_flight
+            ],
+            recent_rejections=[rejection_model(r) for r in state.recent_rejections],
+        )
+    )
 
 
 def key_view(record: KeyRecord, now: float) -> dict[str, Any]:
-    """The idempotency record without its stored body: replayed bodies can hold
-    anything an upstream answered (tokens, personal data); its size and hash say
-    whether two replays match."""
-    return {
-        "destination": record.destination,
-        "key": record.key,
-        "state": str(record.state_at(now)),
-        "fingerprint": record.fingerprint,
-        "attempt": record.attempt,
-        "status": record.status,
-        "attempts": record.attempts,
-        "job_id": record.job_id,
-        "generation": record.generation,
-        "owner": record.owner,
-        "created_at": rfc3339(record.created_at),
-        "updated_at": rfc3339(record.updated_at),
-        "completed_at": rfc3339(record.completed_at),
-        "deadline": rfc3339(record.deadline),
-        "response_headers": [[name, value] for name, value in record.headers],
-        "body_bytes": len(record.body),
-        "body_sha256": hashlib.sha256(record.body).hexdigest() if record.body else None,
-        "body_omitted": record.body_omitted,
-    }
+    """The idempotency record without its stored body (`models.KeyRecord`)."""
+    return to_json(key_model(record, now))
+
+
+def key_model(record: KeyRecord, now: float) -> models.KeyRecord:
+    """Replayed bodies can hold anything an upstream answered (tokens, personal
+    data): only their size and hash are shown."""
+    return models.KeyRecord(
+        destination=record.destination,
+        key=record.key,
+        state=record.state_at(now),
+        fingerprint=record.fingerprint,
+        attempt=record.attempt,
+        status=record.status,
+        attempts=record.attempts,
+        job_id=record.job_id,
+        generation=record.generation,
+        owner=record.owner,
+        created_at=utc_time(record.created_at),
+        updated_at=utc_time(record.updated_at),
+        completed_at=rfc3339(record.completed_at),
+        deadline=utc_time(record.deadline),
+        response_headers=[[name, value] for name, value in record.headers],
+        body_bytes=len(record.body),
+        body_sha256=hashlib.sha256(record.body).hexdigest() if record.body else None,
+        body_omitted=record.body_omitted,
+    )

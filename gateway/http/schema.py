@@ -42,11 +42,17 @@ class Meta:
     maximum: float | None = None
     min_length: int | None = None
     max_length: int | None = None
+    min_items: int | None = None
     max_items: int | None = None
     enum: tuple[Any, ...] | None = None
 
     def keywords(self) -> dict[str, Any]:
-        names = {"min_length": "minLength", "max_length": "maxLength", "max_items": "maxItems"}
+        names = {
+            "min_length": "minLength",
+            "max_length": "maxLength",
+            "min_items": "minItems",
+            "max_items": "maxItems",
+        }
         found = {
             names.get(f.name, f.name): getattr(self, f.name)
             for f in dataclasses.fields(self)
