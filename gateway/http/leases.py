@@ -39,7 +39,7 @@ MAX_BODY = 64 * 1024
 
 # The body each verb takes (gateway.http.models): any other field is refused, so a
 # typo ("tll") fails loudly instead of silently falling back to a default.
-_REQUESTS: dict[str, type[LeaseRequest]] = {
+LEASE_REQUESTS: dict[str, type[LeaseRequest]] = {
     "claim": ClaimRequest,
     "renew": RenewRequest,
     "complete": HeldRequest,
@@ -112,14 +112,14 @@ async def _get(request: web.Request) -> web.StreamResponse:
 
 async def _post(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
-    if op not in _REQUESTS:
+    if op not in LEASE_REQUESTS:
         return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     return await _answer(request, op, _VERBS[op])
 
 
 async def _wrong_method(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
-    if op not in _REQUESTS:
+    if op not in LEASE_REQUESTS:
         return _reject(request, op, Rejection(Reason.NOT_FOUND, f"no lease operation {op!r}"))
     refusal = Rejection(
         Reason.METHOD_NOT_ALLOWED,
@@ -168,7 +168,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     try:
         _authorize(request)
         facts["job_id"] = job_id = _job_id(request)
-        body = await _body(request, op) if op in _REQUESTS else None
+        body = await _body(request, op) if op in LEASE_REQUESTS else None
         facts.update(
             owner=getattr(body, "owner", None), generation=getattr(body, "generation", None)
         )
@@ -274,7 +274,7 @@ async def _body(request: web.Request, op: str) -> LeaseRequest:
         raise invalid_request("the body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):
         raise invalid_request(f"the body must be a JSON object, not {type(body).__name__}")
-    shape = _REQUESTS[op]
+    shape = LEASE_REQUESTS[op]
     allowed = field_names(shape)
     unknown = sorted(set(body) - set(allowed))
     if unknown:

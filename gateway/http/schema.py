@@ -3,8 +3,8 @@
 A model is a frozen dataclass whose fields are `int`, `float`, `str`, `bool`, a
 `Literal`, an `Enum`, a nested model, `list[...]`, `dict[str, ...]` or one of
 these `| None`; `Annotated[..., Meta(...)]` adds bounds, patterns, formats and
-descriptions. `schema_of` walks a model into JSON Schema (nested models become
-components referenced by `$ref`), and `to_json` turns an instance into the dict
+descriptions. `Components.add` walks a model into JSON Schema (nested models
+become components referenced by `$ref`), and `to_json` turns an instance into the dict
 a handler sends, so the document and the answer come from one declaration.
 
 A field is required unless it has a default. A field declared with `absent()`
@@ -76,17 +76,30 @@ def ref(model: type) -> dict[str, str]:
 # --- the schema walker -------------------------------------------------------------------
 
 
-def schema_of(model: type, components: dict[str, Any]) -> dict[str, Any]:
-    """`model`'s JSON Schema; it and every model it holds are added to `components`
-    by class name. Returns the `$ref`."""
-    name = model.__name__
-    if name not in components:
-        components[name] = {}  # a placeholder, so a model that holds itself terminates
-        components[name] = _object_schema(model, components)
-    return ref(model)
+class Components:
+    """The schemas of a document's `components`, by model name."""
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, Any] = {}
+        self._models: dict[str, type] = {}
+
+    def add(self, model: type) -> dict[str, str]:
+        """Add `model` and every model it holds; returns the `$ref` to it."""
+        name = model.__name__
+        known = self._models.setdefault(name, model)
+        if known is not model:
+            raise TypeError(f"two models named {name}: {known!r} and {model!r}")
+        if name not in self.schemas:
+            self.schemas[name] = {}  # a placeholder: a model that holds itself terminates
+            self.schemas[name] = _object_schema(model, self)
+        return ref(model)
+
+    def models(self) -> tuple[type, ...]:
+        """Every model added, the ones held by others included."""
+        return tuple(self._models.values())
 
 
-def _object_schema(model: type, components: dict[str, Any]) -> dict[str, Any]:
+def _object_schema(model: type, components: Components) -> dict[str, Any]:
     hints = _hints(model)
     properties: dict[str, Any] = {}
     required: list[str] = []
@@ -106,7 +119,7 @@ def _object_schema(model: type, components: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _type_schema(tp: Any, components: dict[str, Any], *, drop_none: bool = False) -> dict[str, Any]:
+def _type_schema(tp: Any, components: Components, *, drop_none: bool = False) -> dict[str, Any]:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:
         inner = _type_schema(args[0], components, drop_none=drop_none)
@@ -127,7 +140,7 @@ def _type_schema(tp: Any, components: dict[str, Any], *, drop_none: bool = False
         values = [m.value for m in tp]
         return {"type": _SCALARS[type(values[0])], "enum": values}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return schema_of(tp, components)
+        return components.add(tp)
     if tp in _SCALARS:
         return {"type": _SCALARS[tp]}
     if tp is Any:
@@ -136,7 +149,7 @@ def _type_schema(tp: Any, components: dict[str, Any], *, drop_none: bool = False
 
 
 def _union_schema(
-    args: tuple[Any, ...], components: dict[str, Any], *, drop_none: bool
+    args: tuple[Any, ...], components: Components, *, drop_none: bool
 ) -> dict[str, Any]:
     """`X | None`: X, nullable unless the field is left out when None."""
     options = [a for a in args if a is not type(None)]

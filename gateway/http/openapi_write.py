@@ -1,0 +1,109 @@
+"""The write route's operations in the OpenAPI document (SPEC 2): the fencing
+headers, and the refusals the gateway answers itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.http.openapi_parts import IDENT, STRING, path_param, problem
+from leases.model import LOST_REASONS
+from leases.reasons import Reason
+
+_DESCRIPTION = (
+    "Forwarded to `{upstream}/{path}?{query}` of the destination after the fence "
+    "and idempotency checks (SPEC 2). `path` may contain `/` and may be empty. "
+    "Answers carrying `Sinkgate-Rejected` are the gateway's own (problem+json); "
+    "every other answer, of any status, is the upstream's, relayed as it is "
+    "(`Idempotent-Replayed: true` on a replay)."
+)
+
+
+def write_operation(method: str) -> dict[str, Any]:
+    """`method` on `/to/{destination}/{path}`."""
+    return {
+        "summary": f"{method.upper()} a write through the gateway",
+        "description": _DESCRIPTION,
+        "tags": ["writes"],
+        "security": [{}, {"workerToken": []}],
+        "parameters": [
+            path_param("destination", STRING),
+            path_param("path", STRING),
+            *_fencing_header_params(),
+        ],
+        "requestBody": {"required": False, "content": {"*/*": {"schema": {}}}},
+        "responses": {
+            **_refusals(),
+            "default": {
+                "description": "the upstream's answer, relayed (or replayed)",
+                "headers": {
+                    "Idempotent-Replayed": {
+                        "description": "`true` on a replay of a stored answer",
+                        "schema": {"type": "string", "enum": ["true"]},
+                    }
+                },
+            },
+        },
+    }
+
+
+def _refusals() -> dict[str, Any]:
+    """The gateway's own answers on the write route, by status."""
+    return {
+        "400": problem(
+            "fencing headers, key or path malformed, or a request the HTTP parser refuses",
+            Reason.MISSING_FENCING_TOKEN,
+            Reason.INVALID_FENCING_TOKEN,
+            Reason.MISSING_IDEMPOTENCY_KEY,
+            Reason.INVALID_IDEMPOTENCY_KEY,
+            Reason.INVALID_PATH,
+            Reason.INVALID_REQUEST,
+        ),
+        "401": problem("worker token missing or wrong", Reason.UNAUTHORIZED),
+        "404": problem("unknown destination", Reason.UNKNOWN_DESTINATION),
+        "405": problem("method not allowed for this destination", Reason.METHOD_NOT_ALLOWED),
+        "408": problem("the body did not arrive in time", Reason.REQUEST_TIMEOUT),
+        "409": problem(
+            "refused by the fence, the barrier or the key's state",
+            *LOST_REASONS,
+            Reason.OLDER_GENERATION_IN_FLIGHT,
+            Reason.REQUEST_IN_PROGRESS,
+            Reason.OUTCOME_UNKNOWN,
+        ),
+        "413": problem("body over the destination's max_body", Reason.BODY_TOO_LARGE),
+        "422": problem("key reused with another request", Reason.IDEMPOTENCY_KEY_REUSED),
+        "502": problem(
+            "the upstream could not be reached or dropped the connection",
+            Reason.UPSTREAM_UNREACHABLE,
+            Reason.UPSTREAM_DISCONNECTED,
+        ),
+        "503": problem(
+            "overloaded or the store is down", Reason.OVERLOADED, Reason.STORE_UNAVAILABLE
+        ),
+        "504": problem("no upstream answer within the timeout", Reason.UPSTREAM_TIMEOUT),
+    }
+
+
+def _header(name: str, required: bool, schema: dict[str, Any], description: str = "") -> Any:
+    param = {"name": name, "in": "header", "required": required, "schema": schema}
+    if description:
+        param["description"] = description
+    return param
+
+
+def _fencing_header_params() -> list[dict[str, Any]]:
+    return [
+        _header("Fencing-Job", True, IDENT),
+        _header(
+            "Fencing-Token",
+            True,
+            {"type": "string", "pattern": "^[1-9][0-9]{0,18}$"},
+            "The lease generation: `[1-9][0-9]*`, at most 2^63-1.",
+        ),
+        _header("Fencing-Owner", False, IDENT),
+        _header(
+            "Idempotency-Key",
+            False,
+            {"type": "string", "pattern": '^("?)[\\x21-\\x7e]{1,255}\\1$'},
+            "Required unless the destination sets require_idempotency_key = false.",
+        ),
+    ]
