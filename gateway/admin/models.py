@@ -21,6 +21,7 @@ CONTENT_TYPE = r"[\x21-\x7e][\x20-\x7e]{0,254}"  # a media type, as a header car
 Count = Annotated[int, Meta(minimum=0)]
 Counts = dict[str, Count]
 Cursor = str | None  # None on the last page
+Header = Annotated[list[str], Meta(description="[name, value]", min_items=2, max_items=2)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,7 @@ class KeyRecord:
     updated_at: Time
     completed_at: Time | None
     deadline: Time
-    response_headers: list[Annotated[list[str], Meta(description="[name, value]", min_items=2, max_items=2)]]
+    response_headers: list[Header]
     body_bytes: Count
     body_sha256: str | None
     body_omitted: bool

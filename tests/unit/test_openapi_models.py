@@ -37,7 +37,8 @@ NOW = 1_800_000_000.25
 def _validate(body: Any, schema: dict[str, Any]) -> None:
     """`body` against `schema`, whose `$ref`s point into the document."""
     root = {"allOf": [schema], "components": DOCUMENT["components"]}
-    Draft202012Validator(root, format_checker=FormatChecker()).validate(json.loads(json.dumps(body)))
+    validator = Draft202012Validator(root, format_checker=FormatChecker())
+    validator.validate(json.loads(json.dumps(body)))
 
 
 def _answer_schema(path: str, method: str = "get", status: str = "200") -> dict[str, Any]:
@@ -144,8 +145,9 @@ def test_the_admin_answers_validate_against_their_routes() -> None:
     for body, path in answers:
         _validate(body, _answer_schema(path))
     resolve = "/admin/keys/{destination}/{key}/resolve"
-    _validate(resolved_view(_key(KeyState.COMPLETED), applied, NOW), _answer_schema(resolve, "post"))
-    _validate(resolved_view(_key(), released, NOW), _answer_schema(resolve, "post"))
+    resolved = _answer_schema(resolve, "post")
+    _validate(resolved_view(_key(KeyState.COMPLETED), applied, NOW), resolved)
+    _validate(resolved_view(_key(), released, NOW), resolved)
     reloaded = to_json(admin_models.ReloadAnswer(True, ["pay"]))
     _validate(reloaded, _answer_schema("/admin/reload", "post"))
     _validate(to_json(models.OK), _answer_schema("/healthz"))
