@@ -22,7 +22,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable
 from functools import cache
 from typing import Any, Literal, Union
 
@@ -177,35 +177,55 @@ def _hints(model: type) -> dict[str, Any]:
 
 # --- the encoder ---------------------------------------------------------------------------
 
+Convert = Callable[[Any], Any]
+
 
 def to_json(instance: Any) -> dict[str, Any]:
     """`instance` (a model) as the dict its schema describes, fields in order."""
     out: dict[str, Any] = {}
-    for name, absent_if_none in _plan(type(instance)):
+    for name, absent_if_none, convert in _plan(type(instance)):
         value = getattr(instance, name)
-        if value is None and absent_if_none:
-            continue
-        out[name] = _value(value)
+        if value is None:
+            if absent_if_none:
+                continue
+        elif convert is not None:
+            value = convert(value)
+        out[name] = value
     return out
 
 
-def _value(value: Any) -> Any:
-    if value is None or isinstance(value, str | int | float | bool):
-        return value.value if isinstance(value, enum.Enum) else value
-    if dataclasses.is_dataclass(value):
-        return to_json(value)
-    if isinstance(value, list | tuple):
-        return [_value(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _value(v) for k, v in value.items()}
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"not a JSON value: {value!r}")
-
-
 @cache
-def _plan(model: type) -> tuple[tuple[str, bool], ...]:
-    return tuple((f.name, bool(f.metadata.get(_ABSENT))) for f in dataclasses.fields(model))
+def _plan(model: type) -> tuple[tuple[str, bool, Convert | None], ...]:
+    """Per field: its name, whether None leaves it out, and what turns its value
+    into JSON (None: it already is JSON). Worked out once per model."""
+    hints = _hints(model)
+    return tuple(
+        (f.name, bool(f.metadata.get(_ABSENT)), _converter(hints[f.name]))
+        for f in dataclasses.fields(model)
+    )
+
+
+def _converter(tp: Any) -> Convert | None:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _converter(args[0])
+    if origin in (Union, types.UnionType):  # None is passed by to_json itself
+        return _converter(next(a for a in args if a is not type(None)))
+    if origin is list or origin is tuple:
+        item = _converter(args[0])
+        return None if item is None else lambda values: [item(v) for v in values]
+    if origin is dict:
+        member = _converter(args[1])
+        return None if member is None else lambda d: {k: member(v) for k, v in d.items()}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return to_json
+    return None
+
+
+def _enum_value(member: enum.Enum) -> Any:
+    return member.value
 
 
 def field_names(model: type) -> tuple[str, ...]:
