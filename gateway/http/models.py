@@ -2,7 +2,7 @@
 
 Each is declared once, here; the handlers build their answers (and parse the
 lease API's request bodies) from these models, and `openapi` documents them with
-`schema.schema_of`. The admin API's shapes are in `gateway.admin.models`.
+`schema.Components`. The admin API's shapes are in `gateway.admin.models`.
 """
 
 from __future__ import annotations

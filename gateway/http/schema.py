@@ -4,8 +4,9 @@ A model is a frozen dataclass whose fields are `int`, `float`, `str`, `bool`, a
 `Literal`, an `Enum`, a nested model, `list[...]`, `dict[str, ...]` or one of
 these `| None`; `Annotated[..., Meta(...)]` adds bounds, patterns, formats and
 descriptions. `Components.add` walks a model into JSON Schema (nested models
-become components referenced by `$ref`), and `to_json` turns an instance into the dict
-a handler sends, so the document and the answer come from one declaration.
+become components referenced by `$ref`), and `to_json` turns an instance into
+the dict a handler sends, so the document and the answer come from one
+declaration. A field typed `Any` is sent as it is.
 
 A field is required unless it has a default. A field declared with `absent()`
 is left out of the JSON when it is None (documented as optional, never null);
