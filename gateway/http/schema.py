@@ -183,8 +183,9 @@ Convert = Callable[[Any], Any]
 
 def to_json(instance: Any) -> dict[str, Any]:
     """`instance` (a model) as the dict its schema describes, fields in order."""
+    model: type = type(instance)
     out: dict[str, Any] = {}
-    for name, absent_if_none, convert in _plan(type(instance)):
+    for name, absent_if_none, convert in _plan(model):
         value = getattr(instance, name)
         if value is None:
             if absent_if_none:
