@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 import ssl
 import time
@@ -25,7 +26,9 @@ from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import GatewayRunner
 from gateway.reload import Reloader
+from gateway.supervisor import Slot, announce_reload
 from gateway.store import open_store
+from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store.protocol import Store
 from gateway.store.records import Clock
 from gateway.telemetry.metrics import Metrics
@@ -139,21 +142,31 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
         log.warning("forwards_abandoned", count=len(late))
 
 
-async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Run the gateway until SIGTERM/SIGINT; then stop accepting, finish in-flight
-    forwards (up to `shutdown_grace`), record their outcomes and return."""
+def refuse_open_admin(config: Config) -> None:
+    """SystemExit if the admin listener reaches beyond loopback without a token."""
     admin_host = config.admin_listen[0]
     if not admin_bind_allowed(admin_host, config.admin_token):
         raise SystemExit(
             f"refusing to start: no admin token in ${config.admin_token_env} and the admin "
             f"listener {admin_host} is not loopback-only"
         )
+
+
+async def serve(
+    config: Config,
+    *,
+    started: Callable[[dict[str, Any]], None] | None = None,
+    slot: Slot | None = None,
+) -> None:
+    """Run the gateway until SIGTERM/SIGINT; then stop accepting, finish in-flight
+    forwards (up to `shutdown_grace`), record their outcomes and return. As one of
+    `serve --workers N`, `slot` names the addresses both listeners share."""
+    refuse_open_admin(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signum, stop.set)
-
     app = create_app(config)
     runner = GatewayRunner(
         app, shutdown_timeout=config.shutdown_grace, access_log=None, **SERVER_LIMITS
@@ -161,47 +174,17 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
     await runner.setup()
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
-    tls = _listener_tls(config)
     try:
-        await web.TCPSite(runner, *config.listen, ssl_context=tls).start()
-        admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
-        reloader = app[RELOADER]
-        admin_app.router.add_post("/admin/reload", reloader.handle)
-        admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
-        await admin_runner.setup()
-        await web.TCPSite(admin_runner, *config.admin_listen, ssl_context=tls).start()
-        from gateway.store.janitor import run_janitor
-
-        janitor = asyncio.create_task(
-            run_janitor(
-                app[STORE],
-                app[METRICS],
-                idempotency_ttl=config.idempotency_ttl,
-                rejections_ttl=config.rejections_ttl,
-                retention=lambda: (reloader.config.idempotency_ttl, reloader.config.rejections_ttl),
-            ),
-            name="janitor",
-        )
+        admin_runner = await _start_listeners(config, app, runner, slot)
+        janitor = _start_janitor(config, app)
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
-        info = {
-            "listen": _address(runner),
-            "admin_listen": _address(admin_runner),
-            "tls": tls is not None,
-            "store": redact_url(config.store_url),
-            "destinations": sorted(config.destinations),
-        }
+            loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
+        info = _serving(config, runner, admin_runner, slot)
         _tune_gc()
         log.info("serving", **info)
         if started is not None:
             started(info)
-        stopped = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({stopped, janitor}, return_when=asyncio.FIRST_COMPLETED)
-        if janitor in done:
-            stopped.cancel()
-            exc = janitor.exception()
-            log.error("janitor_crashed", error=repr(exc))
-            raise RuntimeError(f"retention janitor stopped: {exc!r}") from exc
+        await _until_stopped(stop, janitor)
         log.info("shutting_down")
     finally:
         with contextlib.suppress(NotImplementedError):
@@ -213,6 +196,79 @@ async def serve(config: Config, *, started: Callable[[dict[str, Any]], None] | N
             await admin_runner.cleanup()
         await runner.cleanup()
         log.info("stopped")
+
+
+async def _start_listeners(
+    config: Config, app: web.Application, runner: web.AppRunner, slot: Slot | None
+) -> web.AppRunner:
+    """Both listeners up (the main one first); returns the admin listener's runner.
+    A worker binds its slot's addresses with SO_REUSEPORT, beside the others."""
+    tls = _listener_tls(config)
+    shared = slot is not None
+    listen = slot.listen if slot else config.listen
+    admin_listen = slot.admin_listen if slot else config.admin_listen
+    await web.TCPSite(runner, *listen, ssl_context=tls, reuse_port=shared).start()
+    admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
+    reload = app[RELOADER].handle if slot is None else _reload_all(app[RELOADER])
+    admin_app.router.add_post("/admin/reload", reload)
+    admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
+    await admin_runner.setup()
+    await web.TCPSite(admin_runner, *admin_listen, ssl_context=tls, reuse_port=shared).start()
+    return admin_runner
+
+
+def _reload_all(reloader: Reloader) -> Handler:
+    """`POST /admin/reload` in a worker: reload here, answer as one process does,
+    and once applied have the parent reload every other worker."""
+
+    async def reload(request: web.Request) -> web.StreamResponse:
+        response = await reloader.handle(request)
+        if response.status == 200:
+            announce_reload()
+        return response
+
+    return reload
+
+
+def _start_janitor(config: Config, app: web.Application) -> asyncio.Task[None]:
+    reloader = app[RELOADER]
+    return asyncio.create_task(
+        retention.run_janitor(
+            app[STORE],
+            app[METRICS],
+            idempotency_ttl=config.idempotency_ttl,
+            rejections_ttl=config.rejections_ttl,
+            retention=lambda: (reloader.config.idempotency_ttl, reloader.config.rejections_ttl),
+        ),
+        name="janitor",
+    )
+
+
+def _serving(
+    config: Config, runner: web.AppRunner, admin_runner: web.AppRunner, slot: Slot | None
+) -> dict[str, Any]:
+    """What `serve` reports once both listeners are up."""
+    info: dict[str, Any] = {
+        "listen": _address(runner),
+        "admin_listen": _address(admin_runner),
+        "tls": config.tls_cert is not None and config.tls_key is not None,
+        "store": redact_url(config.store_url),
+        "destinations": sorted(config.destinations),
+    }
+    if slot is not None:
+        info |= {"worker": slot.index, "pid": os.getpid()}
+    return info
+
+
+async def _until_stopped(stop: asyncio.Event, janitor: asyncio.Task[None]) -> None:
+    """Until SIGTERM/SIGINT; a janitor that crashes stops the gateway with its error."""
+    stopped = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({stopped, janitor}, return_when=asyncio.FIRST_COMPLETED)
+    if janitor in done:
+        stopped.cancel()
+        exc = janitor.exception()
+        log.error("janitor_crashed", error=repr(exc))
+        raise RuntimeError(f"retention janitor stopped: {exc!r}") from exc
 
 
 def _listener_tls(config: Config) -> ssl.SSLContext | None:

@@ -1,6 +1,7 @@
 """The `sinkgate` command line (SPEC 6): the one place logging is configured and
-the app is run. Subcommands other than `serve` and `check-config` live in their
-own modules, imported only when used.
+the app is run (in this process, or in `--workers N` forked ones). Subcommands
+other than `serve` and `check-config` live in their own modules, imported only
+when used.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 
 import structlog
 
+from gateway.admin.keys_cli import add_parser as add_keys_parser  # argparse only: cheap
+from gateway.app import refuse_open_admin, serve
+from gateway.config.keys import MAX_WORKERS
 from gateway.config.model import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -26,6 +30,8 @@ from gateway.config.model import (
     redact_url,
 )
 from gateway.errors import ConfigError, GatewayError
+from gateway.supervisor import Slot, Supervisor, reserve
+from gateway.telemetry import traces
 from gateway.telemetry.logs import LEVELS, configure_logging
 from leases.errors import LeaseError
 
@@ -62,7 +68,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(commands)
+    check = commands.add_parser("check-config", help="validate the config and print a summary")
+    _add_config(check)
+    commands.add_parser("demo", help="run the worked example of a stale and a duplicate write")
+    init = commands.add_parser("init", help="write a commented config to start from")
+    init.add_argument(
+        "dir", nargs="?", default="config", metavar="DIR", help="where (default: ./config)"
+    )
+    _add_rejections(commands)
+    add_keys_parser(commands)
+    # Listed for --help only: main() hands `chaos ...` over before parsing.
+    commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")
+    return parser
 
+
+def _add_serve(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the gateway")
     _add_config(serve)
     serve.add_argument(
@@ -77,17 +98,16 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: JSON lines unless stderr is a terminal",
     )
-
-    check = commands.add_parser("check-config", help="validate the config and print a summary")
-    _add_config(check)
-
-    commands.add_parser("demo", help="run the worked example of a stale and a duplicate write")
-
-    init = commands.add_parser("init", help="write a commented config to start from")
-    init.add_argument(
-        "dir", nargs="?", default="config", metavar="DIR", help="where (default: ./config)"
+    serve.add_argument(
+        "--workers",
+        metavar="N",
+        type=_workers,
+        help=f"gateway processes sharing both listeners (1..{MAX_WORKERS}; "
+        "default: [server] workers, else 1)",
     )
 
+
+def _add_rejections(commands: Any) -> None:
     rejections = commands.add_parser("rejections", help="list rejected writes")
     rejections.add_argument(
         "--admin",
@@ -107,14 +127,6 @@ def _parser() -> argparse.ArgumentParser:
     rejections.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rejections.add_argument("--all", action="store_true", help="every match (follows the cursor)")
 
-    from gateway.admin.keys_cli import add_parser as add_keys  # argparse only: cheap
-
-    add_keys(commands)
-
-    # Listed for --help only: main() hands `chaos ...` over before parsing.
-    commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")
-    return parser
-
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -131,6 +143,16 @@ def _limit(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 1 <= value <= 1000:
         raise argparse.ArgumentTypeError(f"must be 1..1000, got {value}")
+    return value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_WORKERS}, got {value}")
     return value
 
 
@@ -169,13 +191,32 @@ def _serve(args: argparse.Namespace) -> int:
     structlog.get_logger("sinkgate.cli").info(
         "config_loaded", config=str(config.source), destinations=sorted(config.destinations)
     )
-
-    from gateway.app import serve
-    from gateway.telemetry import traces
-
-    traces.configure_from_env()  # off unless OTEL_TRACES_EXPORTER names an exporter
+    workers = args.workers or config.workers
+    if workers == 1:
+        return _run_gateway(config)
     try:
-        _run(serve(config))
+        refuse_open_admin(config)
+        listen = reserve(*config.listen)
+        admin_listen = reserve(*config.admin_listen)
+    except OSError as exc:  # address in use, or not one of this host's
+        _error(str(exc))
+        return 1
+    with listen, admin_listen:
+        supervisor = Supervisor(
+            workers,
+            listen.getsockname()[:2],
+            admin_listen.getsockname()[:2],
+            lambda slot: _run_gateway(config, slot),
+        )
+        return supervisor.main()
+
+
+def _run_gateway(config: Config, slot: Slot | None = None) -> int:
+    """`serve` in this process (or in worker `slot`); its exit status."""
+    traces.configure_from_env()  # off unless OTEL_TRACES_EXPORTER names an exporter
+    started = None if slot is None else lambda info: slot.ready()
+    try:
+        _run(serve(config, started=started, slot=slot))
     except KeyboardInterrupt:
         # The app stops gracefully on SIGINT itself; this is an interrupt
         # before its handlers were in place, which SPEC 6 also answers with 0.
@@ -265,6 +306,8 @@ def summary(config: Config) -> str:
         f"rejections {format_duration(config.rejections_ttl)}",
         f"limits        {config.max_in_flight} requests in flight, "
         f"shutdown grace {format_duration(config.shutdown_grace)}",
+        f"workers       {config.workers} process"
+        + ("es sharing both listeners" if config.workers > 1 else ""),
     ]
     if not config.destinations:
         lines.append("destinations  none: every write will be refused as unknown_destination")

@@ -46,6 +46,7 @@ RESTART_ONLY: tuple[tuple[str, str], ...] = (
     ("lease_tokens", "server.lease_tokens_env"),
     ("tls_cert", "server.tls_cert"),
     ("tls_key", "server.tls_key"),
+    ("workers", "server.workers"),
     ("store_url", "store.url"),
     ("store_pool_size", "store.pool_size"),
     ("admin_token_env", "admin.token_env"),

@@ -33,6 +33,7 @@ DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 DEFAULT_RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 DEFAULT_REPLAY_HEADERS = ("Content-Type", "Location", "ETag", "Content-Location")
+MAX_WORKERS = 64  # [server] workers and serve --workers: more than any one host's cores pays
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (header names, methods)
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
@@ -269,6 +270,7 @@ SERVER = Section(
     Key("lease_tokens_env", tokens, None, "variable with the lease API's bearer tokens"),
     Key("tls_cert", pem_file, None, "PEM certificate chain: both listeners serve HTTPS only"),
     Key("tls_key", pem_file, None, "PEM private key of tls_cert"),
+    Key("workers", integer(1, MAX_WORKERS), 1, "gateway processes sharing both listeners"),
 )
 STORE = Section(
     "store",

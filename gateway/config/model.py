@@ -146,6 +146,7 @@ class Config:
     lease_tokens: tuple[str, ...] | None = field(default=_SERVER["lease_tokens_env"], repr=False)
     tls_cert: Path | None = _SERVER["tls_cert"]
     tls_key: Path | None = _SERVER["tls_key"]
+    workers: int = _SERVER["workers"]
     # How the gateway file is named in messages (as given on the command line):
     # a reload reports its errors exactly as check-config does.
     display: str | None = field(default=None, compare=False)
@@ -223,6 +224,7 @@ def load_config(
         lease_tokens=srv["lease_tokens_env"],
         tls_cert=srv["tls_cert"],
         tls_key=srv["tls_key"],
+        workers=srv["workers"],
         display=file,
     )
 

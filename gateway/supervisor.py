@@ -1,0 +1,262 @@
+"""`serve --workers N` (SPEC 5 "Processes"): a parent that runs N gateway processes.
+
+The parent reserves both listening addresses (bound with SO_REUSEPORT, never
+listening, so port 0 resolves once and no other user can take the port), then
+forks the workers. Each worker binds its own listening sockets to those
+addresses with SO_REUSEPORT, so the kernel spreads connections over them, and
+runs the gateway as `serve` does: its own event loop, store pool, janitor and
+metrics.
+
+The parent starts no event loop and no thread (it forks): it blocks the
+signals it handles and takes them one at a time with `sigtimedwait`.
+
+- SIGTERM/SIGINT: passed to every worker, which drains; the parent returns 0
+  once all have exited 0.
+- SIGHUP: passed to every worker; each reloads for itself.
+- SIGUSR1 from a worker: that worker applied `POST /admin/reload`; the parent
+  sends SIGHUP to every other one.
+- SIGCHLD: a worker that died is logged (exit code or signal) and started
+  again; one that dies within `STEADY_S` of its start waits before the next
+  try, twice as long each time up to `BACKOFF_MAX_S`, so a broken store or
+  config does not spin.
+
+A worker that fails before it is serving on the first start fails the whole
+start: the others are stopped and the parent returns 1, as one process would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger("gateway.supervisor")
+
+HANDLED = frozenset(
+    {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}
+)
+RELOAD_ALL = signal.SIGUSR1  # a worker to the parent: "I reloaded, reload the others"
+STEADY_S = 5.0  # a worker up this long had a good start: its next restart is immediate
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """What one worker is told: its index and the addresses both listeners bind
+    (with SO_REUSEPORT); `ready()` reports it serving to the parent."""
+
+    index: int
+    listen: tuple[str, int]
+    admin_listen: tuple[str, int]
+    ready_fd: int | None = None
+
+    def ready(self) -> None:
+        if self.ready_fd is not None:
+            os.write(self.ready_fd, b"1")
+            os.close(self.ready_fd)
+
+
+def announce_reload() -> None:
+    """From a worker: ask the parent to reload every other worker."""
+    os.kill(os.getppid(), RELOAD_ALL)
+
+
+def reserve(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) with SO_REUSEPORT that never listens: it holds
+    the port (resolving 0) for the workers' listening sockets."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds
+    sock.bind(address)
+    return sock
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    started: float
+    failures: int = 0  # quick deaths in a row
+
+
+@dataclass(slots=True)
+class Supervisor:
+    """Runs `run(slot)` (returns an exit status) in `count` forked workers."""
+
+    count: int
+    listen: tuple[str, int]
+    admin_listen: tuple[str, int]
+    run: Callable[[Slot], int]
+    clock: Callable[[], float] = time.monotonic
+    workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
+    due: dict[int, tuple[float, int]] = field(default_factory=dict)  # index -> (when, failures)
+    stopping: bool = False
+    failed_stop: bool = False
+
+    def main(self) -> int:
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        if not self._start_all():
+            return 1
+        log.info("workers_serving", workers=self.count, pids=sorted(self.workers))
+        while self.workers or (self.due and not self.stopping):
+            wait = self._until_due()
+            info = (
+                signal.sigwaitinfo(HANDLED)
+                if wait is None
+                else signal.sigtimedwait(HANDLED, wait)
+            )
+            if info is None:
+                self._restart_due()
+            else:
+                self._on_signal(info)
+        log.info("workers_stopped", workers=self.count)
+        return 1 if self.failed_stop else 0
+
+    def _start_all(self) -> bool:
+        """Fork every worker and wait until each serves; False (all stopped) if one fails."""
+        pipes = {}
+        for index in range(self.count):
+            read_fd, write_fd = os.pipe()
+            pipes[self._spawn(index, write_fd)] = read_fd
+        failed = [pid for pid, fd in pipes.items() if not _read_ready(fd)]
+        if not failed:
+            return True
+        self.stopping = True
+        for pid in self.workers:
+            _signal(pid, signal.SIGTERM)
+        while self.workers:
+            self._reap()
+            if self.workers:
+                signal.sigtimedwait({signal.SIGCHLD}, 1.0)
+        return False
+
+    def _spawn(self, index: int, ready_fd: int | None = None, failures: int = 0) -> int:
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _child(parent, Slot(index, self.listen, self.admin_listen, ready_fd), self.run)
+        if ready_fd is not None:
+            os.close(ready_fd)
+        self.workers[pid] = _Worker(index, self.clock(), failures)
+        return pid
+
+    def _on_signal(self, info: signal.struct_siginfo) -> None:
+        signum = info.si_signo
+        if signum == signal.SIGCHLD:
+            self._reap()
+        elif signum in (signal.SIGTERM, signal.SIGINT):
+            log.info("workers_stopping", signal=signal.Signals(signum).name)
+            self.stopping = True
+            self.due.clear()
+            self._send(signum)
+        elif signum == signal.SIGHUP:
+            self._send(signal.SIGHUP)
+        elif signum == RELOAD_ALL and info.si_pid in self.workers:
+            self._send(signal.SIGHUP, but=info.si_pid)
+
+    def _send(self, signum: int, *, but: int | None = None) -> None:
+        for pid in list(self.workers):
+            if pid != but:
+                _signal(pid, signum)
+
+    def _reap(self) -> None:
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            worker = self.workers.pop(pid, None)
+            if worker is not None:
+                self._exited(pid, worker, status)
+
+    def _exited(self, pid: int, worker: _Worker, status: int) -> None:
+        how = _how(status)
+        if self.stopping:
+            self.failed_stop |= status != 0
+            log.info("worker_stopped", worker=worker.index, pid=pid, **how)
+            return
+        quick = self.clock() - worker.started < STEADY_S
+        failures = worker.failures + 1 if quick else 0
+        delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S) if failures else 0.0
+        log.error("worker_died", worker=worker.index, pid=pid, restart_in_s=delay, **how)
+        self.due[worker.index] = (self.clock() + delay, failures)
+        self._restart_due()
+
+    def _until_due(self) -> float | None:
+        if not self.due:
+            return None
+        return max(0.0, min(when for when, _ in self.due.values()) - self.clock())
+
+    def _restart_due(self) -> None:
+        now = self.clock()
+        for index, (when, failures) in list(self.due.items()):
+            if when <= now:
+                del self.due[index]
+                pid = self._spawn(index, failures=failures)
+                log.info("worker_restarted", worker=index, pid=pid)
+
+
+def _child(parent: int, slot: Slot, run: Callable[[Slot], int]) -> None:
+    """In a forked worker: never returns."""
+    code = 1
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+        _die_with_parent(parent)
+        structlog.contextvars.bind_contextvars(worker=slot.index)
+        code = run(slot)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - a worker must exit, never return into the parent's loop
+        log.exception("worker_crashed", worker=slot.index)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM (a drain) for this worker if the parent dies first (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _read_ready(fd: int) -> bool:
+    """True once the worker wrote its byte; False on EOF (it exited first)."""
+    try:
+        return os.read(fd, 1) == b"1"
+    finally:
+        os.close(fd)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # exited already; its SIGCHLD is on its way
+
+
+def _how(status: int) -> dict[str, object]:
+    if os.WIFSIGNALED(status):
+        return {"signal": signal.Signals(os.WTERMSIG(status)).name}
+    return {"exit_code": os.waitstatus_to_exitcode(status)}
