@@ -20,8 +20,9 @@ signals it handles and takes them one at a time with `sigtimedwait`.
   try, twice as long each time up to `BACKOFF_MAX_S`, so a broken store or
   config does not spin.
 
-A worker that fails before it is serving on the first start fails the whole
-start: the others are stopped and the parent returns 1, as one process would.
+On the first start the workers start one after another; one that fails before
+it is serving fails the whole start: the others are stopped and the parent
+returns 1, as one process would.
 """
 
 from __future__ import annotations
@@ -126,17 +127,18 @@ class Supervisor:
         return 1 if self.failed_stop else 0
 
     def _start_all(self) -> bool:
-        """Fork every worker and wait until each serves; False (all stopped) if one fails."""
-        pipes = {}
+        """Fork the workers one after another, each once the one before serves (two
+        processes creating one new SQLite file at once can find it locked); False,
+        with every worker stopped, if one fails to start."""
         for index in range(self.count):
             read_fd, write_fd = os.pipe()
-            pipes[self._spawn(index, write_fd)] = read_fd
-        failed = [pid for pid, fd in pipes.items() if not _read_ready(fd)]
-        if not failed:
+            self._spawn(index, write_fd)
+            if not _read_ready(read_fd):
+                break
+        else:
             return True
         self.stopping = True
-        for pid in self.workers:
-            _signal(pid, signal.SIGTERM)
+        self._send(signal.SIGTERM)
         while self.workers:
             self._reap()
             if self.workers:
