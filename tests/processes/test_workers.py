@@ -1,0 +1,385 @@
+"""`sinkgate serve --workers 2` as an operator runs it (SPEC 5 "Processes"): both
+workers answer on the shared sockets, fencing and idempotency hold whichever of
+them answers, a killed worker is restarted, SIGHUP and `POST /admin/reload`
+reload every worker, SIGTERM drains and exits 0.
+
+Which worker answered a request is read from the kernel, not from the gateway:
+the server side of the client's connection is a socket one worker holds open
+(`/proc/net/tcp` names its inode, `/proc/PID/fd` who has it). A "pinned" client
+is a keep-alive connection found on a given worker, and each answer says which
+worker gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import RecordingUpstream, eventually, free_port, recording_upstream
+from tests.pg import fresh_database
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+STOP_TIMEOUT_S = 30.0
+
+
+# --- who answered: the kernel's view of the connection ---------------------------------
+
+
+def children(parent: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == parent:
+                found.add(int(entry))
+    return found
+
+
+def _hex_address(host_port: tuple[str, int]) -> str:
+    host, port = host_port
+    packed = bytes(int(part) for part in host.split("."))
+    return f"{int.from_bytes(packed, 'little'):08X}:{port:04X}"
+
+
+def holder(server: tuple[str, int], client: tuple[str, int], pids: set[int]) -> int | None:
+    """The pid among `pids` holding the server side of the connection `client`."""
+    local, remote = _hex_address(server), _hex_address(client)
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[2] == remote:
+            inode = fields[9]
+    if inode is None:
+        return None
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    pid: int | None
+
+
+@dataclass
+class Pinned:
+    """One keep-alive HTTP/1.1 connection to the gateway, held by worker `pid`.
+    Spoken by hand, so that it is one known socket from first to last request."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    pid: int
+    gateway: Gateway
+
+    async def request(
+        self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> Answer:
+        lines = [f"{method} {path} HTTP/1.1", "Host: gateway", f"Content-Length: {len(body)}"]
+        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        status_line = await self.reader.readline()
+        assert status_line.startswith(b"HTTP/1.1 "), status_line
+        answer_headers: dict[str, str] = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            answer_headers[name.strip()] = value.strip()
+        lowered = {k.lower(): v for k, v in answer_headers.items()}
+        if lowered.get("transfer-encoding") == "chunked":
+            data = b""
+            while size := int((await self.reader.readline()).strip(), 16):
+                data += await self.reader.readexactly(size + 2)
+                data = data[:-2]
+            await self.reader.readline()
+        else:
+            data = await self.reader.readexactly(int(lowered.get("content-length", "0")))
+        server = self.writer.get_extra_info("peername")[:2]
+        client = self.writer.get_extra_info("sockname")[:2]
+        pid = holder(server, client, self.gateway.workers())
+        return Answer(int(status_line.split()[1]), answer_headers, data, pid)
+
+    async def write(self, path: str, *, job: str, generation: int, key: str) -> Answer:
+        headers = {
+            "Content-Type": "application/json",
+            "Fencing-Job": job,
+            "Fencing-Token": str(generation),
+            "Idempotency-Key": key,
+        }
+        return await self.request("POST", path, body=b'{"amount": 100}', headers=headers)
+
+    async def lease(self, op: str, job: str, **fields: Any) -> dict[str, Any]:
+        answer = await self.request(
+            "POST",
+            f"/leases/{job}/{op}",
+            body=json.dumps(fields).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        assert answer.status == 200 and answer.pid == self.pid, answer
+        result: dict[str, Any] = json.loads(answer.body)
+        return result
+
+
+@dataclass
+class Gateway:
+    process: asyncio.subprocess.Process
+    directory: Path
+    listen: str
+    admin: str
+    log: Path
+    upstream: RecordingUpstream
+    connections: list[asyncio.StreamWriter] = field(default_factory=list)
+
+    def workers(self) -> set[int]:
+        return children(self.process.pid)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = []
+        for line in self.log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a traceback, or a line still being written
+            if isinstance(event, dict) and event.get("event") == name:
+                lines.append(event)
+        return lines
+
+    async def pin(self, pid: int, *, admin: bool = False) -> Pinned:
+        """A keep-alive connection that landed on worker `pid` (new ones until one does)."""
+        host, port = (self.admin if admin else self.listen).rsplit(":", 1)
+
+        async def attempt() -> Pinned | None:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            self.connections.append(writer)
+            pinned = Pinned(reader, writer, 0, self)
+            answer = await pinned.request("GET", "/healthz")
+            if answer.status == 200 and answer.pid == pid:
+                pinned.pid = pid
+                return pinned
+            writer.close()
+            return None
+
+        return await eventually(attempt, within=20, what=f"a connection to worker {pid}")
+
+    async def pin_each(self, *, admin: bool = False) -> list[Pinned]:
+        pids = await eventually(lambda: len(w := self.workers()) == 2 and w)
+        return [await self.pin(pid, admin=admin) for pid in sorted(pids)]
+
+
+def write_config(directory: Path, store_url: str, upstream: str) -> Path:
+    (directory / "destinations").mkdir(parents=True)
+    (directory / "gateway.toml").write_text(
+        f"""[server]
+listen = "127.0.0.1:{free_port()}"
+admin_listen = "127.0.0.1:{free_port()}"
+shutdown_grace = "10s"
+workers = 1                 # the command line's --workers wins
+
+[store]
+url = "{store_url}"
+pool_size = 4
+
+[destinations]
+dir = "destinations"
+"""
+    )
+    (directory / "destinations" / "pay.toml").write_text(
+        f'upstream = "{upstream}/api"\nfencing = "lease"\ntimeout = "20s"\n'
+    )
+    return directory / "gateway.toml"
+
+
+@asynccontextmanager
+async def gateway(directory: Path, store_url: str) -> AsyncIterator[Gateway]:
+    async with recording_upstream() as upstream:
+        config = write_config(directory, store_url, upstream.url)
+        log = directory / "serve.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
+        with log.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", "gateway", "serve", "--config", str(config)),
+                *("--workers", "2", "--log-format", "json"),
+                cwd=REPO,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        gw = Gateway(process, directory, "", "", log, upstream)
+        try:
+            serving = await eventually(
+                lambda: process.returncode is not None or gw.events("workers_serving"),
+                within=30,
+                what="both workers serving",
+            )
+            assert process.returncode is None, log.read_text()
+            assert len(serving[0]["pids"]) == 2
+            first = gw.events("serving")[0]
+            gw.listen, gw.admin = first["listen"], first["admin_listen"]
+            yield gw
+        finally:
+            upstream.release.set()
+            for writer in gw.connections:
+                writer.close()
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+        assert process.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture
+async def sqlite_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async with gateway(tmp_path, f"sqlite:///{tmp_path / 'gateway.db'}") as gw:
+        yield gw
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def any_gateway(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Gateway]:
+    if request.param == "sqlite":
+        async with gateway(tmp_path, f"sqlite:///{tmp_path / 'gateway.db'}") as gw:
+            yield gw
+        return
+    async with fresh_database() as url, gateway(tmp_path, url) as gw:
+        yield gw
+
+
+# --- the tests ---------------------------------------------------------------------------
+
+
+async def test_fencing_and_idempotency_hold_across_the_workers(any_gateway: Gateway) -> None:
+    gw = any_gateway
+    a, b = await gw.pin_each()
+    assert a.pid != b.pid
+    assert (await a.lease("claim", "job-1", owner="old", ttl=30))["generation"] == 1
+    await a.lease("release", "job-1", owner="old", generation=1)
+    assert (await b.lease("claim", "job-1", owner="new", ttl=30))["generation"] == 2
+    # The older generation is refused by the worker that never saw the newer claim.
+    stale = await a.write("/to/pay/charge", job="job-1", generation=1, key="late")
+    assert (stale.status, stale.headers.get("Sinkgate-Rejected")) == (409, "stale_generation")
+    assert stale.pid == a.pid
+    first = await b.write("/to/pay/charge", job="job-1", generation=2, key="k-1")
+    assert first.status == 201 and "Idempotent-Replayed" not in first.headers
+    again = await a.write("/to/pay/charge", job="job-1", generation=2, key="k-1")
+    assert (again.status, again.headers.get("Idempotent-Replayed")) == (201, "true")
+    assert again.body == first.body and again.pid == a.pid
+    assert [r.headers["Idempotency-Key"] for r in gw.upstream.received] == ["k-1"]
+
+
+async def test_a_killed_worker_is_restarted_and_the_service_keeps_answering(
+    sqlite_gateway: Gateway,
+) -> None:
+    gw = sqlite_gateway
+    a, b = await gw.pin_each()
+    os.kill(a.pid, signal.SIGKILL)
+    # The survivor answers all along.
+    assert (await b.request("GET", "/readyz")).status == 200
+    died = await eventually(lambda: gw.events("worker_died"), within=10)
+    assert died[0]["pid"] == a.pid and died[0]["signal"] == "SIGKILL"
+    restarted = await eventually(lambda: gw.events("worker_restarted"), within=30)
+    assert restarted[0]["worker"] == died[0]["worker"]
+    new = restarted[0]["pid"]
+    assert gw.workers() == {new, b.pid}
+    fresh = await gw.pin(new)
+    assert (await fresh.request("GET", "/readyz")).status == 200
+    assert (await b.request("GET", "/readyz")).status == 200
+
+
+async def add_destination(gw: Gateway, name: str) -> None:
+    (gw.directory / "destinations" / f"{name}.toml").write_text(
+        f'upstream = "{gw.upstream.url}/{name}"\nfencing = "monotonic"\n'
+    )
+
+
+async def routable_everywhere(pinned: list[Pinned], name: str) -> bool:
+    for n, client in enumerate(pinned):
+        answer = await client.write(f"/to/{name}/x", job=f"j-{name}", generation=1, key=f"{n}")
+        assert answer.pid == client.pid
+        if answer.status != 201:
+            return False
+    return True
+
+
+async def test_sighup_to_the_parent_reloads_every_worker(sqlite_gateway: Gateway) -> None:
+    gw = sqlite_gateway
+    pinned = await gw.pin_each()
+    for client in pinned:
+        unknown = await client.write("/to/refunds/x", job="j", generation=1, key="before")
+        assert unknown.headers.get("Sinkgate-Rejected") == "unknown_destination"
+    await add_destination(gw, "refunds")
+    gw.process.send_signal(signal.SIGHUP)
+    await eventually(lambda: len(gw.events("reload_applied")) == 2, within=10)
+    assert {e["trigger"] for e in gw.events("reload_applied")} == {"sighup"}
+    assert await routable_everywhere(pinned, "refunds")
+
+
+async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: Gateway) -> None:
+    gw = sqlite_gateway
+    pinned = await gw.pin_each()
+    admin = (await gw.pin_each(admin=True))[0]
+    await add_destination(gw, "payouts")
+    answer = await admin.request("POST", "/admin/reload")
+    assert answer.status == 200 and json.loads(answer.body)["destinations"] == ["pay", "payouts"]
+    applied = await eventually(lambda: (e := gw.events("reload_applied")) and len(e) == 2 and e)
+    assert sorted(e["trigger"] for e in applied) == ["admin", "sighup"]
+    assert await routable_everywhere(pinned, "payouts")
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(sqlite_gateway: Gateway) -> None:
+    gw = sqlite_gateway
+    a, _ = await gw.pin_each()
+    assert (await a.lease("claim", "job-d", owner="w", ttl=30))["generation"] == 1
+    slow = asyncio.create_task(a.write("/to/pay/slow/1", job="job-d", generation=1, key="s"))
+    await asyncio.wait_for(gw.upstream.arrived.wait(), 10)
+    gw.process.send_signal(signal.SIGTERM)
+    # Both workers have stopped accepting; the write under way still gets its answer.
+    await eventually(lambda: len(gw.events("shutting_down")) == 2, within=10)
+    gw.upstream.release.set()
+    assert (await slow).status == 201
+    assert await asyncio.wait_for(gw.process.wait(), STOP_TIMEOUT_S) == 0
+    stopped = gw.events("worker_stopped")
+    assert sorted(e["worker"] for e in stopped) == [0, 1]
+    assert {e["exit_code"] for e in stopped} == {0}
+
+
+async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()  # a directory where the SQLite file should be
+    config = write_config(tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9")
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"),
+        cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(process.communicate(), STOP_TIMEOUT_S)
+    assert process.returncode == 1
+    assert err.decode().count("cannot open SQLite database") == 1, err.decode()
