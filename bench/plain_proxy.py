@@ -1,11 +1,12 @@
 """A plain pass-through proxy: the floor for a Python (aiohttp) proxy.
 
-    python3 -m bench.plain_proxy --port 9001 --upstream http://127.0.0.1:9000
+    python3 -m bench.plain_proxy --port 9001 --upstream http://127.0.0.1:9000 [--workers N]
 
 No checks, no store. One pooled `ClientSession` with keep-alive; forwards the
 method, raw path (percent-encoding kept), query, body and end-to-end headers;
 relays the status, body and end-to-end headers. The same work the gateway must
-do around its decision, and nothing more.
+do around its decision, and nothing more. `--workers N`: N processes on the port
+(SO_REUSEPORT), as `sinkgate serve --workers N` runs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from ._proc import install_loop, serve_until_signalled
+from ._proc import install_loop, run_processes, serve_until_signalled
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the client/server recompute.
 HOP_BY_HOP = frozenset(
@@ -65,7 +66,9 @@ def make_handler(session: aiohttp.ClientSession, upstream: str):
     return handler
 
 
-async def main_async(host: str, port: int, upstream: str, pool: int) -> None:
+async def main_async(
+    host: str, port: int, upstream: str, pool: int, shared: bool = False
+) -> None:
     async def start():
         connector = aiohttp.TCPConnector(limit=pool, keepalive_timeout=60, ttl_dns_cache=None)
         session = aiohttp.ClientSession(
@@ -77,7 +80,9 @@ async def main_async(host: str, port: int, upstream: str, pool: int) -> None:
         server = web.Server(make_handler(session, upstream), access_log=None)
         runner = web.ServerRunner(server, handle_signals=False, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        site = web.TCPSite(
+            runner, host, port, backlog=1024, reuse_address=True, reuse_port=shared
+        )
         await site.start()
         print(f"plain proxy listening on {host}:{port} -> {upstream}", flush=True)
 
@@ -96,10 +101,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:9000")
     parser.add_argument("--pool", type=int, default=0, help="upstream pool size, 0: unlimited")
+    parser.add_argument("--workers", type=int, default=1, help="processes on the port")
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args(argv)
-    install_loop(not args.no_uvloop)
-    asyncio.run(main_async(args.host, args.port, args.upstream, args.pool))
+    if not 1 <= args.workers <= 64:
+        parser.error("--workers must be 1..64")
+
+    def run() -> None:
+        install_loop(not args.no_uvloop)
+        shared = args.workers > 1
+        asyncio.run(main_async(args.host, args.port, args.upstream, args.pool, shared))
+
+    run_processes(args.workers, run)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python3 -m bench.run                 # full run (about 5-8 minutes)
     python3 -m bench.run --quick         # ~30 s smoke run
     python3 -m bench.run --targets upstream,plain,sqlite,postgres --duration 10 --rounds 2
+    python3 -m bench.run --workers 2     # plain proxy and gateways as 2 processes each
     python3 -m bench.run --prefill 1000000   # adds target sqlite-prefill: same gateway,
                                              # store pre-filled with N keys and N/10 jobs
 
@@ -234,9 +235,10 @@ def wait_ready(target: Target, path: str = "/", timeout: float = 30.0) -> None:
     raise RuntimeError(f"{target.name} did not become ready ({last}); log tail:\n{tail}")
 
 
-def gateway_command(config: Path) -> list[str]:
+def gateway_command(config: Path, workers: int = 1) -> list[str]:
     code = "import sys; from gateway.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", code, "serve", "--config", str(config)]
+    more = ["--workers", str(workers)] if workers > 1 else []  # older revisions lack it
+    return [sys.executable, "-c", code, "serve", "--config", str(config), *more]
 
 
 def export_revision(rev: str, dest: Path) -> Path:
@@ -709,6 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pause", type=float, default=0.5, help="seconds between runs")
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes per target: the plain proxy and each gateway (serve --workers N)",
+    )
+    p.add_argument(
         "--soak",
         type=float,
         default=0.0,
@@ -790,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
                     t.base.rsplit(":", 1)[1],
                     "--upstream",
                     up.base,
+                    "--workers",
+                    str(args.workers),
                 ],
                 t.logfile,
             )
@@ -813,14 +823,14 @@ def main(argv: list[str] | None = None) -> int:
                 cwd = export_revision(args.baseline, tmp / "base-src")
                 t.extra["revision"] = args.baseline
             try:
-                t.proc = procs.start(gateway_command(config), t.logfile, cwd=cwd)
+                t.proc = procs.start(gateway_command(config, args.workers), t.logfile, cwd=cwd)
                 wait_ready(t, "/healthz")
                 if name == "sqlite-prefill":
                     # the gateway created the schema; stop it, fill the file, start again
                     procs.stop(t.proc)
                     if not prefill_sqlite(root / "data" / "sinkgate.db", args.prefill):
                         log("prefill not possible: running sqlite-prefill on an empty store")
-                    t.proc = procs.start(gateway_command(config), t.logfile)
+                    t.proc = procs.start(gateway_command(config, args.workers), t.logfile)
                     wait_ready(t, "/healthz")
             except RuntimeError as exc:
                 log(f"skipping target {name}: {exc}")
