@@ -306,9 +306,9 @@ def summary(config: Config) -> str:
         f"rejections {format_duration(config.rejections_ttl)}",
         f"limits        {config.max_in_flight} requests in flight, "
         f"shutdown grace {format_duration(config.shutdown_grace)}",
-        f"workers       {config.workers} process"
-        + ("es sharing both listeners" if config.workers > 1 else ""),
     ]
+    if config.workers > 1:  # one process: the summary as it always was
+        lines.append(f"workers       {config.workers} processes sharing both listeners")
     if not config.destinations:
         lines.append("destinations  none: every write will be refused as unknown_destination")
         return "\n".join(lines)

@@ -36,6 +36,8 @@ def test_the_file_sets_the_number_of_workers(tmp_path: Path) -> None:
     config = load_config(write_config(tmp_path, "workers = 4\n"), environ={})
     assert config.workers == 4
     assert "workers       4 processes sharing both listeners" in summary(config).splitlines()
+    one = load_config(write_config(tmp_path, "workers = 1\n"), environ={})
+    assert "workers" not in summary(one)  # one process: the summary as before
 
 
 @pytest.mark.parametrize(
