@@ -188,6 +188,10 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/processes/test_traces_console.py",
         'OTEL_TRACES_EXPORTER="console"',
     ),
+    "sinkgate serve --config config/gateway.toml --workers 2": (
+        "tests/processes/test_workers.py",
+        '"--workers", "2"',
+    ),
     "sinkgate chaos": ("tests/processes/test_chaos.py", '"-m", "gateway", "chaos"'),
     "sinkgate chaos --bypass-gateway": ("tests/processes/test_chaos.py", '"--bypass-gateway"'),
     "sinkgate chaos --gateways 3 --kill-every 3 --store "
@@ -248,6 +252,8 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
 # Shown but run by no test, and why; a new command must go here or above.
 NOT_RUN: dict[str, str] = {
     "python3 bench/overload.py": "minutes of load against a slow upstream; run by hand",
+    "python3 -m bench.run --workers 2": "minutes of load; bench.run itself is run by test_bench",
+    "python3 -m bench.latency": "minutes of fixed-rate load against every target; run by hand",
     "pip install 'sinkgate[otel]'": "needs the index; the extra is only listed",
     "createdb -h 127.0.0.1 -U postgres chaos": "creates a database on the shared server",
     "python3 -m pip install -e '.[dev]'": "installs the contributor tools",
