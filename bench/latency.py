@@ -44,6 +44,50 @@ from .loadgen import OWNER, Jobs, claim_jobs, fake_jobs, percentile
 JOBS = 32
 
 
+class Tally:
+    """What one fixed-rate run saw, from the requests due after the warm-up."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.lags: list[float] = []
+        self.statuses: Counter[str] = Counter()
+
+    def report(self, sent: int, duration: float) -> dict:
+        latencies, lags = sorted(self.latencies), sorted(self.lags)
+        ok = sum(n for status, n in self.statuses.items() if status[0] == "2")
+        return {
+            "requests": len(latencies),
+            "sent": sent,
+            "rps": len(latencies) / duration,
+            "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000,
+            "p999_ms": percentile(latencies, 99.9) * 1000,
+            "max_ms": latencies[-1] * 1000 if latencies else 0.0,
+            "lag_p99_ms": percentile(lags, 99) * 1000,
+            "ok_share": ok / max(1, len(latencies)),
+            "statuses": dict(self.statuses),
+        }
+
+
+async def send(session: aiohttp.ClientSession, url: str, i: int, jobs: Jobs, run: str) -> str:
+    """Write number `i`; its status (with the rejection reason) or the error's name."""
+    job = i % len(jobs.ids)
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": f"{run}-{i}",
+        "Fencing-Job": jobs.ids[job],
+        "Fencing-Token": str(jobs.current[job]),
+        "Fencing-Owner": OWNER,
+    }
+    try:
+        async with session.post(url, data=b'{"n":%d}' % i, headers=headers) as resp:
+            await resp.read()
+            reason = resp.headers.get("Sinkgate-Rejected")
+            return f"{resp.status} {reason}" if reason else str(resp.status)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return type(exc).__name__
+
+
 async def fixed_rate(url: str, rate: float, duration: float, warmup: float, jobs: Jobs) -> dict:
     """Open loop: `rate` requests/s for warmup + duration seconds; latency from due time."""
     loop = asyncio.get_running_loop()
@@ -52,62 +96,34 @@ async def fixed_rate(url: str, rate: float, duration: float, warmup: float, jobs
         timeout=aiohttp.ClientTimeout(total=30),
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
     )
-    run_id = f"{time.time_ns():x}"
+    run = f"{time.time_ns():x}"
     start = loop.time() + 0.2
     measure_from = start + warmup
-    latencies: list[float] = []
-    lags: list[float] = []
-    statuses: Counter[str] = Counter()
+    tally = Tally()
 
     async def one(i: int, due: float) -> None:
-        job = i % len(jobs.ids)
-        headers = {
-            "Content-Type": "application/json",
-            "Idempotency-Key": f"{run_id}-{i}",
-            "Fencing-Job": jobs.ids[job],
-            "Fencing-Token": str(jobs.current[job]),
-            "Fencing-Owner": OWNER,
-        }
-        try:
-            async with session.post(url, data=b'{"n":%d}' % i, headers=headers) as resp:
-                await resp.read()
-                reason = resp.headers.get("Sinkgate-Rejected")
-                status = f"{resp.status} {reason}" if reason else str(resp.status)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            status = type(exc).__name__
+        status = await send(session, url, i, jobs, run)
         if due >= measure_from:
-            latencies.append(loop.time() - due)
-            statuses[status] += 1
+            tally.latencies.append(loop.time() - due)
+            tally.statuses[status] += 1
 
     tasks: set[asyncio.Task[None]] = set()
+    count = int(rate * (warmup + duration))
     try:
-        for i in range(int(rate * (warmup + duration))):
+        for i in range(count):
             due = start + i / rate
             ahead = due - loop.time()
             if ahead > 0:
                 await asyncio.sleep(ahead)
             if due >= measure_from:
-                lags.append(loop.time() - due)
+                tally.lags.append(loop.time() - due)
             task = loop.create_task(one(i, due))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
     finally:
         await session.close()
-    latencies.sort()
-    lags.sort()
-    return {
-        "requests": len(latencies),
-        "sent": int(rate * (warmup + duration)),
-        "rps": len(latencies) / duration,
-        "p50_ms": percentile(latencies, 50) * 1000,
-        "p99_ms": percentile(latencies, 99) * 1000,
-        "p999_ms": percentile(latencies, 99.9) * 1000,
-        "max_ms": latencies[-1] * 1000 if latencies else 0.0,
-        "lag_p99_ms": percentile(lags, 99) * 1000,
-        "ok_share": sum(n for s, n in statuses.items() if s[0] == "2") / max(1, len(latencies)),
-        "statuses": dict(statuses),
-    }
+    return tally.report(count, duration)
 
 
 def capacity(url: str, duration: float) -> float:
@@ -222,6 +238,19 @@ def measure(
     return results
 
 
+def stores(args: argparse.Namespace) -> tuple[list[tuple[str, str]], str | None]:
+    """(name, URL) of each gateway store asked for, and the PostgreSQL database made."""
+    found, pg_db = [], None
+    for store in args.targets.split(","):
+        if store == "sqlite":
+            found.append(("sqlite", "sqlite:///data/sinkgate.db"))
+        elif store == "postgres" and bench.pg_reachable(args.pg_admin_url):
+            pg_db = f"sinkgate_latency_{time.time_ns():x}"
+            asyncio.run(bench._pg(args.pg_admin_url, f'CREATE DATABASE "{pg_db}"'))
+            found.append(("postgres", bench.pg_db_url(args.pg_admin_url, pg_db)))
+    return found, pg_db
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, help="requests/s (default: --share of capacity)")
@@ -242,14 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     pg_db = None
     tmp = Path(tempfile.mkdtemp(prefix="sinkgate-latency-"))
     try:
-        args.stores = []
-        for store in args.targets.split(","):
-            if store == "sqlite":
-                args.stores.append(("sqlite", "sqlite:///data/sinkgate.db"))
-            elif store == "postgres" and bench.pg_reachable(args.pg_admin_url):
-                pg_db = f"sinkgate_latency_{time.time_ns():x}"
-                asyncio.run(bench._pg(args.pg_admin_url, f'CREATE DATABASE "{pg_db}"'))
-                args.stores.append(("postgres", bench.pg_db_url(args.pg_admin_url, pg_db)))
+        args.stores, pg_db = stores(args)
         up = bench.Target("upstream", f"http://127.0.0.1:{bench.free_port()}", logfile=tmp / "up")
         up.proc = procs.start(
             [sys.executable, "-m", "bench.upstream", "--port", up.base.rsplit(":", 1)[1]]
