@@ -252,7 +252,7 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
 # Shown but run by no test, and why; a new command must go here or above.
 NOT_RUN: dict[str, str] = {
     "python3 bench/overload.py": "minutes of load against a slow upstream; run by hand",
-    "python3 -m bench.run --workers 2": "minutes of load; bench.run itself is run by test_bench",
+    "python3 -m bench.run --workers 2": "minutes of load; test_bench runs bench.run",
     "python3 -m bench.latency": "minutes of fixed-rate load against every target; run by hand",
     "pip install 'sinkgate[otel]'": "needs the index; the extra is only listed",
     "createdb -h 127.0.0.1 -U postgres chaos": "creates a database on the shared server",
