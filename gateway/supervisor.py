@@ -73,17 +73,39 @@ def announce_reload() -> None:
 
 def reserve(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT that never listens: it holds
-    the port (resolving 0) for the workers' listening sockets."""
+    the port (resolving 0) for the workers' listening sockets. A first bind without
+    SO_REUSEPORT makes sure no one listens there yet: another `serve --workers` on
+    the same port would otherwise join the same group silently."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    with _socket(family, kind, proto, reuse_port=False) as probe:
+        _bind(probe, address, host, port)
+        address = (address[0], probe.getsockname()[1], *address[2:])
+    sock = _socket(family, kind, proto, reuse_port=True)
+    try:
+        _bind(sock, address, host, port)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _socket(family: int, kind: int, proto: int, *, reuse_port: bool) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds
-    sock.bind(address)
     return sock
+
+
+def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 @dataclass(slots=True)

@@ -191,11 +191,13 @@ class Gateway:
         return [await self.pin(pid, admin=admin) for pid in sorted(pids)]
 
 
-def write_config(directory: Path, store_url: str, upstream: str) -> Path:
+def write_config(
+    directory: Path, store_url: str, upstream: str, listen: str | None = None
+) -> Path:
     (directory / "destinations").mkdir(parents=True)
     (directory / "gateway.toml").write_text(
         f"""[server]
-listen = "127.0.0.1:{free_port()}"
+listen = "{listen or f'127.0.0.1:{free_port()}'}"
 admin_listen = "127.0.0.1:{free_port()}"
 shutdown_grace = "10s"
 workers = 1                 # the command line's --workers wins
@@ -370,6 +372,21 @@ async def test_sigterm_drains_every_worker_and_exits_0(sqlite_gateway: Gateway) 
     assert {e["exit_code"] for e in stopped} == {0}
 
 
+async def exit_of(process: asyncio.subprocess.Process) -> str:
+    """Its stderr once it exited; a process still running after the timeout is
+    stopped (SIGTERM, then SIGKILL) so that a failing test leaves nothing behind."""
+    try:
+        _, err = await asyncio.wait_for(process.communicate(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            process.kill()
+        raise
+    return err.decode()
+
+
 async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()  # a directory where the SQLite file should be
     config = write_config(tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9")
@@ -380,6 +397,24 @@ async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: 
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    _, err = await asyncio.wait_for(process.communicate(), STOP_TIMEOUT_S)
+    err = await exit_of(process)
     assert process.returncode == 1
-    assert err.decode().count("cannot open SQLite database") == 1, err.decode()
+    assert err.count("cannot open SQLite database") == 1, err
+
+
+async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gateway) -> None:
+    """SO_REUSEPORT would let a second `serve --workers` join the first one's sockets
+    unnoticed; it is refused as one process would be."""
+    other = sqlite_gateway.directory / "other"
+    taken = sqlite_gateway.listen
+    config = write_config(other, f"sqlite:///{other / 'gateway.db'}", "http://127.0.0.1:9", taken)
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"),
+        cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    err = await exit_of(process)
+    assert process.returncode == 1
+    assert f"cannot listen on {taken}: Address already in use" in err, err
