@@ -17,7 +17,6 @@ from typing import Any
 import structlog
 
 from gateway.admin.keys_cli import add_parser as add_keys_parser  # argparse only: cheap
-from gateway.app import refuse_open_admin, serve
 from gateway.config.keys import MAX_WORKERS
 from gateway.config.model import (
     CONFIG_ENV,
@@ -195,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
     if workers == 1:
         return _run_gateway(config)
     try:
-        refuse_open_admin(config)
+        _app().refuse_open_admin(config)
         listen = reserve(*config.listen)
         admin_listen = reserve(*config.admin_listen)
     except OSError as exc:  # address in use, or not one of this host's
@@ -214,9 +213,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_gateway(config: Config, slot: Slot | None = None) -> int:
     """`serve` in this process (or in worker `slot`); its exit status."""
     traces.configure_from_env()  # off unless OTEL_TRACES_EXPORTER names an exporter
-    started = None if slot is None else lambda info: slot.ready()
+    app = _app()
+    main = app.serve(config) if slot is None else app.serve(config, started=slot.ready, slot=slot)
     try:
-        _run(serve(config, started=started, slot=slot))
+        _run(main)
     except KeyboardInterrupt:
         # The app stops gracefully on SIGINT itself; this is an interrupt
         # before its handlers were in place, which SPEC 6 also answers with 0.
@@ -233,6 +233,13 @@ def _run_gateway(config: Config, slot: Slot | None = None) -> int:
     finally:
         traces.shutdown()  # the spans of the last writes reach the exporter
     return 0
+
+
+def _app() -> Any:
+    """`gateway.app`, looked up when `serve` runs (as `_delegate` looks up the other
+    subcommands): the app and what it needs load only for `serve`, and a test can
+    stand in for the module."""
+    return importlib.import_module("gateway.app")
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:

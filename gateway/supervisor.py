@@ -60,7 +60,8 @@ class Slot:
     admin_listen: tuple[str, int]
     ready_fd: int | None = None
 
-    def ready(self) -> None:
+    def ready(self, info: object = None) -> None:
+        """The `started` callback of `serve` (called once): tells the parent."""
         if self.ready_fd is not None:
             os.write(self.ready_fd, b"1")
             os.close(self.ready_fd)
