@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import random
 import secrets
 import shutil
@@ -44,103 +43,26 @@ import aiohttp
 
 from gateway.telemetry.logs import configure_logging
 from gateway.tools.chaos import late as late_mode
-from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+from gateway.tools.chaos.judge import FinalLease
+from gateway.tools.chaos.options import parser, settings_problem
 from gateway.tools.chaos.plan import FaultPlan
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
-from gateway.tools.chaos.worker import RunContext, Tally, job_keys, run_worker
+from gateway.tools.chaos.report import build_report, render
+from gateway.tools.chaos.worker import RunContext, job_keys, run_worker
 from leases import StoreUnavailable
 from leases.http import HTTPLeaseStore
-from leases.model import validate_ttl
 
 GATEWAY_TIMEOUT_S = 2.0
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text.removesuffix("s"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        return value
-
-    return parse
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="sinkgate chaos",
-        description="Inject faults into a live gateway setup and check that no stale or "
-        "duplicate effect reaches the destination. Exit 1 on any violation.",
-    )
-    p.add_argument("--workers", type=_positive(int), default=12, help="concurrent workers (12)")
-    p.add_argument("--jobs", type=_positive(int), default=40, help="jobs to complete (40)")
-    p.add_argument("--steps", type=_positive(int), default=3, help="effect writes per job (3)")
-    p.add_argument(
-        "--duration", type=_positive(float), default=25.0, help="target seconds of work (25)"
-    )
-    p.add_argument("--ttl", type=_positive(float), default=1.0, help="lease ttl, seconds (1.0)")
-    p.add_argument(
-        "--pause-rate", type=_rate, default=0.2, help="chance a job's worker freezes (0.2)"
-    )
-    p.add_argument(
-        "--max-pause", type=_positive(float), default=3.0, help="longest freeze, seconds (3)"
-    )
-    p.add_argument(
-        "--clock-skew", type=_rate, default=0.2, help="max drift of worker clocks (0.2=±20%%)"
-    )
-    p.add_argument("--store", metavar="URL", help="sqlite:///path or postgresql://... "
-                   "(default: a temporary SQLite file)")  # fmt: skip
-    p.add_argument("--gateways", type=_positive(int), default=1, help="gateway processes (1)")
-    p.add_argument(
-        "--kill-every",
-        type=_positive(float),
-        metavar="SECONDS",
-        help="kill -9 a gateway this often",
-    )
-    p.add_argument(
-        "--upstream-faults", type=_rate, default=0.2, help="share of upstream faults (0.2)"
-    )
-    p.add_argument(
-        "--store-faults", type=_rate, default=0.0, help="share of time the store is faulted (0)"
-    )
-    p.add_argument(
-        "--wire-faults", type=_rate, default=0.0, help="share of connections faulted (0)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
-    p.add_argument(
-        "--bypass-gateway", action="store_true", help="write straight to the destination"
-    )
-    p.add_argument(
-        "--upstream-idempotent",
-        action="store_true",
-        help="the destination deduplicates by key (upstream_idempotent = true)",
-    )
-    p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
-    late_mode.add_options(p)
-    return p
-
-
 def main(argv: list[str]) -> int:
     """Run the chaos scenario; 0 with no violation, 1 with any, 2 if it could not run."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     # The workers' own library logs (a lost lease is the point here) stay quiet.
     configure_logging("error", json=False)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
-    problem = _settings_problem(args)
+    problem = settings_problem(args)
     if problem is not None:
         print(f"sinkgate chaos: {problem}", file=sys.stderr)
         return 2
@@ -160,23 +82,6 @@ def main(argv: list[str]) -> int:
             print(f"sinkgate chaos: cannot write --json {args.json}: {exc}", file=sys.stderr)
             return 2
     return 1 if report["violation_count"] else 0
-
-
-def _settings_problem(args: argparse.Namespace) -> str | None:
-    """Settings that would only fail once the run is under way (every worker's claim
-    refused, the report unwritable), refused up front: exit 2, never counted as
-    violations."""
-    try:
-        validate_ttl(args.ttl)
-    except ValueError as exc:
-        return f"--ttl: {exc}"
-    if args.max_pause < args.ttl * 1.3:
-        return "--max-pause must be at least 1.3 x --ttl"
-    if (problem := late_mode.settings_problem(args)) is not None:
-        return problem
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        return f"--json {args.json}: no such directory for the report"
-    return None
 
 
 async def _interruptible(run: Any) -> Any:
@@ -242,7 +147,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         final = await _final_leases(ctx)
         keys = {job: job_keys(job, ctx.steps) for job in ctx.jobs}
         records = await plan.records([k for ks in keys.values() for k in ks])
-        report = _report(
+        report = build_report(
             args, ctx, record, final, kills, time.monotonic() - started, workdir, plan.strands
         )
         effects: Any = record["effects"]
@@ -375,115 +280,3 @@ async def _final_leases(ctx: RunContext) -> dict[str, FinalLease | None]:
     return final
 
 
-def _report(
-    args: argparse.Namespace,
-    ctx: RunContext,
-    record: dict[str, Any],
-    final: dict[str, FinalLease | None],
-    kills: int,
-    elapsed: float,
-    workdir: Path,
-    strands: bool = False,
-) -> dict[str, Any]:
-    tally: Tally = ctx.tally
-    verdict: Verdict = judge(
-        effects=record["effects"],
-        dropped_before=record["dropped_before"],
-        jobs={job: job_keys(job, ctx.steps) for job in ctx.jobs},
-        final=final,
-        completions=tally.completions,
-        confirmed=tally.completions_confirmed,
-        unknown_keys=tally.unknown_keys,
-        upstream_idempotent=args.upstream_idempotent,
-        gateways_killed=kills > 0 or strands,
-        fenced=late_mode.fenced_keys(record),
-    )
-    skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
-    done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
-    return {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
-        "mode": "bypass-gateway" if args.bypass_gateway else "gateway",
-        "destination_fence": args.fenced_destination,
-        "elapsed_s": round(elapsed, 2),
-        "jobs": {"total": len(ctx.jobs), "completed": done, "steps_per_job": ctx.steps},
-        "claims": {
-            "granted": tally.claims,
-            "conflicts": tally.claim_conflicts,
-            "refused_job_completed": tally.claims_of_completed,
-        },
-        "pauses_past_lease": tally.pauses_past_lease,
-        "stale_writes": {
-            "attempted": tally.stale_writes_attempted,
-            "rejected": dict(tally.stale_writes_rejected),
-            "accepted": tally.stale_writes_accepted,
-        },
-        "stale_completions": {
-            "attempted": tally.stale_completions_attempted,
-            "rejected": dict(tally.stale_completions_rejected),
-            "accepted": tally.stale_completions_accepted,
-        },
-        "writes": {
-            "sent": tally.writes_sent,
-            "applied": tally.writes_applied,
-            "duplicates_replayed": tally.duplicates_replayed,
-            "outcome_unknown_keys": len(tally.unknown_keys),
-            "unknown_and_applied": verdict.unknown_applied,
-            "unknown_and_not_applied": verdict.unknown_unapplied,
-            "rejected_in_hold": dict(tally.writes_rejected_in_hold),
-            "retried": dict(tally.retries),
-        },
-        "leases_lost": dict(tally.leases_lost),
-        "lease_calls_failed": tally.lease_calls_failed,
-        "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
-        "faults": {
-            **{f"upstream_{k}": v for k, v in record["faults"].items()},
-            "pauses_past_lease": tally.pauses_past_lease,
-            "competing_claims": tally.claim_conflicts,
-            "skewed_clocks": len(skewed),
-            "gateway_kills": kills,
-            **late_mode.fault_counts(args, tally),
-        },
-        "clock_rates": [
-            round(min(tally.clock_rates, default=1), 3),
-            round(max(tally.clock_rates, default=1), 3),
-        ],
-        "destination": {
-            "requests": record["requests"],
-            "effects": len(record["effects"]),
-            "deduplicated": record["deduplicated"],
-            **late_mode.destination_counts(args, record, tally),
-        },
-        "unexpected": tally.unexpected[:20],
-        "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
-        "violation_examples": {
-            name: items[:5] for name, items in verdict.violations.items() if items
-        },
-        "violation_count": verdict.count,
-    }
-
-
-def render(report: dict[str, Any]) -> str:
-    """The report for people: one line per count."""
-    lines = [f"sinkgate chaos ({report['mode']}, seed {report['settings']['seed']}, "
-             f"{report['elapsed_s']}s)"]  # fmt: skip
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for key in sorted(value):
-                walk(f"{prefix}.{key}" if prefix else key, value[key])
-        elif prefix not in ("settings", "mode", "elapsed_s"):
-            lines.append(f"  {prefix:<44} {value}")
-
-    for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
-                "writes", "leases_lost", "faults", "store_unavailable", "destination",
-                "violations"):  # fmt: skip
-        walk(key, report.get(key))
-    for name, items in report["violation_examples"].items():
-        lines.append(f"  {name}:")
-        lines.extend(f"    - {item}" for item in items)
-    for item in report["unexpected"]:
-        lines.append(f"  unexpected: {item}")
-    lines.extend(late_mode.report_lines(report))
-    verdict = "FAILED" if report["violation_count"] else "OK"
-    lines.append(f"{verdict}: {report['violation_count']} violation(s)")
-    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""The command line of `sinkgate chaos`: its options, and the settings refused up
+front (exit 2) because they would only fail once the run is under way."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from gateway.tools.chaos import late as late_mode
+from leases.model import validate_ttl
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text.removesuffix("s"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sinkgate chaos",
+        description="Inject faults into a live gateway setup and check that no stale or "
+        "duplicate effect reaches the destination. Exit 1 on any violation.",
+    )
+    p.add_argument("--workers", type=_positive(int), default=12, help="concurrent workers (12)")
+    p.add_argument("--jobs", type=_positive(int), default=40, help="jobs to complete (40)")
+    p.add_argument("--steps", type=_positive(int), default=3, help="effect writes per job (3)")
+    p.add_argument(
+        "--duration", type=_positive(float), default=25.0, help="target seconds of work (25)"
+    )
+    p.add_argument("--ttl", type=_positive(float), default=1.0, help="lease ttl, seconds (1.0)")
+    p.add_argument(
+        "--pause-rate", type=_rate, default=0.2, help="chance a job's worker freezes (0.2)"
+    )
+    p.add_argument(
+        "--max-pause", type=_positive(float), default=3.0, help="longest freeze, seconds (3)"
+    )
+    p.add_argument(
+        "--clock-skew", type=_rate, default=0.2, help="max drift of worker clocks (0.2=±20%%)"
+    )
+    p.add_argument("--store", metavar="URL", help="sqlite:///path or postgresql://... "
+                   "(default: a temporary SQLite file)")  # fmt: skip
+    p.add_argument("--gateways", type=_positive(int), default=1, help="gateway processes (1)")
+    p.add_argument(
+        "--kill-every",
+        type=_positive(float),
+        metavar="SECONDS",
+        help="kill -9 a gateway this often",
+    )
+    p.add_argument(
+        "--upstream-faults", type=_rate, default=0.2, help="share of upstream faults (0.2)"
+    )
+    p.add_argument(
+        "--store-faults", type=_rate, default=0.0, help="share of time the store is faulted (0)"
+    )
+    p.add_argument(
+        "--wire-faults", type=_rate, default=0.0, help="share of connections faulted (0)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    p.add_argument(
+        "--bypass-gateway", action="store_true", help="write straight to the destination"
+    )
+    p.add_argument(
+        "--upstream-idempotent",
+        action="store_true",
+        help="the destination deduplicates by key (upstream_idempotent = true)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
+    late_mode.add_options(p)
+    return p
+
+
+def settings_problem(args: argparse.Namespace) -> str | None:
+    """Settings that would only fail once the run is under way (every worker's claim
+    refused, the report unwritable), refused up front: exit 2, never counted as
+    violations."""
+    try:
+        validate_ttl(args.ttl)
+    except ValueError as exc:
+        return f"--ttl: {exc}"
+    if args.max_pause < args.ttl * 1.3:
+        return "--max-pause must be at least 1.3 x --ttl"
+    if (problem := late_mode.settings_problem(args)) is not None:
+        return problem
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        return f"--json {args.json}: no such directory for the report"
+    return None
+

@@ -1,0 +1,127 @@
+"""The report of a chaos run: the counts of what was done and faulted, the
+judge's verdict (`chaos_judge`), and its rendering for people."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from gateway.tools.chaos import late as late_mode
+from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+from gateway.tools.chaos.worker import RunContext, Tally, job_keys
+
+
+def build_report(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    record: dict[str, Any],
+    final: dict[str, FinalLease | None],
+    kills: int,
+    elapsed: float,
+    workdir: Path,
+    strands: bool = False,
+) -> dict[str, Any]:
+    tally: Tally = ctx.tally
+    verdict: Verdict = judge(
+        effects=record["effects"],
+        dropped_before=record["dropped_before"],
+        jobs={job: job_keys(job, ctx.steps) for job in ctx.jobs},
+        final=final,
+        completions=tally.completions,
+        confirmed=tally.completions_confirmed,
+        unknown_keys=tally.unknown_keys,
+        upstream_idempotent=args.upstream_idempotent,
+        gateways_killed=kills > 0 or strands,
+        fenced=late_mode.fenced_keys(record),
+    )
+    skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
+    done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
+        "mode": "bypass-gateway" if args.bypass_gateway else "gateway",
+        "destination_fence": args.fenced_destination,
+        "elapsed_s": round(elapsed, 2),
+        "jobs": {"total": len(ctx.jobs), "completed": done, "steps_per_job": ctx.steps},
+        "claims": {
+            "granted": tally.claims,
+            "conflicts": tally.claim_conflicts,
+            "refused_job_completed": tally.claims_of_completed,
+        },
+        "pauses_past_lease": tally.pauses_past_lease,
+        "stale_writes": {
+            "attempted": tally.stale_writes_attempted,
+            "rejected": dict(tally.stale_writes_rejected),
+            "accepted": tally.stale_writes_accepted,
+        },
+        "stale_completions": {
+            "attempted": tally.stale_completions_attempted,
+            "rejected": dict(tally.stale_completions_rejected),
+            "accepted": tally.stale_completions_accepted,
+        },
+        "writes": {
+            "sent": tally.writes_sent,
+            "applied": tally.writes_applied,
+            "duplicates_replayed": tally.duplicates_replayed,
+            "outcome_unknown_keys": len(tally.unknown_keys),
+            "unknown_and_applied": verdict.unknown_applied,
+            "unknown_and_not_applied": verdict.unknown_unapplied,
+            "rejected_in_hold": dict(tally.writes_rejected_in_hold),
+            "retried": dict(tally.retries),
+        },
+        "leases_lost": dict(tally.leases_lost),
+        "lease_calls_failed": tally.lease_calls_failed,
+        "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
+        "faults": {
+            **{f"upstream_{k}": v for k, v in record["faults"].items()},
+            "pauses_past_lease": tally.pauses_past_lease,
+            "competing_claims": tally.claim_conflicts,
+            "skewed_clocks": len(skewed),
+            "gateway_kills": kills,
+            **late_mode.fault_counts(args, tally),
+        },
+        "clock_rates": [
+            round(min(tally.clock_rates, default=1), 3),
+            round(max(tally.clock_rates, default=1), 3),
+        ],
+        "destination": {
+            "requests": record["requests"],
+            "effects": len(record["effects"]),
+            "deduplicated": record["deduplicated"],
+            **late_mode.destination_counts(args, record, tally),
+        },
+        "unexpected": tally.unexpected[:20],
+        "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
+        "violation_examples": {
+            name: items[:5] for name, items in verdict.violations.items() if items
+        },
+        "violation_count": verdict.count,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for people: one line per count."""
+    lines = [f"sinkgate chaos ({report['mode']}, seed {report['settings']['seed']}, "
+             f"{report['elapsed_s']}s)"]  # fmt: skip
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key in sorted(value):
+                walk(f"{prefix}.{key}" if prefix else key, value[key])
+        elif prefix not in ("settings", "mode", "elapsed_s"):
+            lines.append(f"  {prefix:<44} {value}")
+
+    for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
+                "writes", "leases_lost", "faults", "store_unavailable", "destination",
+                "violations"):  # fmt: skip
+        walk(key, report.get(key))
+    for name, items in report["violation_examples"].items():
+        lines.append(f"  {name}:")
+        lines.extend(f"    - {item}" for item in items)
+    for item in report["unexpected"]:
+        lines.append(f"  unexpected: {item}")
+    lines.extend(late_mode.report_lines(report))
+    verdict = "FAILED" if report["violation_count"] else "OK"
+    lines.append(f"{verdict}: {report['violation_count']} violation(s)")
+    return "\n".join(lines)
+
