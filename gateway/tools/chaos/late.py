@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gateway.tools.chaos.worker import (
+from gateway.tools.chaos.context import (
     DESTINATION,
     UNKNOWN_REASONS,
     RunContext,

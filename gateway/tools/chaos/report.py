@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
-from gateway.tools.chaos.worker import RunContext, Tally, job_keys
+from gateway.tools.chaos.context import RunContext, Tally, job_keys
 
 
 def build_report(

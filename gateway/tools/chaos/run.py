@@ -48,7 +48,8 @@ from gateway.tools.chaos.options import parser, settings_problem
 from gateway.tools.chaos.plan import FaultPlan
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.report import build_report, render
-from gateway.tools.chaos.worker import RunContext, job_keys, run_worker
+from gateway.tools.chaos.context import RunContext, job_keys
+from gateway.tools.chaos.worker import run_worker
 from leases import StoreUnavailable
 from leases.http import HTTPLeaseStore
 

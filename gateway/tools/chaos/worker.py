@@ -14,206 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections import Counter
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
-import aiohttp
-
-from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, LeaseRef, StoreUnavailable, hold
-from leases.http import HTTPLeaseStore
+from gateway.tools.chaos.client import SkewedClock, WorkerLeaseStore, Writers
+from gateway.tools.chaos.context import UNKNOWN_REASONS, RunContext, Tally, step_name
+from leases import JobCompleted, Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
 from leases.reasons import Reason
 from leases.writer import (
     BadWrite,
     DuplicateWrite,
-    FencedWriter,
     GatewayRejected,
     GatewayUnavailable,
     StaleWrite,
     derive_key,
 )
 
-DESTINATION = "sink"
-# Answers the writer reports as "the key's outcome is unknown" (SPEC 2 step 8).
-UNKNOWN_REASONS = frozenset(
-    {Reason.OUTCOME_UNKNOWN, Reason.UPSTREAM_TIMEOUT, Reason.UPSTREAM_DISCONNECTED}
-)
 _RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-
-
-def step_name(step: int) -> str:
-    return f"effect-{step}"
-
-
-def job_keys(job_id: str, steps: int) -> list[str]:
-    """The idempotency keys of a job's effects, as every worker derives them."""
-    return [derive_key(job_id, step_name(s)) for s in range(steps)]
-
-
-@dataclass
-class Tally:
-    """What the workers saw and did; shared by all of them (one event loop)."""
-
-    claims: int = 0
-    claim_conflicts: int = 0
-    claims_of_completed: int = 0
-    granted: dict[str, list[int]] = field(default_factory=dict)
-    pauses_past_lease: int = 0
-    stale_writes_attempted: int = 0
-    stale_writes_rejected: Counter[str] = field(default_factory=Counter)
-    stale_writes_accepted: int = 0
-    stale_completions_attempted: int = 0
-    stale_completions_rejected: Counter[str] = field(default_factory=Counter)
-    stale_completions_accepted: int = 0
-    writes_rejected_in_hold: Counter[str] = field(default_factory=Counter)
-    writes_sent: int = 0
-    writes_applied: int = 0
-    duplicates_replayed: int = 0
-    unknown_keys: set[str] = field(default_factory=set)
-    retries: Counter[str] = field(default_factory=Counter)
-    lease_calls_failed: int = 0  # a claim or completion no gateway answered
-    leases_lost: Counter[str] = field(default_factory=Counter)
-    # Completions the store acknowledged (200), per job, with their generation.
-    completions: dict[str, list[int]] = field(default_factory=dict)
-    # Answer lost, then found done with our generation and owner: job -> generation.
-    completions_confirmed: dict[str, int] = field(default_factory=dict)
-    unexpected: list[str] = field(default_factory=list)
-    clock_rates: list[float] = field(default_factory=list)
-    late_writes_sent: int = 0  # --late-writes
-    late_write_answers: Counter[str] = field(default_factory=Counter)
-    # Keys a worker got a 2xx for (applied or replayed), with the loop time.
-    acknowledged: dict[str, float] = field(default_factory=dict)
-    # Loop times of `store_unavailable` answers, and how many lacked Retry-After.
-    store_refusals: list[float] = field(default_factory=list)
-    store_refusals_without_retry_after: int = 0
-
-
-@dataclass
-class RunContext:
-    """Everything the workers share."""
-
-    jobs: list[str]
-    steps: int
-    ttl: float
-    pause_rate: float
-    max_pause: float
-    clock_skew: float
-    step_work: float
-    write_urls: list[str]  # the gateways, or the destination with --bypass-gateway
-    lease_stores: list[HTTPLeaseStore]
-    session: aiohttp.ClientSession
-    seed: int
-    deadline: float  # loop time after which no new job is started
-    write_timeout: float
-    tally: Tally = field(default_factory=Tally)
-    # --late-writes: a freezing worker leaves one write stuck on the wire (late.py)
-    late_write: Callable[[Lease, int, int], Coroutine[Any, Any, None]] | None = None
-    background: list[asyncio.Task[None]] = field(default_factory=list)
-    done: set[str] = field(default_factory=set)
-
-    def pending(self) -> list[str]:
-        return [j for j in self.jobs if j not in self.done]
-
-
-class SkewedClock:
-    """A monotonic clock running `rate` times as fast as the real one."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._origin = time.monotonic()
-
-    def __call__(self) -> float:
-        return self._origin + (time.monotonic() - self._origin) * self.rate
-
-
-class WorkerLeaseStore:
-    """The lease store as one worker process sees it: the gateways' lease APIs with
-    failover, and a freeze switch (a paused process sends nothing, renewals included)."""
-
-    def __init__(self, stores: list[HTTPLeaseStore], start: int) -> None:
-        self._stores = stores
-        self._next = start
-        self._thawed = asyncio.Event()
-        self._thawed.set()
-
-    def freeze(self) -> None:
-        self._thawed.clear()
-
-    def thaw(self) -> None:
-        self._thawed.set()
-
-    async def _call(self, op: str, *args: Any, **kw: Any) -> Any:
-        await self._thawed.wait()
-        last: StoreUnavailable | None = None
-        for _ in self._stores:
-            store = self._stores[self._next % len(self._stores)]
-            try:
-                return await getattr(store, op)(*args, **kw)
-            except StoreUnavailable as exc:
-                last = exc
-                self._next += 1
-        assert last is not None
-        raise last
-
-    async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
-        lease: Lease = await self._call("claim", job_id, owner=owner, ttl=ttl)
-        return lease
-
-    async def renew(self, lease: Lease | LeaseRef, *, ttl: float | None = None) -> Lease:
-        renewed: Lease = await self._call("renew", lease, ttl=ttl)
-        return renewed
-
-    async def complete(self, lease: Lease | LeaseRef) -> Lease:
-        done: Lease = await self._call("complete", lease)
-        return done
-
-    async def release(self, lease: Lease | LeaseRef) -> Lease:
-        freed: Lease = await self._call("release", lease)
-        return freed
-
-    async def get(self, job_id: str) -> Lease | None:
-        current: Lease | None = await self._call("get", job_id)
-        return current
-
-    async def close(self) -> None:
-        pass  # the underlying stores belong to the run
-
-    async def __aenter__(self) -> WorkerLeaseStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
-
-
-class Writers:
-    """One `FencedWriter` per write URL under one lease, used round-robin; a
-    connection failure moves on to the next gateway."""
-
-    def __init__(self, ctx: RunContext, lease: Lease, start: int) -> None:
-        self._writers = [
-            FencedWriter(
-                url,
-                lease,
-                session=ctx.session,
-                max_retries=2,
-                max_retry_wait=1.0,
-                timeout=ctx.write_timeout,
-            )
-            for url in ctx.write_urls
-        ]
-        self._next = start
-
-    async def post(self, job_id: str, step: int) -> Any:
-        writer = self._writers[self._next % len(self._writers)]
-        self._next += 1
-        return await writer.post(
-            DESTINATION,
-            f"/effects/{job_id}/{step}",
-            json={"job": job_id, "step": step},
-            step=step_name(step),
-        )
 
 
 def _plain(lease: Lease) -> Lease:
