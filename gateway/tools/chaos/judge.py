@@ -85,21 +85,10 @@ def judge(
         if n > 1:
             verdict.violations["no_duplicate_effect"].append(f"key {key} applied {n} times")
     for job, keys in jobs.items():
-        lease = final.get(job)
-        acked = list(completions.get(job, []))
         problems = verdict.violations["completed_exactly_once"]
-        if lease is None or lease.state != "done":
-            state = "never claimed" if lease is None else lease.state
-            problems.append(f"job {job} is not completed in the store ({state})")
+        acked = list(completions.get(job, []))
+        if not _completed_once(job, final.get(job), acked, confirmed.get(job), problems):
             continue
-        if len(acked) > 1:
-            problems.append(f"job {job}: the store acknowledged {len(acked)} completions {acked}")
-        done_generation = acked[0] if acked else confirmed.get(job)
-        if done_generation is not None and done_generation != lease.generation:
-            problems.append(
-                f"job {job}: completion acknowledged for generation {done_generation}, "
-                f"store shows done at generation {lease.generation}"
-            )
         _effects_of(
             job,
             keys,
@@ -111,6 +100,30 @@ def judge(
             gateways_killed=gateways_killed,
         )
     return verdict
+
+
+def _completed_once(
+    job: str,
+    lease: FinalLease | None,
+    acked: list[int],
+    confirmed: int | None,
+    problems: list[str],
+) -> bool:
+    """Check one job's completion; False when the store does not show it done
+    (its effects are then not checked)."""
+    if lease is None or lease.state != "done":
+        state = "never claimed" if lease is None else lease.state
+        problems.append(f"job {job} is not completed in the store ({state})")
+        return False
+    if len(acked) > 1:
+        problems.append(f"job {job}: the store acknowledged {len(acked)} completions {acked}")
+    done_generation = acked[0] if acked else confirmed
+    if done_generation is not None and done_generation != lease.generation:
+        problems.append(
+            f"job {job}: completion acknowledged for generation {done_generation}, "
+            f"store shows done at generation {lease.generation}"
+        )
+    return True
 
 
 def _stale(effects: list[Mapping[str, Any]], out: list[str]) -> None:

@@ -41,6 +41,14 @@ def parser() -> argparse.ArgumentParser:
         description="Inject faults into a live gateway setup and check that no stale or "
         "duplicate effect reaches the destination. Exit 1 on any violation.",
     )
+    _add_load_options(p)
+    _add_setup_options(p)
+    late_mode.add_options(p)
+    return p
+
+
+def _add_load_options(p: argparse.ArgumentParser) -> None:
+    """How much work, and how the workers misbehave."""
     p.add_argument("--workers", type=_positive(int), default=12, help="concurrent workers (12)")
     p.add_argument("--jobs", type=_positive(int), default=40, help="jobs to complete (40)")
     p.add_argument("--steps", type=_positive(int), default=3, help="effect writes per job (3)")
@@ -57,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clock-skew", type=_rate, default=0.2, help="max drift of worker clocks (0.2=±20%%)"
     )
+
+
+def _add_setup_options(p: argparse.ArgumentParser) -> None:
+    """What runs (store, gateways, destination), what faults it, and the output."""
     p.add_argument("--store", metavar="URL", help="sqlite:///path or postgresql://... "
                    "(default: a temporary SQLite file)")  # fmt: skip
     p.add_argument("--gateways", type=_positive(int), default=1, help="gateway processes (1)")
@@ -86,8 +98,6 @@ def parser() -> argparse.ArgumentParser:
         help="the destination deduplicates by key (upstream_idempotent = true)",
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
-    late_mode.add_options(p)
-    return p
 
 
 def settings_problem(args: argparse.Namespace) -> str | None:

@@ -23,19 +23,7 @@ def build_report(
     strands: bool = False,
 ) -> dict[str, Any]:
     tally: Tally = ctx.tally
-    verdict: Verdict = judge(
-        effects=record["effects"],
-        dropped_before=record["dropped_before"],
-        jobs={job: job_keys(job, ctx.steps) for job in ctx.jobs},
-        final=final,
-        completions=tally.completions,
-        confirmed=tally.completions_confirmed,
-        unknown_keys=tally.unknown_keys,
-        upstream_idempotent=args.upstream_idempotent,
-        gateways_killed=kills > 0 or strands,
-        fenced=late_mode.fenced_keys(record),
-    )
-    skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
+    verdict = _verdict(args, ctx, record, final, gateways_killed=kills > 0 or strands)
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
     return {
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
@@ -49,37 +37,12 @@ def build_report(
             "refused_job_completed": tally.claims_of_completed,
         },
         "pauses_past_lease": tally.pauses_past_lease,
-        "stale_writes": {
-            "attempted": tally.stale_writes_attempted,
-            "rejected": dict(tally.stale_writes_rejected),
-            "accepted": tally.stale_writes_accepted,
-        },
-        "stale_completions": {
-            "attempted": tally.stale_completions_attempted,
-            "rejected": dict(tally.stale_completions_rejected),
-            "accepted": tally.stale_completions_accepted,
-        },
-        "writes": {
-            "sent": tally.writes_sent,
-            "applied": tally.writes_applied,
-            "duplicates_replayed": tally.duplicates_replayed,
-            "outcome_unknown_keys": len(tally.unknown_keys),
-            "unknown_and_applied": verdict.unknown_applied,
-            "unknown_and_not_applied": verdict.unknown_unapplied,
-            "rejected_in_hold": dict(tally.writes_rejected_in_hold),
-            "retried": dict(tally.retries),
-        },
+        **_stale(tally),
+        "writes": _writes(tally, verdict),
         "leases_lost": dict(tally.leases_lost),
         "lease_calls_failed": tally.lease_calls_failed,
         "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
-        "faults": {
-            **{f"upstream_{k}": v for k, v in record["faults"].items()},
-            "pauses_past_lease": tally.pauses_past_lease,
-            "competing_claims": tally.claim_conflicts,
-            "skewed_clocks": len(skewed),
-            "gateway_kills": kills,
-            **late_mode.fault_counts(args, tally),
-        },
+        "faults": _faults(args, record, tally, kills),
         "clock_rates": [
             round(min(tally.clock_rates, default=1), 3),
             round(max(tally.clock_rates, default=1), 3),
@@ -96,6 +59,72 @@ def build_report(
             name: items[:5] for name, items in verdict.violations.items() if items
         },
         "violation_count": verdict.count,
+    }
+
+
+def _verdict(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    record: dict[str, Any],
+    final: dict[str, FinalLease | None],
+    *,
+    gateways_killed: bool,
+) -> Verdict:
+    tally = ctx.tally
+    return judge(
+        effects=record["effects"],
+        dropped_before=record["dropped_before"],
+        jobs={job: job_keys(job, ctx.steps) for job in ctx.jobs},
+        final=final,
+        completions=tally.completions,
+        confirmed=tally.completions_confirmed,
+        unknown_keys=tally.unknown_keys,
+        upstream_idempotent=args.upstream_idempotent,
+        gateways_killed=gateways_killed,
+        fenced=late_mode.fenced_keys(record),
+    )
+
+
+def _stale(tally: Tally) -> dict[str, Any]:
+    """What the workers that woke past their lease tried, and what came of it."""
+    return {
+        "stale_writes": {
+            "attempted": tally.stale_writes_attempted,
+            "rejected": dict(tally.stale_writes_rejected),
+            "accepted": tally.stale_writes_accepted,
+        },
+        "stale_completions": {
+            "attempted": tally.stale_completions_attempted,
+            "rejected": dict(tally.stale_completions_rejected),
+            "accepted": tally.stale_completions_accepted,
+        },
+    }
+
+
+def _writes(tally: Tally, verdict: Verdict) -> dict[str, Any]:
+    return {
+        "sent": tally.writes_sent,
+        "applied": tally.writes_applied,
+        "duplicates_replayed": tally.duplicates_replayed,
+        "outcome_unknown_keys": len(tally.unknown_keys),
+        "unknown_and_applied": verdict.unknown_applied,
+        "unknown_and_not_applied": verdict.unknown_unapplied,
+        "rejected_in_hold": dict(tally.writes_rejected_in_hold),
+        "retried": dict(tally.retries),
+    }
+
+
+def _faults(
+    args: argparse.Namespace, record: dict[str, Any], tally: Tally, kills: int
+) -> dict[str, Any]:
+    skewed = [r for r in tally.clock_rates if abs(r - 1.0) >= 0.01]
+    return {
+        **{f"upstream_{k}": v for k, v in record["faults"].items()},
+        "pauses_past_lease": tally.pauses_past_lease,
+        "competing_claims": tally.claim_conflicts,
+        "skewed_clocks": len(skewed),
+        "gateway_kills": kills,
+        **late_mode.fault_counts(args, tally),
     }
 
 

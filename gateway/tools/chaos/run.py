@@ -133,9 +133,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for i in range(args.gateways)
         ]
-        # One first, so that it creates the schema alone.
-        await gateways[0].start(session)
-        await asyncio.gather(*(g.start(session) for g in gateways[1:]))
+        await _start_gateways(gateways, session)
         stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
         ctx = _context(args, gateways, upstream, stores, session, plan.extra_patience)
         plan.start(gateways, lambda: [j for j in ctx.tally.granted if j not in ctx.done])
@@ -143,17 +141,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             kills = await _work(args, ctx, gateways, session)
         finally:
             await plan.calm()
-        record = await late_mode.settled_record(lambda: destination.record(session))
-        plan.explain_drops(record)
-        final = await _final_leases(ctx)
-        keys = {job: job_keys(job, ctx.steps) for job in ctx.jobs}
-        records = await plan.records([k for ks in keys.values() for k in ks])
-        report = build_report(
-            args, ctx, record, final, kills, time.monotonic() - started, workdir, plan.strands
-        )
-        effects: Any = record["effects"]
-        plan.extend_report(report, effects=effects, jobs=keys, records=records, tally=ctx.tally)
-        return report
+        return await _checked(args, ctx, plan, destination, kills, started, workdir)
     finally:
         await asyncio.gather(*(g.stop() for g in gateways), destination.stop())
         await plan.close()
@@ -162,6 +150,36 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"work dir kept: {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _start_gateways(gateways: list[GatewayProcess], session: aiohttp.ClientSession) -> None:
+    # One first, so that it creates the schema alone.
+    await gateways[0].start(session)
+    await asyncio.gather(*(g.start(session) for g in gateways[1:]))
+
+
+async def _checked(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    plan: FaultPlan,
+    destination: Destination,
+    kills: int,
+    started: float,
+    workdir: Path,
+) -> dict[str, Any]:
+    """After the work: read the destination's record, the leases and the key
+    records, and judge them into the report."""
+    record = await late_mode.settled_record(lambda: destination.record(ctx.session))
+    plan.explain_drops(record)
+    final = await _final_leases(ctx)
+    keys = {job: job_keys(job, ctx.steps) for job in ctx.jobs}
+    records = await plan.records([k for ks in keys.values() for k in ks])
+    report = build_report(
+        args, ctx, record, final, kills, time.monotonic() - started, workdir, plan.strands
+    )
+    effects: Any = record["effects"]
+    plan.extend_report(report, effects=effects, jobs=keys, records=records, tally=ctx.tally)
+    return report
 
 
 def _context(

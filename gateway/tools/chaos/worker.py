@@ -73,33 +73,11 @@ async def _one_job(
     index: int,
 ) -> None:
     tally = ctx.tally
-    loop = asyncio.get_running_loop()
-    pause_at = rng.randrange(1, ctx.steps) if ctx.steps > 1 else 0
-    if ctx.late_write:  # the late write is step pause_at: a newer generation writes after it
-        pause_at = rng.randrange(0, ctx.steps - 1)
-    paused = rng.random() < ctx.pause_rate
-    # Long enough that even the slowest clock's local deadline has passed.
-    pause_min = ctx.ttl * 1.3 / (1.0 - ctx.clock_skew)
-    pause = rng.uniform(pause_min, max(ctx.max_pause, pause_min + 0.1))
-    zombie: _Zombie | None = None
+    freeze = _freeze_plan(ctx, rng)
     lease: Lease | None = None
     try:
         async with hold(store, job, owner, ctx.ttl, on_exit="complete", monotonic=clock) as lease:
-            tally.claims += 1
-            tally.granted.setdefault(job, []).append(lease.generation)
-            writers = Writers(ctx, lease, start=index)
-            for step in range(ctx.steps):
-                await asyncio.sleep(rng.uniform(0.5, 1.5) * ctx.step_work)
-                if paused and step == pause_at:
-                    if ctx.late_write:
-                        late = ctx.late_write(_plain(lease), step, index)
-                        ctx.background.append(asyncio.create_task(late))
-                    zombie = _Zombie(_plain(lease), step, loop.time() + pause)
-                    tally.pauses_past_lease += 1
-                    store.freeze()
-                    await asyncio.sleep(pause)  # hold() cancels us: LeaseLost
-                    raise LeaseLost(job, lease.generation, "paused")
-                await _write_step(ctx, writers, job, step)
+            await _work_job(ctx, rng, store, lease, freeze, index)
         tally.completions.setdefault(job, []).append(lease.generation)
         ctx.done.add(job)
     except LeaseHeld:
@@ -109,8 +87,8 @@ async def _one_job(
         tally.claims_of_completed += 1
         ctx.done.add(job)
     except LeaseLost as exc:
-        if zombie is not None:
-            await _wake_as_zombie(ctx, store, zombie)
+        if freeze.zombie is not None:
+            await _wake_as_zombie(ctx, store, freeze.zombie)
         else:
             tally.leases_lost[exc.reason] += 1
             await _confirm_completion(ctx, store, lease)
@@ -126,6 +104,57 @@ async def _one_job(
         tally.unexpected.append(f"{job}: {exc!r}")
     finally:
         store.thaw()
+
+
+@dataclass
+class _Freeze:
+    """Whether a worker freezes during one job, before which step, for how long;
+    and, once it has, what it wakes up with."""
+
+    paused: bool
+    at_step: int
+    seconds: float
+    zombie: _Zombie | None = None
+
+
+def _freeze_plan(ctx: RunContext, rng: random.Random) -> _Freeze:
+    pause_at = rng.randrange(1, ctx.steps) if ctx.steps > 1 else 0
+    if ctx.late_write:  # the late write is step pause_at: a newer generation writes after it
+        pause_at = rng.randrange(0, ctx.steps - 1)
+    paused = rng.random() < ctx.pause_rate
+    # Long enough that even the slowest clock's local deadline has passed.
+    pause_min = ctx.ttl * 1.3 / (1.0 - ctx.clock_skew)
+    pause = rng.uniform(pause_min, max(ctx.max_pause, pause_min + 0.1))
+    return _Freeze(paused, pause_at, pause)
+
+
+async def _work_job(
+    ctx: RunContext,
+    rng: random.Random,
+    store: WorkerLeaseStore,
+    lease: Lease,
+    freeze: _Freeze,
+    index: int,
+) -> None:
+    """The body of the hold: the job's writes, or a freeze past the lease."""
+    tally = ctx.tally
+    job = lease.job_id
+    tally.claims += 1
+    tally.granted.setdefault(job, []).append(lease.generation)
+    writers = Writers(ctx, lease, start=index)
+    for step in range(ctx.steps):
+        await asyncio.sleep(rng.uniform(0.5, 1.5) * ctx.step_work)
+        if freeze.paused and step == freeze.at_step:
+            if ctx.late_write:
+                late = ctx.late_write(_plain(lease), step, index)
+                ctx.background.append(asyncio.create_task(late))
+            wake_at = asyncio.get_running_loop().time() + freeze.seconds
+            freeze.zombie = _Zombie(_plain(lease), step, wake_at)
+            tally.pauses_past_lease += 1
+            store.freeze()
+            await asyncio.sleep(freeze.seconds)  # hold() cancels us: LeaseLost
+            raise LeaseLost(job, lease.generation, "paused")
+        await _write_step(ctx, writers, job, step)
 
 
 async def _write_step(ctx: RunContext, writers: Writers, job: str, step: int) -> None:
