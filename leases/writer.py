@@ -191,15 +191,7 @@ class FencedWriter:
             else derive_key(self.lease.job_id, step)  # type: ignore[arg-type]
         )
         body, content_type = _body(json, data)
-        sent = CIMultiDict(headers or {})
-        clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
-        if clash:
-            raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
-        if content_type is not None and "Content-Type" not in sent:
-            sent["Content-Type"] = content_type
-        sent["Idempotency-Key"] = key
-        if self._token is not None:
-            sent["Authorization"] = f"Bearer {self._token}"
+        sent = self._headers(headers, content_type, key)
         retries = 0
         while True:
             if isinstance(self._lease, Hold):
@@ -217,6 +209,22 @@ class FencedWriter:
                 raise rejection
             retries += 1
             await self._sleep(self._backoff(rejection.retry_after, retries))
+
+    def _headers(
+        self, given: Mapping[str, str] | None, content_type: str | None, key: str
+    ) -> CIMultiDict[str]:
+        """The caller's headers with the writer's own, but for the fencing ones
+        (set before each send, from the lease as it is then)."""
+        sent = CIMultiDict(given or {})
+        clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
+        if clash:
+            raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
+        if content_type is not None and "Content-Type" not in sent:
+            sent["Content-Type"] = content_type
+        sent["Idempotency-Key"] = key
+        if self._token is not None:
+            sent["Authorization"] = f"Bearer {self._token}"
+        return sent
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None:

@@ -1,0 +1,135 @@
+"""A held lease's live state (`Hold`), when to renew it (`RenewalSchedule`, pure)
+and the watchdog that renews it and cancels the body once it may be gone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from .errors import LeaseLost, StoreUnavailable
+from .model import Lease, validate_ttl
+from .reasons import Reason
+from .store import LeaseStore
+
+log = structlog.get_logger("leases.hold")
+
+
+class Hold:
+    """The live state of a held lease: the latest `lease`, and `lost` once it is gone."""
+
+    def __init__(
+        self, lease: Lease, deadline: float, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.lease = lease
+        self.deadline = deadline
+        self.lost: LeaseLost | None = None
+        # The clock `deadline` was computed on; comparing it with another is meaningless.
+        self._monotonic = monotonic
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+    @property
+    def generation(self) -> int:
+        return self.lease.generation
+
+    @property
+    def owner(self) -> str:
+        return self.lease.owner
+
+    def check(self) -> None:
+        """Raise `LeaseLost` if the lease is lost or the local deadline has passed."""
+        if self.lost is None and self._monotonic() >= self.deadline:
+            self.lost = LeaseLost(self.lease.job_id, self.lease.generation, Reason.LEASE_EXPIRED)
+        if self.lost is not None:
+            raise self.lost
+
+
+@dataclass(frozen=True, slots=True)
+class RenewalSchedule:
+    """PURE: when to renew, and until when the lease is safe, on the worker's own clock.
+
+    A renewal is due every `ttl * renew_fraction`; the lease is taken as lost
+    `ttl * (1 - safety_margin)` after the last successful renewal was *sent* (or
+    the claim), which is before the store can end it even on a slow worker clock.
+    """
+
+    ttl: float
+    renew_fraction: float = 1 / 3
+    safety_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        validate_ttl(self.ttl)
+        if not 0 < self.renew_fraction < 1:
+            raise ValueError("renew_fraction must be between 0 and 1")
+        if not 0 <= self.safety_margin < self.renew_fraction:
+            raise ValueError("safety_margin must be between 0 and renew_fraction")
+
+    def deadline(self, sent: float) -> float:
+        """The local deadline of a lease claimed or renewed by a request sent at `sent`."""
+        return sent + self.ttl * (1 - self.safety_margin)
+
+    def wait(self, now: float, deadline: float) -> float:
+        """How long to sleep before the next renewal (never past the deadline)."""
+        return max(0.0, min(now + self.ttl * self.renew_fraction, deadline) - now)
+
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class Renewer:
+    """The watchdog of one held lease: renews on schedule, and on a refusal or a
+    passed deadline marks the hold lost and cancels the body's task."""
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        state: Hold,
+        schedule: RenewalSchedule,
+        body: asyncio.Task[object],
+        monotonic: Callable[[], float],
+        sleep: Sleep,
+    ) -> None:
+        self.store, self.state, self.schedule = store, state, schedule
+        self.body, self.monotonic, self.sleep = body, monotonic, sleep
+        self.cancelled_body = False  # the body's cancellation is ours, not an outside one
+
+    def lose(self, reason: str, current_generation: int | None = None) -> None:
+        state = self.state
+        if state.lost is None:
+            state.lost = LeaseLost(
+                state.job_id, state.generation, reason, current_generation=current_generation
+            )
+        log.warning(
+            "lease_lost",
+            job_id=state.job_id,
+            generation=state.generation,
+            owner=state.owner,
+            reason=reason,
+        )
+        self.cancelled_body = True
+        self.body.cancel()
+
+    async def run(self) -> None:
+        state, now = self.state, self.monotonic
+        while True:
+            await self.sleep(self.schedule.wait(now(), state.deadline))
+            if now() >= state.deadline:
+                return self.lose(Reason.LEASE_EXPIRED)
+            sent = now()
+            try:
+                async with asyncio.timeout(max(0.0, state.deadline - sent)):
+                    state.lease = await self.store.renew(state.lease, ttl=self.schedule.ttl)
+            except LeaseLost as exc:
+                return self.lose(exc.reason, exc.current_generation)
+            except (StoreUnavailable, TimeoutError):
+                if now() >= state.deadline:
+                    return self.lose(Reason.STORE_UNAVAILABLE)
+                continue  # transient: try again until the local deadline
+            state.deadline = self.schedule.deadline(sent)
+
