@@ -93,41 +93,87 @@ async def hold(
     """
     schedule = RenewalSchedule(validate_ttl(ttl), renew_fraction, safety_margin)
     _check_exit_settings(on_exit, cancel_timeout)
-    owner = default_owner() if owner is None else owner
     started = monotonic()
-    claiming = asyncio.ensure_future(store.claim(job_id, owner=owner, ttl=schedule.ttl))
-    try:
-        lease = await asyncio.shield(claiming)
-    except asyncio.CancelledError:
-        await give_back_claim(store, claiming, cancel_timeout, job_id, owner)
-        raise
+    lease = await _claim(store, job_id, owner, schedule.ttl, cancel_timeout)
     state = Hold(lease, schedule.deadline(started), monotonic)
-    body = asyncio.current_task()
-    assert body is not None
-    watchdog = Renewer(store, state, schedule, body, monotonic, sleep)
-    renewer = asyncio.create_task(watchdog.run(), name=f"lease-renewal:{job_id}")
+    watchdog, renewer = _watch(store, state, schedule, monotonic, sleep)
     try:
         yield _held(lease, state)
     except asyncio.CancelledError:
-        if watchdog.cancelled_body:
-            if body.uncancel() == 0:
-                assert state.lost is not None
-                raise state.lost from None
-            raise  # cancelled from outside as well, but the lease is gone: nothing to give
-        # Cancelled from outside: give the lease back now rather than at its expiry.
-        work = release(store, state, renewer)
-        await settle(renewer, work, state, "release", cancel_timeout, cancelled=True)
+        await _cancelled(store, state, watchdog, renewer, cancel_timeout)
         raise
     except LeaseLost:
         raise
     except BaseException:
-        work = wind_up(store, state, renewer, "release")
-        await settle(renewer, work, state, "release", cancel_timeout, cancelled=False)
+        await _exit(store, state, renewer, "release", cancel_timeout)
         raise
     else:
-        work = wind_up(store, state, renewer, on_exit, raise_lost=True)
-        await settle(renewer, work, state, on_exit, cancel_timeout, cancelled=False)
+        await _exit(store, state, renewer, on_exit, cancel_timeout, raise_lost=True)
     finally:
         await stop(renewer)
 
 
+def _watch(
+    store: LeaseStore,
+    state: Hold,
+    schedule: RenewalSchedule,
+    monotonic: Callable[[], float],
+    sleep: Sleep,
+) -> tuple[Renewer, asyncio.Task[None]]:
+    """Start the watchdog of `state`, which cancels the current task (the body's)
+    once the lease may be gone."""
+    body = asyncio.current_task()
+    assert body is not None
+    watchdog = Renewer(store, state, schedule, body, monotonic, sleep)
+    renewer = asyncio.create_task(watchdog.run(), name=f"lease-renewal:{state.job_id}")
+    return watchdog, renewer
+
+
+async def _exit(
+    store: LeaseStore,
+    state: Hold,
+    renewer: asyncio.Task[None],
+    action: OnExit,
+    cancel_timeout: float,
+    *,
+    raise_lost: bool = False,
+) -> None:
+    """The exit of a body that was not cancelled: `action` unless lost (then
+    `LeaseLost`, if `raise_lost`), its outcome the caller's."""
+    work = wind_up(store, state, renewer, action, raise_lost=raise_lost)
+    await settle(renewer, work, state, action, cancel_timeout, cancelled=False)
+
+
+
+
+async def _claim(
+    store: LeaseStore, job_id: str, owner: str | None, ttl: float, cancel_timeout: float
+) -> Lease:
+    """The claim, given back if the caller is cancelled while it is on the wire."""
+    owner = default_owner() if owner is None else owner
+    claiming = asyncio.ensure_future(store.claim(job_id, owner=owner, ttl=ttl))
+    try:
+        return await asyncio.shield(claiming)
+    except asyncio.CancelledError:
+        await give_back_claim(store, claiming, cancel_timeout, job_id, owner)
+        raise
+
+
+async def _cancelled(
+    store: LeaseStore,
+    state: Hold,
+    watchdog: Renewer,
+    renewer: asyncio.Task[None],
+    cancel_timeout: float,
+) -> None:
+    """The body's task was cancelled: by the watchdog (raises its `LeaseLost`
+    instead, unless cancelled from outside as well), or from outside (the lease
+    is given back now rather than at its expiry). The caller re-raises the
+    cancellation."""
+    if watchdog.cancelled_body:
+        if watchdog.body.uncancel() == 0:
+            assert state.lost is not None
+            raise state.lost from None
+        return  # cancelled from outside as well, but the lease is gone: nothing to give
+    work = release(store, state, renewer)
+    await settle(renewer, work, state, "release", cancel_timeout, cancelled=True)
