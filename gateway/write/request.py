@@ -94,11 +94,38 @@ def fencing_headers(
 ) -> tuple[str, int, str | None, str | None]:
     """(job_id, generation, owner, key) from the headers, or the step-5 rejection."""
     headers = request.headers
+    members: dict[str, Any] = {"destination": destination.name}
+    job_id, generation, owner = _fencing(headers, members)
+    key = field_value(headers, "Idempotency-Key")
+    if not key:
+        if destination.require_idempotency_key:
+            raise Rejection(
+                Reason.MISSING_IDEMPOTENCY_KEY,
+                "Idempotency-Key is required",
+                generation=generation,
+                **members,
+            )
+        return job_id, generation, owner, None
+    if len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]  # the IETF draft's quoted form
+    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
+        raise Rejection(
+            Reason.INVALID_IDEMPOTENCY_KEY,
+            "Idempotency-Key must be 1-255 visible ASCII characters",
+            generation=generation,
+            **members,
+        )
+    return job_id, generation, owner, key
+
+
+def _fencing(
+    headers: CIMultiDictProxy[str], members: dict[str, Any]
+) -> tuple[str, int, str | None]:
+    """(job_id, generation, owner) from the fencing headers; adds `job_id` to the
+    rejection's `members` once it is known to be valid."""
     job_id = field_value(headers, "Fencing-Job")
     token = field_value(headers, "Fencing-Token")
     owner = field_value(headers, "Fencing-Owner") or None
-    key = field_value(headers, "Idempotency-Key")
-    members: dict[str, Any] = {"destination": destination.name}
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
         raise Rejection(Reason.MISSING_FENCING_TOKEN, f"{missing} is required", **members)
@@ -121,26 +148,7 @@ def fencing_headers(
             "Fencing-Owner must be 1-256 visible ASCII characters",
             **members,
         )
-    generation = int(token)
-    if not key:
-        if destination.require_idempotency_key:
-            raise Rejection(
-                Reason.MISSING_IDEMPOTENCY_KEY,
-                "Idempotency-Key is required",
-                generation=generation,
-                **members,
-            )
-        return job_id, generation, owner, None
-    if len(key) >= 2 and key[0] == key[-1] == '"':
-        key = key[1:-1]  # the IETF draft's quoted form
-    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
-        raise Rejection(
-            Reason.INVALID_IDEMPOTENCY_KEY,
-            "Idempotency-Key must be 1-255 visible ASCII characters",
-            generation=generation,
-            **members,
-        )
-    return job_id, generation, owner, key
+    return job_id, int(token), owner
 
 
 def field_value(headers: CIMultiDictProxy[str], name: str) -> str:

@@ -22,7 +22,7 @@ from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
 from gateway.http.problem import problem_response
 from gateway.store.protocol import WriteStore
-from gateway.store.records import Outcome, RejectionRecord, WriteContext
+from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
@@ -153,18 +153,7 @@ class WriteGateway:
     ) -> web.StreamResponse:
         self._admit(destination)
         try:
-            store_started = time.perf_counter()
-            try:
-                verdict = await self.store.decide_write(facts, context)
-            except StoreUnavailable as exc:
-                self.metrics.store_errors.labels("decide").inc()
-                raise Rejection(
-                    Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, **_write_members(facts)
-                ) from exc
-            finally:
-                elapsed = time.perf_counter() - store_started
-                self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
-                fields["store_ms"] = round(elapsed * 1000, 3)
+            verdict = await self._decide(facts, context, fields)
             decision = verdict.decision
             if isinstance(decision, Reject):
                 self.metrics.child(self.metrics.rejections, decision.reason).inc()
@@ -196,6 +185,23 @@ class WriteGateway:
             return answer
         finally:
             self._release(destination)
+
+    async def _decide(
+        self, facts: WriteFacts, context: WriteContext, fields: dict[str, Any]
+    ) -> Verdict:
+        """Step 6 in the store, timed; an unreachable store is a rejection."""
+        store_started = time.perf_counter()
+        try:
+            return await self.store.decide_write(facts, context)
+        except StoreUnavailable as exc:
+            self.metrics.store_errors.labels("decide").inc()
+            raise Rejection(
+                Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, **_write_members(facts)
+            ) from exc
+        finally:
+            elapsed = time.perf_counter() - store_started
+            self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
+            fields["store_ms"] = round(elapsed * 1000, 3)
 
     def _admit(self, destination: DestinationConfig) -> None:
         name = destination.name
