@@ -32,36 +32,11 @@ def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
     count = summary.bucket_count
     totals = [sum(summary.series.get(n, {}).values()) for n in range(count)]
     peak = max(totals, default=0) or 1
-    slot = WIDTH / count
-    plot = HEIGHT - TOP - BOTTOM
     bars: list[str] = []
     for n in range(count):
         counts = summary.series.get(n, {})
-        if not counts:
-            continue
-        by_family: dict[str, int] = {}
-        for reason, c in counts.items():
-            family = family_of.get(reason, "other")
-            by_family[family] = by_family.get(family, 0) + c
-        y = float(HEIGHT - BOTTOM)
-        x = n * slot + slot * 0.1
-        for family, colour in FAMILY_COLOURS.items():
-            c = by_family.get(family, 0)
-            if not c:
-                continue
-            h = c / peak * plot
-            y -= h
-            bars.append(
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(slot * 0.8, 0.6):.1f}" '
-                f'height="{h:.1f}" fill="{colour}"/>'
-            )
-        start = rfc3339(summary.first_bucket + n * summary.bucket_seconds) or ""
-        detail = ", ".join(f"{r} {c}" for r, c in sorted(counts.items()))
-        bars.append(
-            f'<rect class="hit" x="{n * slot:.1f}" y="{TOP}" width="{slot:.1f}" '
-            f'height="{plot}" fill="transparent"><title>{html.escape(start[:16])}Z: '
-            f"{html.escape(detail)}</title></rect>"
-        )
+        if counts:
+            bars.extend(_bar(summary, n, counts, family_of, peak))
     first = rfc3339(summary.since) or ""
     last = rfc3339(summary.until) or ""
     axis = HEIGHT - BOTTOM
@@ -78,6 +53,39 @@ def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
         f'<text x="{WIDTH - 2}" y="{HEIGHT - 5}" class="axis" text-anchor="end">'
         f"{html.escape(last[:16])}Z</text></svg>"
     )
+
+
+def _bar(
+    summary: Summary, n: int, counts: dict[str, int], family_of: dict[str, str], peak: int
+) -> list[str]:
+    """Bucket `n`'s stacked rectangles, then the full-height one carrying its tooltip."""
+    slot = WIDTH / summary.bucket_count
+    plot = HEIGHT - TOP - BOTTOM
+    by_family: dict[str, int] = {}
+    for reason, c in counts.items():
+        family = family_of.get(reason, "other")
+        by_family[family] = by_family.get(family, 0) + c
+    bars: list[str] = []
+    y = float(HEIGHT - BOTTOM)
+    x = n * slot + slot * 0.1
+    for family, colour in FAMILY_COLOURS.items():
+        c = by_family.get(family, 0)
+        if not c:
+            continue
+        h = c / peak * plot
+        y -= h
+        bars.append(
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(slot * 0.8, 0.6):.1f}" '
+            f'height="{h:.1f}" fill="{colour}"/>'
+        )
+    start = rfc3339(summary.first_bucket + n * summary.bucket_seconds) or ""
+    detail = ", ".join(f"{r} {c}" for r, c in sorted(counts.items()))
+    bars.append(
+        f'<rect class="hit" x="{n * slot:.1f}" y="{TOP}" width="{slot:.1f}" '
+        f'height="{plot}" fill="transparent"><title>{html.escape(start[:16])}Z: '
+        f"{html.escape(detail)}</title></rect>"
+    )
+    return bars
 
 
 def _width(seconds: int) -> str:

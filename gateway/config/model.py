@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from gateway.config import keys
 from gateway.config.keys import (
@@ -177,34 +178,13 @@ def load_config(
         raise ConfigError(f"{given}: cannot read: {what}")
     file = display if display is not None else source.name
     problems = Problems()
-    try:
-        data = read_toml(source, file)
-    except ConfigError as exc:
-        problems.append(exc)
-        data = {}
-    root = Table(
-        data,
-        file,
-        "",
-        tuple(section.name for section in keys.GATEWAY_FILE),
-        env=env,
-        base=source.parent,
-        problems=problems,
-    )
+    root = _gateway_table(source, file, env, problems)
     server, store, admin, retention, dirs = (s.open(root) for s in keys.GATEWAY_FILE)
     srv = keys.SERVER.read(server)
-    if srv["listen"] == srv["admin_listen"] and srv["listen"][1] != 0:
-        server.report("admin_listen", "must differ from server.listen")
-    check_server_tls(server, srv)
+    _check_server(server, srv)
     st = keys.STORE.read(store)
     token_env = keys.ADMIN.read(admin)["token_env"]
-    admin_token = env.get(token_env) or None
-    if admin_token is None and not is_loopback(srv["admin_listen"][0]):
-        server.report(
-            "admin_listen",
-            f"listens beyond loopback on {show(srv['admin_listen'][0])} but no admin token is "
-            f"set (environment variable {token_env} is unset or empty)",
-        )
+    admin_token = _admin_token(server, srv["admin_listen"][0], token_env, env)
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
     problems.raise_any()
@@ -227,6 +207,45 @@ def load_config(
         workers=srv["workers"],
         display=file,
     )
+
+
+def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
+    """The gateway file's top level; a file that cannot be parsed reads as empty
+    (its error is one of the problems)."""
+    try:
+        data = read_toml(source, file)
+    except ConfigError as exc:
+        problems.append(exc)
+        data = {}
+    return Table(
+        data,
+        file,
+        "",
+        tuple(section.name for section in keys.GATEWAY_FILE),
+        env=env,
+        base=source.parent,
+        problems=problems,
+    )
+
+
+def _check_server(server: Table, srv: dict[str, Any]) -> None:
+    if srv["listen"] == srv["admin_listen"] and srv["listen"][1] != 0:
+        server.report("admin_listen", "must differ from server.listen")
+    check_server_tls(server, srv)
+
+
+def _admin_token(
+    server: Table, admin_host: str, token_env: str, env: Mapping[str, str]
+) -> str | None:
+    """The admin token from the environment; none is a problem beyond loopback."""
+    admin_token = env.get(token_env) or None
+    if admin_token is None and not is_loopback(admin_host):
+        server.report(
+            "admin_listen",
+            f"listens beyond loopback on {show(admin_host)} but no admin token is "
+            f"set (environment variable {token_env} is unset or empty)",
+        )
+    return admin_token
 
 
 def _absolute_sqlite(url: str, base: Path) -> str:

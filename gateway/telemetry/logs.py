@@ -42,6 +42,19 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    renderer, structlog_renderer, logger_factory = _renderers(json, shared)
+    structlog.configure(
+        processors=[*shared, structlog_renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=logger_factory,
+        cache_logger_on_first_use=True,
+    )
+    _route_stdlib(shared, renderer, level_no)
+
+
+def _renderers(json: bool, shared: list[Processor]) -> tuple[Processor, Processor, Any]:
+    """The standard library's renderer (text), structlog's (bytes where it can) and
+    structlog's logger factory; JSON also appends the exception renderer to `shared`."""
     renderer: Processor
     logger_factory: Any
     if json:
@@ -61,14 +74,11 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
         structlog_renderer = renderer
         logger_factory = structlog.WriteLoggerFactory(file=sys.stderr)
+    return renderer, structlog_renderer, logger_factory
 
-    structlog.configure(
-        processors=[*shared, structlog_renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=logger_factory,
-        cache_logger_on_first_use=True,
-    )
 
+def _route_stdlib(shared: list[Processor], renderer: Processor, level_no: int) -> None:
+    """Standard-library records through the same fields, to stderr."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

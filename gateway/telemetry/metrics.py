@@ -18,7 +18,13 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        # Declared in this order, exposed in this order.
+        self._write_metrics(self.registry)
+        self._upkeep_metrics(self.registry)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _write_metrics(self, r: CollectorRegistry) -> None:
+        """The write path's: decisions, rejections, upstream outcomes and times."""
         self.writes = Counter(
             "sinkgate_writes_total",
             "Writes through the gateway by destination and decision "
@@ -52,6 +58,9 @@ class Metrics:
         self.in_flight = Gauge(
             "sinkgate_in_flight_writes", "Writes being forwarded now.", ["destination"], registry=r
         )
+
+    def _upkeep_metrics(self, r: CollectorRegistry) -> None:
+        """The lease API's, the store's failures and retention, unknown keys, reloads."""
         self.lease_ops = Counter(
             "sinkgate_lease_operations_total",
             "Lease API calls by operation (claim, renew, complete, release) and result "
@@ -78,8 +87,6 @@ class Metrics:
             ["result"],
             registry=r,
         )
-
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the write path asks for the same few
