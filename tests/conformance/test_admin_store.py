@@ -28,11 +28,10 @@ from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
-from tests.conformance import test_store_conformance as base
-from tests.conformance.test_store_conformance import CONTEXT, TIMEOUT, Backend, reason, write
+from tests.backends import Backend
+from tests.conformance.test_store_conformance import CONTEXT, TIMEOUT, reason, write
 from tests.conftest import FakeClock
 
-backend = base.backend  # the same fixture: an empty store on each backend
 
 PAST_DEADLINE = TIMEOUT + RESERVATION_GRACE_S + 1
 DAY = 86400.0
@@ -59,9 +58,9 @@ def resolution(attempt: str, applied: bool, **overrides: Any) -> Resolution:
     return Resolution(**{**base, **overrides})
 
 
-def guard_off(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+def guard_off(store_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replace the resolve guard by one that matches any row of the key."""
-    if backend.name == "sqlite":
+    if store_backend.name == "sqlite":
         monkeypatch.setattr(sqlite_admin, "RESOLVE_GUARD", "1 = 1")
     else:
         monkeypatch.setattr(
@@ -76,20 +75,20 @@ async def audit(store: Any) -> list[Any]:
 # --- listing -------------------------------------------------------------------------------
 
 
-async def test_keys_are_listed_newest_first_by_effective_state(backend: Backend) -> None:
-    store = backend.store
+async def test_keys_are_listed_newest_first_by_effective_state(store_backend: Backend) -> None:
+    store = store_backend.store
     done = await store.decide_write(write(key="done", job_id="j-done"), CONTEXT)
     completed = Outcome("completed", status=200, body=b"ok")
     await store.record_outcome(write(key="done"), done.attempt, completed)
-    backend.advance(1)
+    store_backend.advance(1)
     await unknown_key(store, "lost", job_id="j-lost")
-    backend.advance(1)
+    store_backend.advance(1)
     await store.decide_write(write(key="dead", job_id="j-dead"), CONTEXT)  # its gateway dies
-    backend.advance(1)
+    store_backend.advance(1)
     assert [r.key for r in await store.list_keys(KeyQuery())] == ["dead", "lost", "done"]
     unknown = await store.list_keys(KeyQuery(state=KeyState.UNKNOWN))
     assert [r.key for r in unknown] == ["lost"]  # "dead" is still within its deadline
-    backend.advance(PAST_DEADLINE)
+    store_backend.advance(PAST_DEADLINE)
     unknown = await store.list_keys(KeyQuery(state=KeyState.UNKNOWN))
     assert [r.key for r in unknown] == ["dead", "lost"]  # past it: read as unknown
     assert await store.unknown_counts() == {"pay": 2}
@@ -107,8 +106,8 @@ async def test_keys_are_listed_newest_first_by_effective_state(backend: Backend)
 # --- resolve ---------------------------------------------------------------------------------
 
 
-async def test_resolved_applied_is_replayed_and_audited(backend: Backend) -> None:
-    store = backend.store
+async def test_resolved_applied_is_replayed_and_audited(store_backend: Backend) -> None:
+    store = store_backend.store
     attempt = await unknown_key(store)
     assert reason(await store.decide_write(write(), CONTEXT)) == "outcome_unknown"
     record = await store.resolve_key(resolution(attempt, True))
@@ -132,8 +131,8 @@ async def test_resolved_applied_is_replayed_and_audited(backend: Backend) -> Non
     assert entry.at == pytest.approx(store.clock(), abs=5)
 
 
-async def test_resolved_not_applied_is_released_and_forwarded_again(backend: Backend) -> None:
-    store = backend.store
+async def test_resolved_not_applied_is_released_and_forwarded_again(store_backend: Backend) -> None:
+    store = store_backend.store
     attempt = await unknown_key(store)
     released = await store.resolve_key(resolution(attempt, False))
     assert (released.attempt, released.state) == (attempt, KeyState.UNKNOWN)  # as it was
@@ -145,9 +144,9 @@ async def test_resolved_not_applied_is_released_and_forwarded_again(backend: Bac
 
 
 async def test_only_an_unknown_key_held_by_the_named_attempt_is_resolved(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     with pytest.raises(ResolveRefused) as refused:
         await store.resolve_key(resolution("nope", True))
     assert refused.value.reason == "not_found"
@@ -155,7 +154,7 @@ async def test_only_an_unknown_key_held_by_the_named_attempt_is_resolved(
     with pytest.raises(ResolveRefused) as refused:
         await store.resolve_key(resolution(flying.attempt, True))
     assert refused.value.reason == "key_not_unknown"  # within its deadline: alive
-    backend.advance(PAST_DEADLINE)  # now its gateway is presumed dead: unknown
+    store_backend.advance(PAST_DEADLINE)  # now its gateway is presumed dead: unknown
     with pytest.raises(ResolveRefused) as refused:
         await store.resolve_key(resolution("another-attempt", False))
     assert refused.value.reason == "attempt_mismatch"
@@ -178,18 +177,18 @@ async def race_two_operators(store: Any) -> list[str]:
     return sorted("ok" if not isinstance(r, Exception) else r.reason for r in results)
 
 
-async def test_a_second_operator_is_refused(backend: Backend) -> None:
-    assert await race_two_operators(backend.store) == ["key_not_unknown", "ok"]
-    assert len(await audit(backend.store)) == 1
+async def test_a_second_operator_is_refused(store_backend: Backend) -> None:
+    assert await race_two_operators(store_backend.store) == ["key_not_unknown", "ok"]
+    assert len(await audit(store_backend.store)) == 1
 
 
 async def test_without_the_guard_a_second_operator_resolves_it_again(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    store_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The protection switched off: both operators' verdicts land, two audit rows."""
-    guard_off(backend, monkeypatch)
-    assert await race_two_operators(backend.store) == ["ok", "ok"]
-    assert len(await audit(backend.store)) == 2
+    guard_off(store_backend, monkeypatch)
+    assert await race_two_operators(store_backend.store) == ["ok", "ok"]
+    assert len(await audit(store_backend.store)) == 2
 
 
 async def retry_then_resolve(retrying: Any, resolving: Any) -> str:
@@ -207,48 +206,48 @@ async def retry_then_resolve(retrying: Any, resolving: Any) -> str:
     return "ok"
 
 
-async def second_replica(backend: Backend, fake_clock: FakeClock | None = None) -> Any:
-    if backend.name == "sqlite":
-        return await SQLiteStore.open(backend.url, clock=backend.store.clock)
-    other = await PostgresStore.open(backend.url)
-    other.clock_offset = backend.store.clock_offset
+async def second_replica(store_backend: Backend, fake_clock: FakeClock | None = None) -> Any:
+    if store_backend.name == "sqlite":
+        return await SQLiteStore.open(store_backend.url, clock=store_backend.store.clock)
+    other = await PostgresStore.open(store_backend.url)
+    other.clock_offset = store_backend.store.clock_offset
     return other
 
 
 async def test_a_retry_forwarded_by_another_replica_wins_over_a_stale_resolve(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    other = await second_replica(backend)
+    other = await second_replica(store_backend)
     try:
-        assert await retry_then_resolve(backend.store, other) == "key_not_unknown"
+        assert await retry_then_resolve(store_backend.store, other) == "key_not_unknown"
     finally:
         await other.close()
-    record = await backend.store.key_record("pay", "key-1")
+    record = await store_backend.store.key_record("pay", "key-1")
     assert record.state is KeyState.IN_FLIGHT and record.attempts == 2
-    assert await audit(backend.store) == []
+    assert await audit(store_backend.store) == []
 
 
 async def test_without_the_guard_a_stale_resolve_overwrites_a_live_retry(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    store_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The protection switched off: the operator's verdict lands on the key while the
     retry is on the wire, whose answer is then no longer recorded."""
-    guard_off(backend, monkeypatch)
-    assert await retry_then_resolve(backend.store, backend.store) == "ok"
-    assert (await backend.store.key_record("pay", "key-1")).state is KeyState.COMPLETED
+    guard_off(store_backend, monkeypatch)
+    assert await retry_then_resolve(store_backend.store, store_backend.store) == "ok"
+    assert (await store_backend.store.key_record("pay", "key-1")).state is KeyState.COMPLETED
 
 
 async def test_resolve_and_a_retry_racing_on_two_replicas_never_both_win(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    other = await second_replica(backend)
+    other = await second_replica(store_backend)
     try:
         for n in range(10):
             key = f"race-{n}"
-            attempt = await unknown_key(backend.store, key, upstream_idempotent=True)
+            attempt = await unknown_key(store_backend.store, key, upstream_idempotent=True)
             retry, resolved = await asyncio.gather(
                 other.decide_write(write(key=key, upstream_idempotent=True), CONTEXT),
-                backend.store.resolve_key(resolution(attempt, False, key=key)),
+                store_backend.store.resolve_key(resolution(attempt, False, key=key)),
                 return_exceptions=True,
             )
             if isinstance(resolved, ResolveRefused):
@@ -258,18 +257,18 @@ async def test_resolve_and_a_retry_racing_on_two_replicas_never_both_win(
             else:
                 # The operator came first: the retry is a fresh forward of a free key.
                 assert resolved.attempt == attempt and retry.decision == Forward()
-            record = await backend.store.key_record("pay", key)
+            record = await store_backend.store.key_record("pay", key)
             assert record.attempt == retry.attempt and record.state is KeyState.IN_FLIGHT
     finally:
         await other.close()
 
 
 async def test_the_janitor_never_purges_an_unknown_key_nor_a_young_resolution(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     attempt = await unknown_key(store)
-    backend.advance(30 * DAY)
+    store_backend.advance(30 * DAY)
     # A purge as old as anything: the unknown key waits for its operator.
     await asyncio.gather(
         purge_once(store, Metrics(), idempotency_ttl=1, rejections_ttl=1),
@@ -281,7 +280,7 @@ async def test_the_janitor_never_purges_an_unknown_key_nor_a_young_resolution(
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
     assert (await store.key_record("pay", "key-1")).state is KeyState.COMPLETED
     assert len(await audit(store)) == 1
-    backend.advance(DAY + 60)
+    store_backend.advance(DAY + 60)
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=7 * DAY)
     assert len(await audit(store)) == 1  # audit rows are kept as long as rejections
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
@@ -292,10 +291,10 @@ async def test_the_janitor_never_purges_an_unknown_key_nor_a_young_resolution(
 # --- audit and summary -------------------------------------------------------------------
 
 
-async def test_record_audit_and_its_pages(backend: Backend) -> None:
-    store = backend.store
+async def test_record_audit_and_its_pages(store_backend: Backend) -> None:
+    store = store_backend.store
     first = await store.record_audit(action="reload", note="destinations: pay")
-    backend.advance(10)
+    store_backend.advance(10)
     second = await store.record_audit(
         action="resolve_applied", destination="pay", key="k", attempt="a", remote="::1"
     )
@@ -312,18 +311,18 @@ async def test_record_audit_and_its_pages(backend: Backend) -> None:
     assert [e.id for e in await store.list_audit(AuditQuery(limit=1))] == [second]
 
 
-async def test_summary_counts_the_window_in_buckets(backend: Backend) -> None:
-    store = backend.store
+async def test_summary_counts_the_window_in_buckets(store_backend: Backend) -> None:
+    store = store_backend.store
     # Start just past a 600 s boundary, so two rejections 60 s apart share a bucket
     # whatever the wall clock says (on PostgreSQL the store's clock is the server's).
-    backend.advance(600 - store.clock() % 600 + 1)
+    store_backend.advance(600 - store.clock() % 600 + 1)
     start = store.clock()
     for reason_, destination, later in (
         ("stale_generation", "pay", 0),
         ("stale_generation", "mail", 60),
         ("duplicate", "pay", 3600),
     ):
-        backend.advance(later)
+        store_backend.advance(later)
         await store.record_rejection(
             RejectionRecord(reason=reason_, detail="", destination=destination)
         )

@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 
 from leases import Lease, LeaseHeld, LeaseLost, StoreUnavailable, hold
 from leases.sqlite import SQLiteLeaseStore
-from tests.conftest import FakeClock, LeaseBackend
+from tests.backends import Backend
+from tests.conftest import FakeClock
 
 TTL = 0.3
 INTERVAL = TTL / 3  # hold's default renew_fraction
@@ -463,7 +464,7 @@ async def ends_cancelled(task: asyncio.Task[None], caught: list[BaseException]) 
 
 
 async def test_outside_cancellation_releases_the_lease_at_once(
-    lease_backend: LeaseBackend, worker_clock: FakeClock
+    lease_backend: Backend, worker_clock: FakeClock
 ) -> None:
     """A worker shutting down cancels its task: the lease is released before the
     CancelledError leaves the `async with`, so another owner claims the job right

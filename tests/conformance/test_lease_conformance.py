@@ -24,7 +24,8 @@ from leases import (
     hold,
     open_store,
 )
-from tests.conftest import FakeClock, LeaseBackend
+from tests.backends import Backend
+from tests.conftest import FakeClock
 
 TTL = 30.0
 
@@ -37,7 +38,7 @@ def snapshot(lease: Lease | None) -> tuple[object, ...] | None:
     return (lease.job_id, lease.owner, lease.generation, lease.state, lease.lease_until)
 
 
-async def claim_to_generation(backend: LeaseBackend, job_id: str, generation: int) -> Lease:
+async def claim_to_generation(backend: Backend, job_id: str, generation: int) -> Lease:
     """Claim and release `job_id` until its next claim is `generation`; claim it."""
     store = backend.store
     while True:
@@ -50,7 +51,7 @@ async def claim_to_generation(backend: LeaseBackend, job_id: str, generation: in
 # --- claim and get -------------------------------------------------------------------
 
 
-async def test_first_claim_is_generation_one_active_for_ttl(lease_backend: LeaseBackend) -> None:
+async def test_first_claim_is_generation_one_active_for_ttl(lease_backend: Backend) -> None:
     store = lease_backend.store
     assert await store.get("job-1") is None
     lease = await store.claim("job-1", owner="worker-a", ttl=TTL)
@@ -66,7 +67,7 @@ async def test_first_claim_is_generation_one_active_for_ttl(lease_backend: Lease
     assert snapshot(await store.get("job-1")) == snapshot(lease)
 
 
-async def test_claim_without_owner_uses_a_generated_owner(lease_backend: LeaseBackend) -> None:
+async def test_claim_without_owner_uses_a_generated_owner(lease_backend: Backend) -> None:
     """owner=None picks a process-unique owner id, which is then the lease's owner."""
     lease = await lease_backend.store.claim("job-1", ttl=TTL)
     assert lease.owner and ":" in lease.owner
@@ -74,7 +75,7 @@ async def test_claim_without_owner_uses_a_generated_owner(lease_backend: LeaseBa
 
 
 async def test_claim_of_a_held_job_raises_lease_held_with_owner_and_expires_in(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     store = lease_backend.store
     await store.claim("job-1", owner="worker-a", ttl=TTL)
@@ -93,7 +94,7 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 async def test_a_worker_whose_claim_answer_was_lost_can_go_on_with_its_generation(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     """The claim committed but its answer never arrived: the retry's LeaseHeld names
     this worker and the generation, so it can renew instead of idling a whole ttl."""
@@ -108,7 +109,7 @@ async def test_a_worker_whose_claim_answer_was_lost_can_go_on_with_its_generatio
     assert renewed.generation == 1 and renewed.owner == "worker-a"
 
 
-async def test_every_claim_bumps_the_generation_by_one(lease_backend: LeaseBackend) -> None:
+async def test_every_claim_bumps_the_generation_by_one(lease_backend: Backend) -> None:
     """Release then claim, and expire then claim: each claim is exactly one higher."""
     store = lease_backend.store
     seen = []
@@ -124,7 +125,7 @@ async def test_every_claim_bumps_the_generation_by_one(lease_backend: LeaseBacke
     assert seen == [1, 2, 3, 4, 5, 6, 7]
 
 
-async def test_generations_are_per_job(lease_backend: LeaseBackend) -> None:
+async def test_generations_are_per_job(lease_backend: Backend) -> None:
     store = lease_backend.store
     a = await store.claim("job-a", owner="w", ttl=TTL)
     await store.release(a)
@@ -132,7 +133,7 @@ async def test_generations_are_per_job(lease_backend: LeaseBackend) -> None:
     assert (await store.claim("job-b", owner="w", ttl=TTL)).generation == 1
 
 
-async def test_a_lease_expires_by_the_store_clock(lease_backend: LeaseBackend) -> None:
+async def test_a_lease_expires_by_the_store_clock(lease_backend: Backend) -> None:
     """Held just before lease_until; claimable once the store's clock passes it."""
     store = lease_backend.store
     await store.claim("job-1", owner="worker-a", ttl=TTL)
@@ -149,7 +150,7 @@ async def test_a_lease_expires_by_the_store_clock(lease_backend: LeaseBackend) -
 # --- renew, complete, release ------------------------------------------------------------
 
 
-async def test_renew_extends_from_the_store_now(lease_backend: LeaseBackend) -> None:
+async def test_renew_extends_from_the_store_now(lease_backend: Backend) -> None:
     store = lease_backend.store
     lease = await store.claim("job-1", owner="worker-a", ttl=TTL)
     lease_backend.advance(20)
@@ -162,7 +163,7 @@ async def test_renew_extends_from_the_store_now(lease_backend: LeaseBackend) -> 
         await store.claim("job-1", owner="worker-b", ttl=TTL)
 
 
-async def test_renew_without_ttl_reuses_the_last_ttl(lease_backend: LeaseBackend) -> None:
+async def test_renew_without_ttl_reuses_the_last_ttl(lease_backend: Backend) -> None:
     store = lease_backend.store
     lease = await store.claim("job-1", owner="worker-a", ttl=12.0)
     lease_backend.advance(5)
@@ -173,7 +174,7 @@ async def test_renew_without_ttl_reuses_the_last_ttl(lease_backend: LeaseBackend
 
 
 async def test_a_lease_ref_names_a_lease_by_job_owner_and_generation(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     """The held verbs read only (job, owner, generation): a LeaseRef works like the
     Lease it names, and a ref to an older generation is refused like that lease."""
@@ -189,7 +190,7 @@ async def test_a_lease_ref_names_a_lease_by_job_owner_and_generation(
 
 
 async def test_complete_marks_done_and_the_job_can_never_be_claimed(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     store = lease_backend.store
     lease = await store.claim("job-1", owner="worker-a", ttl=TTL)
@@ -202,7 +203,7 @@ async def test_complete_marks_done_and_the_job_can_never_be_claimed(
     assert (await store.get("job-1")).state == "done"
 
 
-async def test_release_frees_the_job_for_an_immediate_claim(lease_backend: LeaseBackend) -> None:
+async def test_release_frees_the_job_for_an_immediate_claim(lease_backend: Backend) -> None:
     store = lease_backend.store
     lease = await store.claim("job-1", owner="worker-a", ttl=TTL)
     freed = await store.release(lease)
@@ -211,7 +212,7 @@ async def test_release_frees_the_job_for_an_immediate_claim(lease_backend: Lease
     assert (again.owner, again.generation) == ("worker-b", 2)
 
 
-async def test_worked_example_of_spec_1(lease_backend: LeaseBackend) -> None:
+async def test_worked_example_of_spec_1(lease_backend: Backend) -> None:
     """A claims generation 7 and pauses; after expiry B claims 8; A's renew and
     complete are refused as stale; B completes; nobody can claim the job again."""
     store = lease_backend.store
@@ -237,7 +238,7 @@ async def test_worked_example_of_spec_1(lease_backend: LeaseBackend) -> None:
 # --- refusals: reason and "changes nothing" ------------------------------------------------
 
 
-async def _refusal_case(backend: LeaseBackend, case: str) -> Lease:
+async def _refusal_case(backend: Backend, case: str) -> Lease:
     """Set up job-1 so that the returned lease is refused for `case`'s reason."""
     store = backend.store
     if case == "lease_not_held(never claimed)":
@@ -275,7 +276,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("case", REFUSALS)
 async def test_refused_operation_raises_lease_lost_and_changes_nothing(
-    lease_backend: LeaseBackend, case: str
+    lease_backend: Backend, case: str
 ) -> None:
     """renew, complete and release refuse with the case's reason and leave the
     stored lease exactly as it was (so the same setup serves all three)."""
@@ -290,7 +291,7 @@ async def test_refused_operation_raises_lease_lost_and_changes_nothing(
         assert snapshot(await store.get("job-1")) == before, op.__name__
 
 
-async def test_refused_claim_changes_nothing(lease_backend: LeaseBackend) -> None:
+async def test_refused_claim_changes_nothing(lease_backend: Backend) -> None:
     store = lease_backend.store
     await store.claim("job-1", owner="worker-a", ttl=TTL)
     done = await store.complete(await store.claim("job-2", owner="worker-a", ttl=TTL))
@@ -309,7 +310,7 @@ BAD_OWNERS = ["", "a b", "wörker", "x" * 257, 7]
 
 
 async def test_bad_arguments_raise_value_error_and_change_nothing(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     """Job ids, owners and ttls outside the contract raise ValueError; no row is
     created and the existing lease is untouched."""
@@ -335,7 +336,7 @@ async def test_bad_arguments_raise_value_error_and_change_nothing(
 
 
 async def test_malformed_lease_argument_raises_value_error_and_changes_nothing(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     store = lease_backend.store
     lease = await store.claim("job-1", owner="worker-a", ttl=TTL)
@@ -356,7 +357,7 @@ async def test_malformed_lease_argument_raises_value_error_and_changes_nothing(
     assert snapshot(await store.get("job-1")) == before
 
 
-async def test_store_is_an_async_context_manager_that_closes(lease_backend: LeaseBackend) -> None:
+async def test_store_is_an_async_context_manager_that_closes(lease_backend: Backend) -> None:
     """`async with store` yields the store and closes it; a closed store refuses work."""
     async with lease_backend.store as store:
         assert store is lease_backend.store
@@ -370,7 +371,7 @@ async def test_store_is_an_async_context_manager_that_closes(lease_backend: Leas
 
 @pytest.mark.parametrize("skew", [-3600.0, 0.0, 3600.0], ids=["hour-slow", "exact", "hour-fast"])
 async def test_worker_clock_off_by_an_hour_changes_no_decision(
-    lease_backend: LeaseBackend, skew: float
+    lease_backend: Backend, skew: float
 ) -> None:
     """The API takes no worker time: a worker whose own clock is an hour off (here
     the monotonic clock `hold` uses) sees the same outcomes, decided by the store's
@@ -400,7 +401,7 @@ async def test_worker_clock_off_by_an_hour_changes_no_decision(
 
 
 async def test_fifty_concurrent_claims_have_exactly_one_winner(
-    lease_backend: LeaseBackend,
+    lease_backend: Backend,
 ) -> None:
     """50 tasks claim one free job at once, 100 times: exactly one wins each time,
     and every loser is told who holds it."""

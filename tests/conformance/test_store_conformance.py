@@ -1,7 +1,7 @@
 """The gateway store contract (SPEC 2 steps 6-8, 4, 9), run unchanged on every backend.
 
 Each test gets an empty store: SQLite on a temporary file, PostgreSQL in a fresh
-database. Time only moves when a test moves the store's clock (`backend.advance`;
+database. Time only moves when a test moves the store's clock (`store_backend.advance`;
 on PostgreSQL that is `clock_offset`, so the server's clock still decides).
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -29,7 +27,6 @@ from gateway.store.records import (
     WriteContext,
     new_attempt_id,
 )
-from gateway.store.sqlite import SQLiteStore
 from gateway.write.decision import (
     RESERVATION_GRACE_S,
     Fencing,
@@ -40,44 +37,12 @@ from gateway.write.decision import (
     WriteFacts,
 )
 from leases.errors import StoreUnavailable
-from tests.conftest import FakeClock
+from tests.backends import Backend
 from tests.harness import eventually
 from tests.pg import fresh_database
 
 TIMEOUT = 5.0
 CONTEXT = WriteContext(remote="127.0.0.1", body_sha256="ab" * 32, body_bytes=15)
-
-
-@dataclass
-class Backend:
-    name: str
-    store: Any  # SQLiteStore | PostgresStore, through the Store protocol only
-    advance: Callable[[float], None]
-    url: str
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    """An empty gateway store on each backend, with a movable store clock."""
-    if request.param == "sqlite":
-        clock = FakeClock()
-        url = f"sqlite:///{tmp_path / 'sinkgate.db'}"
-        sqlite = await SQLiteStore.open(url, clock=clock)
-        try:
-            yield Backend("sqlite", sqlite, clock.advance, url)
-        finally:
-            await sqlite.close()
-        return
-    async with fresh_database() as url:
-        pg = await PostgresStore.open(url)
-
-        def advance(seconds: float) -> None:
-            pg.clock_offset += seconds
-
-        try:
-            yield Backend("postgres", pg, advance, url)
-        finally:
-            await pg.close()
 
 
 def write(**overrides: Any) -> WriteFacts:
@@ -113,9 +78,9 @@ COMPLETED = Outcome(
 
 
 async def test_first_write_forwards_reserves_the_key_and_raises_the_mark(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     verdict = await store.decide_write(write(generation=3), CONTEXT)
     assert verdict.decision == Forward() and verdict.attempt and verdict.rejection_id is None
     record = await store.key_record("pay", "key-1")
@@ -133,8 +98,8 @@ async def test_first_write_forwards_reserves_the_key_and_raises_the_mark(
     assert state.in_flight[0]["deadline"] == pytest.approx(record.created_at + TIMEOUT)
 
 
-async def test_completed_key_is_replayed_and_logged_as_duplicate(backend: Backend) -> None:
-    store = backend.store
+async def test_completed_key_is_replayed_and_logged_as_duplicate(store_backend: Backend) -> None:
+    store = store_backend.store
     first = await store.decide_write(write(), CONTEXT)
     assert await store.record_outcome(write(), first.attempt, COMPLETED) is True
     # A second worker redoing the job (other owner, same payload) gets the stored answer.
@@ -153,8 +118,8 @@ async def test_completed_key_is_replayed_and_logged_as_duplicate(backend: Backen
     assert (logged.record.remote, logged.record.body_bytes) == ("127.0.0.1", 15)
 
 
-async def test_same_key_other_payload_is_refused_as_reused(backend: Backend) -> None:
-    store = backend.store
+async def test_same_key_other_payload_is_refused_as_reused(store_backend: Backend) -> None:
+    store = store_backend.store
     await store.decide_write(write(), CONTEXT)
     verdict = await store.decide_write(write(fingerprint="fp-2"), CONTEXT)
     assert reason(verdict) == "idempotency_key_reused" and verdict.rejection_id is not None
@@ -163,15 +128,15 @@ async def test_same_key_other_payload_is_refused_as_reused(backend: Backend) -> 
 
 
 async def test_in_flight_key_answers_in_progress_until_its_deadline_then_unknown(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     await store.decide_write(write(), CONTEXT)
-    backend.advance(TIMEOUT + RESERVATION_GRACE_S - 2)
+    store_backend.advance(TIMEOUT + RESERVATION_GRACE_S - 2)
     verdict = await store.decide_write(write(), CONTEXT)
     assert reason(verdict) == "request_in_progress"
     assert verdict.decision.retry_after in (1, 2, 3)
-    backend.advance(3)  # past the reservation's deadline: its attempt is presumed dead
+    store_backend.advance(3)  # past the reservation's deadline: its attempt is presumed dead
     assert reason(await store.decide_write(write(), CONTEXT)) == "outcome_unknown"
     record = await store.key_record("pay", "key-1")
     assert record.state is KeyState.IN_FLIGHT  # as stored; it reads as unknown by now
@@ -179,12 +144,12 @@ async def test_in_flight_key_answers_in_progress_until_its_deadline_then_unknown
 
 
 async def test_upstream_idempotent_unknown_is_forwarded_again_with_a_new_attempt(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     idem = write(upstream_idempotent=True)
     old = await store.decide_write(idem, CONTEXT)
-    backend.advance(TIMEOUT + RESERVATION_GRACE_S + 1)
+    store_backend.advance(TIMEOUT + RESERVATION_GRACE_S + 1)
     new = await store.decide_write(idem, CONTEXT)
     assert new.decision == Forward(retry_of_unknown=True)
     assert new.attempt not in (None, old.attempt)
@@ -197,8 +162,10 @@ async def test_upstream_idempotent_unknown_is_forwarded_again_with_a_new_attempt
     assert (await store.key_record("pay", "key-1")).state is KeyState.COMPLETED
 
 
-async def test_released_key_is_free_again_and_unknown_outcome_is_kept(backend: Backend) -> None:
-    store = backend.store
+async def test_released_key_is_free_again_and_unknown_outcome_is_kept(
+    store_backend: Backend,
+) -> None:
+    store = store_backend.store
     first = await store.decide_write(write(), CONTEXT)
     assert await store.record_outcome(write(), first.attempt, Outcome("released")) is True
     assert await store.key_record("pay", "key-1") is None
@@ -211,8 +178,8 @@ async def test_released_key_is_free_again_and_unknown_outcome_is_kept(backend: B
     assert await store.record_outcome(write(), "no-such-attempt", Outcome("released")) is False
 
 
-async def test_keyless_writes_are_forwarded_and_fenced(backend: Backend) -> None:
-    store = backend.store
+async def test_keyless_writes_are_forwarded_and_fenced(store_backend: Backend) -> None:
+    store = store_backend.store
     first = await store.decide_write(write(key=None, generation=2), CONTEXT)
     assert first.decision == Forward()
     assert await store.record_outcome(write(key=None), first.attempt, COMPLETED) is True
@@ -224,8 +191,8 @@ async def test_keyless_writes_are_forwarded_and_fenced(backend: Backend) -> None
 # --- fence and barrier -----------------------------------------------------------------------
 
 
-async def test_lease_fence_reads_the_lease_the_lease_verbs_write(backend: Backend) -> None:
-    store = backend.store
+async def test_lease_fence_reads_the_lease_the_lease_verbs_write(store_backend: Backend) -> None:
+    store = store_backend.store
     leased = write(fencing=Fencing.LEASE)
     assert reason(await store.decide_write(leased, CONTEXT)) == "lease_not_held"
     lease = await store.claim("job-1", owner="worker-a", ttl=10)
@@ -235,7 +202,7 @@ async def test_lease_fence_reads_the_lease_the_lease_verbs_write(backend: Backen
     assert reason(await store.decide_write(mismatch, CONTEXT)) == "owner_mismatch"
     assert (await store.decide_write(leased, CONTEXT)).decision == Forward()
     await store.renew(lease, ttl=10)
-    backend.advance(11)
+    store_backend.advance(11)
     expired = dataclasses.replace(leased, key="key-2")
     assert reason(await store.decide_write(expired, CONTEXT)) == "lease_expired"
     second = await store.claim("job-1", owner="worker-b", ttl=10)
@@ -247,8 +214,8 @@ async def test_lease_fence_reads_the_lease_the_lease_verbs_write(backend: Backen
     assert (await store.get("job-1")).state == "done"
 
 
-async def test_the_mark_is_raised_only_by_forwarded_writes(backend: Backend) -> None:
-    store = backend.store
+async def test_the_mark_is_raised_only_by_forwarded_writes(store_backend: Backend) -> None:
+    store = store_backend.store
     first = await store.decide_write(write(generation=3), CONTEXT)
     verdict = await store.decide_write(write(generation=2, key="key-2"), CONTEXT)
     assert reason(verdict) == "stale_generation" and verdict.decision.highest_generation == 3
@@ -265,9 +232,9 @@ async def test_the_mark_is_raised_only_by_forwarded_writes(backend: Backend) -> 
 
 
 async def test_generation_barrier_spans_destinations_until_answer_or_timeout(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     old = await store.decide_write(write(destination="pay", generation=1), CONTEXT)
     newer = write(destination="mail", generation=2, key="key-2")
     verdict = await store.decide_write(newer, CONTEXT)
@@ -279,7 +246,7 @@ async def test_generation_barrier_spans_destinations_until_answer_or_timeout(
     await store.record_outcome(write(generation=1), old.attempt, COMPLETED)
     # key-3's attempt (generation 1) still bars; its timeout ends the barrier too.
     assert reason(await store.decide_write(newer, CONTEXT)) == "older_generation_in_flight"
-    backend.advance(TIMEOUT + 0.5)
+    store_backend.advance(TIMEOUT + 0.5)
     assert (await store.decide_write(newer, CONTEXT)).decision == Forward()
     assert (await store.job_state("job-1")).highest_generation == 2
     # Other jobs were never barred.
@@ -291,9 +258,9 @@ async def test_generation_barrier_spans_destinations_until_answer_or_timeout(
 
 
 async def test_twenty_concurrent_writes_of_one_key_forward_exactly_once(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     # Ten jobs share the key (it is scoped by destination): the job lock cannot help.
     verdicts = await asyncio.gather(
         *(store.decide_write(write(job_id=f"job-{n % 10}"), CONTEXT) for n in range(20))
@@ -305,10 +272,10 @@ async def test_twenty_concurrent_writes_of_one_key_forward_exactly_once(
     assert len(await store.list_rejections(RejectionQuery(limit=100))) == 19
 
 
-async def test_two_generations_of_one_job_are_never_both_forwarded(backend: Backend) -> None:
+async def test_two_generations_of_one_job_are_never_both_forwarded(store_backend: Backend) -> None:
     """Per job, an older write in flight bars the newer one, or the newer one's mark
     makes the older one stale: whichever decides first, never both forwarded."""
-    store = backend.store
+    store = store_backend.store
     for n in range(10):
         job = f"race-{n}"
         older, newer = await asyncio.gather(
@@ -328,8 +295,8 @@ async def test_two_generations_of_one_job_are_never_both_forwarded(backend: Back
 # --- the rejection log, reads, retention -------------------------------------------------------
 
 
-async def test_rejection_log_filters_newest_first_with_an_id_cursor(backend: Backend) -> None:
-    store = backend.store
+async def test_rejection_log_filters_newest_first_with_an_id_cursor(store_backend: Backend) -> None:
+    store = store_backend.store
     start = store.clock()
     ids = []
     for n, (dest, job, why) in enumerate(
@@ -345,7 +312,7 @@ async def test_rejection_log_filters_newest_first_with_an_id_cursor(backend: Bac
             reason=why, detail=f"d{n}", destination=dest, job_id=job, generation=n + 1
         )
         ids.append(await store.record_rejection(record))
-        backend.advance(10)
+        store_backend.advance(10)
     assert ids == sorted(ids) and len(set(ids)) == 5
 
     async def listed(**query: Any) -> list[int]:
@@ -365,8 +332,8 @@ async def test_rejection_log_filters_newest_first_with_an_id_cursor(backend: Bac
     assert await store.get_rejection(ids[-1] + 1000) is None
 
 
-async def test_job_state_and_key_record_of_unknown_names_are_none(backend: Backend) -> None:
-    store = backend.store
+async def test_job_state_and_key_record_of_unknown_names_are_none(store_backend: Backend) -> None:
+    store = store_backend.store
     assert await store.job_state("nobody") is None
     assert await store.key_record("pay", "nothing") is None
     # A rejection alone makes a job known (the admin view shows why it was refused).
@@ -376,9 +343,9 @@ async def test_job_state_and_key_record_of_unknown_names_are_none(backend: Backe
 
 
 async def test_purge_deletes_old_completed_keys_and_rejections_never_live_ones(
-    backend: Backend,
+    store_backend: Backend,
 ) -> None:
-    store = backend.store
+    store = store_backend.store
     for n in range(3):
         done = write(key=f"done-{n}", job_id=f"job-{n}")
         verdict = await store.decide_write(done, CONTEXT)
@@ -388,7 +355,7 @@ async def test_purge_deletes_old_completed_keys_and_rejections_never_live_ones(
     await store.record_outcome(write(key="lost"), unknown.attempt, Outcome("unknown"))
     await store.record_rejection(RejectionRecord(reason="unauthorized", detail=""))
     await store.record_rejection(RejectionRecord(reason="unauthorized", detail=""))
-    backend.advance(3600)
+    store_backend.advance(3600)
     now = store.clock()
     assert await store.purge(
         completed_before=now - 7200, rejections_before=now - 7200, batch=9
@@ -405,10 +372,10 @@ async def test_purge_deletes_old_completed_keys_and_rejections_never_live_ones(
     assert await store.list_rejections(RejectionQuery()) == []
 
 
-async def test_clock_ping_and_close(backend: Backend) -> None:
-    store = backend.store
+async def test_clock_ping_and_close(store_backend: Backend) -> None:
+    store = store_backend.store
     before = store.clock()
-    backend.advance(100)
+    store_backend.advance(100)
     assert store.clock() - before == pytest.approx(100, abs=1)
     await store.ping()
     await store.close()

@@ -22,17 +22,6 @@ from tests.harness import serving
 BAD_TOKENS = ["0", "05", "-3", "+3", "abc", "1.5", "9223372036854775808", "1 2"]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'ledger.db'}"
-        return
-    from tests.pg import fresh_database
-
-    async with fresh_database() as url:
-        yield url
-
-
 class Ledger:
     """A destination recording the effects its handler made; `/slow` waits for
     `release` so a test can hold a handler open."""

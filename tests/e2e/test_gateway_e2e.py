@@ -23,7 +23,6 @@ from tests.harness import (
     recording_upstream,
     running_gateway,
 )
-from tests.pg import fresh_database
 
 
 @pytest.fixture
@@ -32,10 +31,8 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
         yield up
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def gw(
-    request: pytest.FixtureRequest, tmp_path: Path, upstream: RecordingUpstream
-) -> AsyncIterator[Gateway]:
+@pytest.fixture
+async def gw(store_url: str, tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
     """The gateway on each store backend (PostgreSQL: a fresh database per test)."""
     config = make_config(
         tmp_path,
@@ -60,11 +57,7 @@ async def gw(
         destination("quiet", upstream.url + "/api", forward_fencing_headers=False),
         destination("down", f"http://127.0.0.1:{free_port()}/api"),
     )
-    if request.param == "sqlite":
-        async with running_gateway(config) as gateway:
-            yield gateway
-        return
-    async with fresh_database() as url, running_gateway(config, backend=url) as gateway:
+    async with running_gateway(config, backend=store_url) as gateway:
         yield gateway
 
 

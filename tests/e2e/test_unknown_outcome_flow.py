@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.admin.api import create_admin_app
 from gateway.http.appkeys import METRICS
 from tests.harness import Gateway, destination, make_config, running_gateway, served_upstream
-from tests.pg import fresh_database
 
 TOKEN = "flow-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -47,16 +46,11 @@ class DroppingUpstream:
         return web.json_response({"id": f"applied-{key}"}, status=201)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def flow(request, tmp_path) -> AsyncIterator[tuple[Gateway, DroppingUpstream, TestClient]]:
+@pytest.fixture
+async def flow(store_url, tmp_path) -> AsyncIterator[tuple[Gateway, DroppingUpstream, TestClient]]:
     async with served_upstream(DroppingUpstream()) as upstream:
         config = make_config(tmp_path, destination("pay", upstream.url))
-        if request.param == "sqlite":
-            async with running_gateway(config) as gateway:
-                async with _admin(gateway) as admin:
-                    yield gateway, upstream, admin
-            return
-        async with fresh_database() as url, running_gateway(config, backend=url) as gateway:
+        async with running_gateway(config, backend=store_url) as gateway:
             async with _admin(gateway) as admin:
                 yield gateway, upstream, admin
 
