@@ -4,7 +4,6 @@ store on a moved clock."""
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import io
 import json
@@ -23,6 +22,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import RESERVATION_GRACE_S
 from tests.conftest import FakeClock
 from tests.e2e.test_admin import AUTH, CONTEXT, TOKEN, facts, get_json
+from tests.harness import eventually
 
 KEY_FIELDS = {
     "destination", "key", "state", "fingerprint", "attempt", "attempts", "job_id",
@@ -341,10 +341,11 @@ async def test_the_gauge_refreshes_on_its_own(tmp_path, fake_clock):
         await unknown(store, "k-1")
         app = create_admin_app(store, metrics, token=TOKEN, gauge_interval=0.01)
         async with TestClient(TestServer(app)) as c:
-            for _ in range(500):  # bounded poll: the refresher runs every 10 ms
-                if unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}:
-                    break
-                await asyncio.sleep(0.01)
-            assert unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}
+
+            async def refreshed() -> bool:
+                return unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}
+
+            # The refresher runs every 10 ms; nothing else sets the gauge.
+            await eventually(refreshed, what="the unknown-keys gauge to count the key")
     finally:
         await store.close()
