@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.tools.chaos.context import DESTINATION, Tally
 from gateway.tools.chaos.faults import (
     PipedGateway,
     PostgresFaults,
@@ -28,7 +29,6 @@ from gateway.tools.chaos.faults import (
 from gateway.tools.chaos.processes import GatewayProcess
 from gateway.tools.chaos.proxy import FaultProxy
 from gateway.tools.chaos.records import RECORD_INVARIANTS, check_records, read_key_records
-from gateway.tools.chaos.context import DESTINATION, Tally
 from leases.sqlite import BUSY_TIMEOUT_S, sqlite_path
 
 # Refusals closer together than this belong to one stretch of refused writes.

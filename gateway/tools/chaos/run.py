@@ -43,12 +43,12 @@ import aiohttp
 
 from gateway.telemetry.logs import configure_logging
 from gateway.tools.chaos import late as late_mode
+from gateway.tools.chaos.context import RunContext, job_keys
 from gateway.tools.chaos.judge import FinalLease
 from gateway.tools.chaos.options import parser, settings_problem
 from gateway.tools.chaos.plan import FaultPlan
 from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
 from gateway.tools.chaos.report import build_report, render
-from gateway.tools.chaos.context import RunContext, job_keys
 from gateway.tools.chaos.worker import run_worker
 from leases import StoreUnavailable
 from leases.http import HTTPLeaseStore
