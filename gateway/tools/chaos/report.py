@@ -8,22 +8,24 @@ from pathlib import Path
 from typing import Any
 
 from gateway.tools.chaos import late as late_mode
-from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
 from gateway.tools.chaos.context import RunContext, Tally, job_keys
+from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+
+Leases = dict[str, FinalLease | None]  # each job's lease in the store at the end
 
 
 def build_report(
     args: argparse.Namespace,
     ctx: RunContext,
     record: dict[str, Any],
-    final: dict[str, FinalLease | None],
+    final: Leases,
     kills: int,
     elapsed: float,
     workdir: Path,
     strands: bool = False,
 ) -> dict[str, Any]:
     tally: Tally = ctx.tally
-    verdict = _verdict(args, ctx, record, final, gateways_killed=kills > 0 or strands)
+    verdict = _verdict(args, ctx, record, final, killed=kills > 0 or strands)
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
     return {
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
@@ -63,12 +65,7 @@ def build_report(
 
 
 def _verdict(
-    args: argparse.Namespace,
-    ctx: RunContext,
-    record: dict[str, Any],
-    final: dict[str, FinalLease | None],
-    *,
-    gateways_killed: bool,
+    args: argparse.Namespace, ctx: RunContext, record: dict[str, Any], final: Leases, killed: bool
 ) -> Verdict:
     tally = ctx.tally
     return judge(
@@ -80,7 +77,7 @@ def _verdict(
         confirmed=tally.completions_confirmed,
         unknown_keys=tally.unknown_keys,
         upstream_idempotent=args.upstream_idempotent,
-        gateways_killed=gateways_killed,
+        gateways_killed=killed,
         fenced=late_mode.fenced_keys(record),
     )
 
