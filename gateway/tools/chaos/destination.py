@@ -39,12 +39,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.tools.chaos.deck import FaultDeck
 from gateway.tools.chaos.late import LATE_HEADER, FencedLedger, LateWire, refusal_response
 from leases.fence.gate import Refusal
 
 FAULT_KINDS = ("latency", "status_503", "drop_before_apply", "drop_after_apply")
 RECORD_PATH = "/_chaos/record"
-_BLOCK = 20  # requests per shuffled deck of fault decisions
 
 
 @dataclass
@@ -76,8 +76,10 @@ class Recorder:
     requests: int = 0
     deduplicated: int = 0
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    _deck: list[bool] = field(default_factory=list)
-    _kinds: list[str] = field(default_factory=list)
+    _deck: FaultDeck = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._deck = FaultDeck(self.rng)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == RECORD_PATH:
@@ -106,20 +108,9 @@ class Recorder:
         return web.json_response(answer, status=201)
 
     def _pick_fault(self) -> str | None:
-        # Shuffled decks rather than independent draws: every block of requests
-        # carries its share of faults, and every run of len(FAULT_KINDS) faults
-        # each kind once, so a short run still injects every kind.
-        if not self._deck:
-            faults = round(self.fault_rate * _BLOCK)
-            self._deck = [True] * faults + [False] * (_BLOCK - faults)
-            self.rng.shuffle(self._deck)
-        if not self._deck.pop():
-            return None
-        if not self._kinds:
-            self._kinds = list(FAULT_KINDS)
-            self.rng.shuffle(self._kinds)
-        kind = self._kinds.pop()
-        self.faults[kind] += 1
+        kind = self._deck.draw(self.fault_rate, FAULT_KINDS)
+        if kind is not None:
+            self.faults[kind] += 1
         return kind
 
     def _apply(self, request: web.Request, job_id: str, key: str | None, size: int) -> Any:

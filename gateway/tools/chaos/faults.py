@@ -41,7 +41,7 @@ import secrets
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -216,12 +216,7 @@ class PostgresFaults(StoreFaults):
         decision transaction, then let go; without any within 2 s, terminate
         busy backends (a lease verb, an outcome) or any."""
         loop = asyncio.get_running_loop()
-        conn = await self._locker_conn()
-        held = self.rng.sample(jobs, min(len(jobs), 3))
-        async with conn.transaction():
-            await conn.execute("SET LOCAL lock_timeout = 0")
-            for job in held:
-                await conn.execute(_JOB_LOCK_SQL, job)
+        async with self._job_locks(jobs):
             deadline = loop.time() + 2.0
             while True:
                 backends = await self.db.backends()
@@ -247,13 +242,19 @@ class PostgresFaults(StoreFaults):
             self._locker = await _connect(self.db.url)
         return self._locker
 
-    async def _lock_delay(self, jobs: list[str], seconds: float) -> None:
+    @contextlib.asynccontextmanager
+    async def _job_locks(self, jobs: list[str]) -> AsyncIterator[None]:
+        """Hold the job locks of a few of `jobs` (those decisions wait meanwhile)."""
         conn = await self._locker_conn()
         held = self.rng.sample(jobs, min(len(jobs), 3))
         async with conn.transaction():
             await conn.execute("SET LOCAL lock_timeout = 0")
             for job in held:
                 await conn.execute(_JOB_LOCK_SQL, job)
+            yield
+
+    async def _lock_delay(self, jobs: list[str], seconds: float) -> None:
+        async with self._job_locks(jobs):
             await asyncio.sleep(seconds)
 
     async def close(self) -> None:

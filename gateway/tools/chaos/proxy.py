@@ -28,11 +28,12 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from gateway.tools.chaos.deck import FaultDeck
+
 WIRE_KINDS = ("latency", "reset", "stall")
 TICK_S = 1.0
 LATENCY_S = 1.0
 _CHUNK = 65536
-_BLOCK = 20  # draws per shuffled deck
 _KEY = re.compile(rb"\r\nIdempotency-Key: *([!-~]+)", re.IGNORECASE)
 
 
@@ -83,8 +84,7 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self._deck: list[bool] = []
-        self._kinds: list[str] = []
+        self._deck = FaultDeck(self.rng)
 
     async def start(self) -> int:
         """Listen on a free loopback port and relay (no fault yet); returns the port."""
@@ -205,18 +205,7 @@ class FaultProxy:
                     self.counts[kind] += 1
 
     def _draw(self) -> str | None:
-        # Shuffled decks rather than independent draws (as the destination does):
-        # every block of draws carries its share, every run of kinds each kind once.
-        if not self._deck:
-            faults = round(self.share * _BLOCK)
-            self._deck = [True] * faults + [False] * (_BLOCK - faults)
-            self.rng.shuffle(self._deck)
-        if not self._deck.pop():
-            return None
-        if not self._kinds:
-            self._kinds = list(WIRE_KINDS)
-            self.rng.shuffle(self._kinds)
-        return self._kinds.pop()
+        return self._deck.draw(self.share, WIRE_KINDS)  # read here: tests narrow it
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
