@@ -113,11 +113,13 @@ def validate_ttl(value: object) -> float:
     return ttl
 
 
-def validate_generation(value: object) -> int:
+def validate_generation(value: object, name: str = "generation") -> int:
+    """A generation (or a fencing token, named `name`): an int, not a bool, from 1
+    to 2**63-1."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"generation must be an integer, not {type(value).__name__}")
+        raise ValueError(f"{name} must be an integer, not {type(value).__name__}")
     if not 1 <= value <= MAX_GENERATION:
-        raise ValueError("generation must be between 1 and 2**63-1")
+        raise ValueError(f"{name} must be between 1 and 2**63-1")
     return value
 
 

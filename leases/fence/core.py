@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Generator
 from typing import Any
 
 from ..errors import LeaseError
-from ..model import MAX_GENERATION, validate_ident
+from ..model import validate_generation, validate_ident
 from ..reasons import Reason
 
 DEFAULT_TABLE = "sinkgate_fence"
@@ -51,11 +51,7 @@ class StaleToken(LeaseError):
 
 def validate_token(value: object) -> int:
     """A fencing token: an int (not a bool) from 1 to 2**63-1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"token must be an integer, not {type(value).__name__}")
-    if not 1 <= value <= MAX_GENERATION:
-        raise ValueError("token must be between 1 and 2**63-1")
-    return value
+    return validate_generation(value, "token")
 
 
 def driver_of(conn: object) -> str:
