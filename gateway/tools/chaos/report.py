@@ -7,11 +7,21 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gateway.config.reader import redact_url
 from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.context import RunContext, Tally, job_keys
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
 
 Leases = dict[str, FinalLease | None]  # each job's lease in the store at the end
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's options as given, with any password in the store URL hidden (the
+    report is meant to be kept and shared)."""
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "keep")}
+    if isinstance(settings.get("store"), str):
+        settings["store"] = redact_url(settings["store"])
+    return settings
 
 
 def build_report(
@@ -28,7 +38,7 @@ def build_report(
     verdict = _verdict(args, ctx, record, final, killed=kills > 0 or strands)
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
     return {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
+        "settings": _settings(args),
         "mode": "bypass-gateway" if args.bypass_gateway else "gateway",
         "destination_fence": args.fenced_destination,
         "elapsed_s": round(elapsed, 2),
