@@ -54,6 +54,7 @@ from typing import Any, TypeVar, cast
 from gateway.store import postgres_admin
 from gateway.store.plan import plan_write
 from gateway.store.postgres_admin import LEASE_ALIASES, key_from_row, lease_row
+from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
 from gateway.store.records import (
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,
@@ -71,88 +72,17 @@ from gateway.write.decision import (
 )
 from leases.postgres import (
     DURABLE,
-    SCHEMA_LOCK_KEY,
     STORE_NOW,
     Conn,
     PostgresLeaseStore,
     db_now,
     driver_errors,
-    ensure_component,
     require_durable_commit,
 )
 
 T = TypeVar("T")
 
-# v2: the audit log and the summary's index (postgres_admin).
-# v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
-# through `idempotency_in_flight`); the attempts table holds keyless writes only.
-GATEWAY_SCHEMA_VERSION = 3
-
-GATEWAY_DDL = """
-CREATE TABLE IF NOT EXISTS fences (
-    job_id text PRIMARY KEY,
-    highest_generation bigint NOT NULL,
-    updated_at double precision NOT NULL
-);
-CREATE TABLE IF NOT EXISTS idempotency (
-    destination text NOT NULL,
-    key text NOT NULL,
-    state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
-    fingerprint text NOT NULL,
-    attempt text NOT NULL,
-    attempts integer NOT NULL,
-    job_id text NOT NULL,
-    generation bigint NOT NULL,
-    owner text,
-    created_at double precision NOT NULL,
-    updated_at double precision NOT NULL,
-    deadline double precision NOT NULL,
-    completed_at double precision,
-    status integer,
-    headers text,
-    body bytea,
-    body_omitted boolean NOT NULL DEFAULT false,
-    barrier_until double precision,
-    PRIMARY KEY (destination, key)
-);
--- v1 -> v2 (a v1 keyed attempt row left in attempts bars its job until its deadline)
-ALTER TABLE idempotency ADD COLUMN IF NOT EXISTS barrier_until double precision;
-CREATE INDEX IF NOT EXISTS idempotency_in_flight ON idempotency (job_id, generation)
-    WHERE state = 'in_flight';
-CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
-CREATE TABLE IF NOT EXISTS attempts (
-    attempt text PRIMARY KEY,
-    job_id text NOT NULL,
-    generation bigint NOT NULL,
-    destination text NOT NULL,
-    key text,
-    started_at double precision NOT NULL,
-    deadline double precision NOT NULL
-);
-CREATE INDEX IF NOT EXISTS attempts_job ON attempts (job_id, generation);
-CREATE TABLE IF NOT EXISTS rejections (
-    id bigserial PRIMARY KEY,
-    at double precision NOT NULL,
-    destination text,
-    method text,
-    path text,
-    job_id text,
-    generation bigint,
-    owner text,
-    idempotency_key text,
-    reason text NOT NULL,
-    detail text,
-    current_generation bigint,
-    highest_generation bigint,
-    remote text,
-    body_sha256 text,
-    body_bytes bigint
-);
-CREATE INDEX IF NOT EXISTS rejections_at ON rejections (at);
-CREATE INDEX IF NOT EXISTS rejections_job ON rejections (job_id, id);
-CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
-CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
-"""
+__all__ = ["GATEWAY_SCHEMA_VERSION", "PostgresStore"]
 
 _NOW = STORE_NOW
 _KEY_COLUMNS = KEY_COLUMNS_SQL
@@ -288,7 +218,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         try:
             with driver_errors("cannot create the PostgreSQL gateway schema"):
                 async with store._pool.acquire() as conn:
-                    await _init_schema(conn)
+                    await init_schema(conn)
                     before = time.time()
                     server = await db_now(conn, 0.0)
                     store._skew = server - (before + time.time()) / 2
@@ -402,15 +332,6 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         with driver_errors("PostgreSQL read failed"):
             async with self._pool.acquire() as conn:
                 return await fn(conn)
-
-
-async def _init_schema(conn: Conn) -> None:
-    """The gateway's tables, under the schema lock every sinkgate process takes."""
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
-        await conn.execute(GATEWAY_DDL)
-        await postgres_admin.migrate(conn)
-        await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
 
 
 # --- the write decision -------------------------------------------------------------------

@@ -1,0 +1,91 @@
+"""The gateway's tables on PostgreSQL, and creating or migrating them at open.
+
+The same tables as `sqlite_schema` in PostgreSQL types (`double precision` epoch
+seconds, `bigint` generations, `bytea` bodies, `bigserial` rejection ids), in the
+database the lease store (`leases.postgres`) uses.
+"""
+
+from __future__ import annotations
+
+from gateway.store import postgres_admin
+from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
+
+# v2: the audit log and the summary's index (postgres_admin).
+# v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
+# through `idempotency_in_flight`); the attempts table holds keyless writes only.
+GATEWAY_SCHEMA_VERSION = 3
+
+GATEWAY_DDL = """
+CREATE TABLE IF NOT EXISTS fences (
+    job_id text PRIMARY KEY,
+    highest_generation bigint NOT NULL,
+    updated_at double precision NOT NULL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    destination text NOT NULL,
+    key text NOT NULL,
+    state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint text NOT NULL,
+    attempt text NOT NULL,
+    attempts integer NOT NULL,
+    job_id text NOT NULL,
+    generation bigint NOT NULL,
+    owner text,
+    created_at double precision NOT NULL,
+    updated_at double precision NOT NULL,
+    deadline double precision NOT NULL,
+    completed_at double precision,
+    status integer,
+    headers text,
+    body bytea,
+    body_omitted boolean NOT NULL DEFAULT false,
+    barrier_until double precision,
+    PRIMARY KEY (destination, key)
+);
+-- v1 -> v2 (a v1 keyed attempt row left in attempts bars its job until its deadline)
+ALTER TABLE idempotency ADD COLUMN IF NOT EXISTS barrier_until double precision;
+CREATE INDEX IF NOT EXISTS idempotency_in_flight ON idempotency (job_id, generation)
+    WHERE state = 'in_flight';
+CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt text PRIMARY KEY,
+    job_id text NOT NULL,
+    generation bigint NOT NULL,
+    destination text NOT NULL,
+    key text,
+    started_at double precision NOT NULL,
+    deadline double precision NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attempts_job ON attempts (job_id, generation);
+CREATE TABLE IF NOT EXISTS rejections (
+    id bigserial PRIMARY KEY,
+    at double precision NOT NULL,
+    destination text,
+    method text,
+    path text,
+    job_id text,
+    generation bigint,
+    owner text,
+    idempotency_key text,
+    reason text NOT NULL,
+    detail text,
+    current_generation bigint,
+    highest_generation bigint,
+    remote text,
+    body_sha256 text,
+    body_bytes bigint
+);
+CREATE INDEX IF NOT EXISTS rejections_at ON rejections (at);
+CREATE INDEX IF NOT EXISTS rejections_job ON rejections (job_id, id);
+CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason, id);
+CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id);
+"""
+
+
+async def init_schema(conn: Conn) -> None:
+    """The gateway's tables, under the schema lock every sinkgate process takes."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+        await conn.execute(GATEWAY_DDL)
+        await postgres_admin.migrate(conn)
+        await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
