@@ -1,43 +1,25 @@
 """The gateway's store on PostgreSQL (asyncpg): fence, barrier, keys, rejection log.
 
-The same tables as `sqlite_store` (PostgreSQL types: `double precision` epoch
-seconds, `bigint` generations, `bytea` bodies, `bigserial` rejection ids), in the
-database the lease store (`leases.postgres`) uses, so the lease-mode fence reads
-the very lease table the lease API writes.
+The same tables as the SQLite store (`postgres_schema`), in the database the
+lease store (`leases.postgres`) uses, so the lease-mode fence reads the very
+lease table the lease API writes.
 
-A write decision is one short READ COMMITTED transaction on a pooled connection:
-
-1. `BEGIN`
-2. one statement: `synchronous_commit` on for this transaction, then
-   `pg_advisory_xact_lock` on the job, then on (destination, key). The job lock
-   serialises the decisions of one job across replicas, which the generation
-   barrier needs (two generations must not both see "no older attempt"); the
-   key lock serialises first reservations of one key, which no row lock can do
-   (the row does not exist yet). Always job then key, in one statement, so two
-   decisions never wait on each other in opposite orders.
-3. one statement reading everything `decide` needs, with a snapshot taken after
-   the locks: the store's clock, the lease, the job's mark, the latest deadline
-   of an older generation's attempt, and the key's record `FOR UPDATE` (an
-   outcome being recorded for the key finishes first, or waits for us).
-4. one statement applying the verdict: reservation + attempt + mark, or the
-   rejection (a replay is logged as `duplicate`).
-5. `COMMIT` (durable).
-
-An outcome (and a rejection logged outside a decision) is one statement
-outside a transaction block: its own atomic, durable transaction, one round
-trip (see `_DURABLE`, `_OUTCOME_SQL`).
-
-The lease row is read, not locked: every read of the decision comes from one
-snapshot and the clock is read in the same statement, so the decision is the
-one SQLite would have taken at that instant; a claim committing meanwhile could
-only take over a lease already expired by then (its clock reads later), and
-later writes of the job see this decision's attempt through the job lock.
+Group commit, as on SQLite: the write decisions (and the rejections logged
+outside a decision) that arrive while a batch is on its way go into the next
+batch, and one batch is one short READ COMMITTED transaction on a pooled
+connection: BEGIN, the advisory locks of all its jobs and keys in one statement,
+all its state in one statement, the decisions in Python in arrival order, all
+their changes in one statement, COMMIT (durable); see `postgres_batch`. The
+outcomes recorded meanwhile go together in one autocommit statement
+(`postgres_outcomes`). Each caller gets its own answer once its batch has
+committed. A batch that fails other than by the store being unreachable is run
+again one operation at a time, so an operation's failure is its own alone.
 
 The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
 `clock()` is synchronous (the lease API stamps `server_time`, the janitor and
 admin views take their cut-offs from it), so it answers from the local clock
 corrected by the skew last measured against the server: at open, and at every
-write decision. It is for display and retention cut-offs; no fence or
+batch of decisions. It is for display and retention cut-offs; no fence or
 reservation is decided by it.
 
 No session state (see `leases.postgres`): works behind PgBouncer in
@@ -46,33 +28,27 @@ transaction mode.
 
 from __future__ import annotations
 
-import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+import asyncpg  # type: ignore[import-untyped]
+
 from gateway.store import postgres_admin
-from gateway.store.plan import plan_write
-from gateway.store.postgres_admin import LEASE_ALIASES, key_from_row, lease_row
+from gateway.store.batching import GroupCommit
+from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
+from gateway.store.postgres_outcomes import Recorded, record_outcomes
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
 from gateway.store.records import (
-    KEY_COLUMNS_SQL,
-    REJECTION_COLUMNS_SQL,
     Outcome,
     RejectionRecord,
     Verdict,
     WriteContext,
-    new_attempt_id,
-    rejection_values,
 )
-from gateway.write.decision import (
-    Fencing,
-    StoredState,
-    WriteFacts,
-)
+from gateway.write.decision import WriteFacts
+from leases.errors import StoreUnavailable
 from leases.postgres import (
-    DURABLE,
-    STORE_NOW,
     Conn,
     PostgresLeaseStore,
     db_now,
@@ -84,100 +60,9 @@ T = TypeVar("T")
 
 __all__ = ["GATEWAY_SCHEMA_VERSION", "PostgresStore"]
 
-_NOW = STORE_NOW
-_KEY_COLUMNS = KEY_COLUMNS_SQL
-_REJECTION_COLUMNS = REJECTION_COLUMNS_SQL
-_LEASE_ALIASES = LEASE_ALIASES
-
-# $1 job, $2 destination, $3 key (NULL: no key). A NULL lock key skips the lock
-# (the functions are strict). The target list is evaluated left to right.
-_LOCK_SQL = (
-    f"SELECT {DURABLE}, "
-    "pg_advisory_xact_lock(hashtextextended('job:' || $1::text, 0)), "
-    "pg_advisory_xact_lock(hashtextextended('key:' || $2::text || chr(10) || $3::text, 0))"
-)
-
-# $1 job, $2 generation, $3 destination, $4 key, $5 clock offset.
-_STATE_SQL = f"""
-WITH n AS MATERIALIZED (SELECT {_NOW.format("$5")} AS now)
-SELECT n.now, {_LEASE_ALIASES},
-    (SELECT highest_generation FROM fences WHERE job_id = $1) AS mark,
-    GREATEST((SELECT max(barrier_until) FROM idempotency WHERE job_id = $1
-            AND state = 'in_flight' AND generation < $2 AND barrier_until > n.now),
-        (SELECT max(deadline) FROM attempts
-            WHERE job_id = $1 AND generation < $2 AND deadline > n.now)) AS older,
-    k.*
-FROM n
-LEFT JOIN leases l ON l.job_id = $1
-LEFT JOIN LATERAL (
-    SELECT {_KEY_COLUMNS} FROM idempotency
-    WHERE destination = $3 AND key = $4 FOR UPDATE
-) k ON true
-"""
-
-# $1 destination, $2 key (NULL: keyless), $3 fingerprint, $4 attempt, $5 job,
-# $6 generation, $7 owner, $8 now, $9 reservation deadline, $10 barrier deadline.
-_FORWARD_SQL = """
-WITH reserve AS (
-    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts,
-        job_id, generation, owner, created_at, updated_at, deadline, barrier_until)
-    SELECT $1, $2, 'in_flight', $3, $4, 1, $5, $6, $7, $8, $8, $9, $10
-    WHERE $2::text IS NOT NULL
-    ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
-        attempt = excluded.attempt, attempts = idempotency.attempts + 1,
-        job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
-        updated_at = excluded.updated_at, deadline = excluded.deadline,
-        barrier_until = excluded.barrier_until, completed_at = NULL,
-        status = NULL, headers = NULL, body = NULL, body_omitted = false
-), attempt AS (
-    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
-    SELECT $4, $5, $6, $1, NULL, $8, $10 WHERE $2::text IS NULL
-)
-INSERT INTO fences (job_id, highest_generation, updated_at) VALUES ($5, $6, $8)
-ON CONFLICT (job_id) DO UPDATE SET
-    highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
-    updated_at = excluded.updated_at
-"""
-
-
-# Durability of a single statement run outside a transaction block. Such a
-# statement is its own (implicit) transaction, committed by the server after the
-# statement has finished (at the extended protocol's Sync). `synchronous_commit`
-# is consulted only at that commit, and `set_config(..., is_local => true)` lasts
-# until the end of the current transaction, here the implicit one: so evaluating
-# this once, anywhere in the statement, makes its commit wait for the WAL flush
-# exactly as `require_durable_commit` does for a BEGIN ... COMMIT block (raised to
-# `on` only when the server or role has it `off`; stronger settings kept), and the
-# setting ends with the statement (no session state). The sub-select must be read
-# by the statement (`FROM (...) durable`): a plain SELECT CTE that nothing
-# references is never evaluated.
-_DURABLE = f"SELECT {DURABLE}"
-
-# An outcome: one statement, hence one round trip and one atomic transaction,
-# instead of BEGIN, durability setting, DELETE, UPDATE, COMMIT. No lock is needed
-# beyond the row locks the statement takes: the key's UPDATE/DELETE waits for a
-# decision holding the row FOR UPDATE and re-checks `attempt = $3` on the row
-# version that decision committed (READ COMMITTED), as the separate statements
-# did. $1 destination, $2 key (NULL: keyless), $3 attempt; returns the number of
-# key rows touched (0 or 1).
-_OUTCOME_SQL = """
-WITH gone AS (DELETE FROM attempts WHERE attempt = $3 AND $2::text IS NULL),
-touched AS ({}
-    WHERE destination = $1 AND key = $2 AND attempt = $3 RETURNING 1)
-SELECT (SELECT count(*) FROM touched) FROM ({}) durable
-"""
-_COMPLETED_SQL = _OUTCOME_SQL.format(
-    "UPDATE idempotency SET state = 'completed', status = $4, headers = $5, body = $6, "
-    f"body_omitted = $7, completed_at = {_NOW.format('$8')}, updated_at = {_NOW.format('$8')}, "
-    "barrier_until = NULL",
-    _DURABLE,
-)
-_RELEASED_SQL = _OUTCOME_SQL.format("DELETE FROM idempotency", _DURABLE)
-_UNKNOWN_SQL = _OUTCOME_SQL.format(
-    f"UPDATE idempotency SET state = 'unknown', updated_at = {_NOW.format('$4')}, "
-    "barrier_until = NULL",
-    _DURABLE,
-)
+# SQLSTATE classes of a store that cannot answer (connection, resources, operator
+# intervention, system): every operation of the batch fails, none is retried alone.
+_OUTAGE_CLASSES = ("08", "53", "57", "58", "XX")
 
 
 class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
@@ -191,6 +76,15 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         super().__init__(pool, clock_offset=clock_offset)
         self._skew = 0.0  # server clock minus local clock, seconds
         self.clock = self._clock
+        self._decisions: GroupCommit[Operation] = GroupCommit(
+            self._run_decisions, name="postgres-decisions", drop_cancelled=True
+        )
+        self._outcomes: GroupCommit[Recorded] = GroupCommit(
+            self._run_outcomes, name="postgres-outcomes"
+        )
+        # Batches run again one operation at a time, by the SQLSTATE (or error
+        # type) that failed them: a deadlock here would say the lock order broke.
+        self.isolated: Counter[str] = Counter()
 
     @classmethod
     async def open(
@@ -233,63 +127,68 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     def _observed(self, now: float, offset: float) -> None:
         self._skew = now - offset - time.time()
 
-    # --- writes ------------------------------------------------------------------------
+    # --- writes: each one rides the next batch -------------------------------------------
 
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
+        self._check_open()
+        verdict: Verdict = await self._decisions.submit(Decide(facts, context))
+        return verdict
+
+    async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
+        self._check_open()
+        held: bool = await self._outcomes.submit(Recorded(facts, attempt, outcome))
+        return held
+
+    async def record_rejection(self, record: RejectionRecord) -> int:
+        self._check_open()
+        rejection_id: int = await self._decisions.submit(Log(record))
+        return rejection_id
+
+    async def close(self) -> None:
+        await self._decisions.close()
+        await self._outcomes.close()
+        await super().close()
+
+    async def _run_decisions(self, batch: list[Operation]) -> list[Any]:
+        return await self._isolating(batch, self._decide_once)
+
+    async def _decide_once(self, batch: list[Operation]) -> list[Any]:
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL write decision failed"):
             async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
-                await conn.execute(_LOCK_SQL, facts.job_id, facts.destination, facts.key)
-                row = await conn.fetchrow(
-                    _STATE_SQL,
-                    facts.job_id,
-                    facts.generation,
-                    facts.destination,
-                    facts.key,
-                    offset,
-                )
-                now: float = row["now"]
-                verdict = await _apply(conn, facts, context, _state(facts, row), now)
+                answers, now = await decide_batch(conn, batch, offset)
         self._observed(now, offset)
-        return verdict
+        return list(answers)
 
-    async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
-        offset = self._offset()
-        if outcome.kind == "completed":
-            sql = _COMPLETED_SQL
-            args: tuple[Any, ...] = (
-                outcome.status,
-                json.dumps(outcome.headers),
-                outcome.body,
-                outcome.body_omitted,
-                offset,
-            )
-        elif outcome.kind == "released":
-            sql, args = _RELEASED_SQL, ()
-        elif outcome.kind == "unknown":
-            sql, args = _UNKNOWN_SQL, (offset,)
-        else:  # pragma: no cover - programming error
-            raise AssertionError(outcome.kind)
-        # A keyless write has only its attempt to delete: `key = NULL` matches no row.
-        held = await self._autocommit(
-            lambda c: c.fetchval(sql, facts.destination, facts.key, attempt, *args)
-        )
-        return facts.key is None or held == 1
+    async def _run_outcomes(self, batch: list[Recorded]) -> list[Any]:
+        return await self._isolating(batch, self._outcomes_once)
 
-    async def record_rejection(self, record: RejectionRecord) -> int:
+    async def _outcomes_once(self, batch: list[Recorded]) -> list[Any]:
         offset = self._offset()
-        values = rejection_values(record)
-        rejection_id: int = await self._autocommit(
-            lambda c: c.fetchval(
-                f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
-                f"SELECT {_NOW.format('$1')}, {_placeholders(2, len(values))} "
-                f"FROM ({_DURABLE}) durable RETURNING id",
-                offset,
-                *values,
-            )
-        )
-        return rejection_id
+        self._check_open()
+        with driver_errors("PostgreSQL gateway write failed"):
+            async with self._pool.acquire() as conn:
+                return list(await record_outcomes(conn, batch, offset))
+
+    async def _isolating(
+        self, batch: list[T], once: Callable[[list[T]], Awaitable[list[Any]]]
+    ) -> list[Any]:
+        """`once(batch)`; if it fails other than by an outage, `once([op])` for each
+        operation in turn, so that an operation's failure is its own alone."""
+        try:
+            return await once(batch)
+        except Exception as exc:
+            if len(batch) == 1 or _outage(exc):
+                raise
+            self.isolated[_failure(exc)] += 1
+        answers: list[Any] = []
+        for op in batch:
+            try:
+                answers.extend(await once([op]))
+            except Exception as exc:  # this operation's own failure: its caller's answer
+                answers.append(exc)
+        return answers
 
     async def purge(
         self, *, completed_before: float, rejections_before: float, batch: int
@@ -297,14 +196,6 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         return await self._write_tx(
             lambda c: _purge_tx(c, completed_before, rejections_before, batch)
         )
-
-    async def _autocommit(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
-        """`fn(conn)`: one statement that is its own (durable) transaction; see
-        `_DURABLE`."""
-        self._check_open()
-        with driver_errors("PostgreSQL gateway write failed"):
-            async with self._pool.acquire() as conn:
-                return await fn(conn)
 
     async def _write_tx(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """`fn(conn)` in one durable READ COMMITTED transaction (as the lease verbs)."""
@@ -334,49 +225,23 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 return await fn(conn)
 
 
-# --- the write decision -------------------------------------------------------------------
+def _failure(exc: BaseException) -> str:
+    """What failed a batch: the driver's SQLSTATE, else the error's type."""
+    cause = exc.__cause__ or exc
+    return str(getattr(cause, "sqlstate", None) or type(cause).__name__)
 
 
-def _state(facts: WriteFacts, row: Any) -> StoredState:
-    lease = lease_row(row) if facts.fencing is Fencing.LEASE else None
-    return StoredState(
-        lease=lease,
-        highest_generation=row["mark"],
-        older_in_flight_until=row["older"],
-        record=None if row["key"] is None else key_from_row(row),
-    )
-
-
-async def _apply(
-    conn: Conn, facts: WriteFacts, context: WriteContext, state: StoredState, now: float
-) -> Verdict:
-    plan = plan_write(facts, context, state, now, new_attempt_id)
-    r = plan.reservation
-    if r is not None:
-        # One statement: key, attempt and mark (GREATEST keeps a mark that is higher).
-        await conn.execute(
-            _FORWARD_SQL,
-            r.destination,
-            r.key,
-            r.fingerprint,
-            r.attempt,
-            r.job_id,
-            r.generation,
-            r.owner,
-            r.at,
-            r.deadline,
-            r.barrier_until,
-        )
-        return plan.verdict()
-    assert plan.rejection is not None
-    values = rejection_values(plan.rejection)
-    rejection_id = await conn.fetchval(
-        f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
-        f"VALUES ($1, {_placeholders(2, len(values))}) RETURNING id",
-        now,
-        *values,
-    )
-    return plan.verdict(rejection_id)
+def _outage(exc: BaseException) -> bool:
+    """Whether `exc` says the store cannot answer at all (then running the batch's
+    operations alone would only fail each of them again, slowly)."""
+    if isinstance(exc, StoreUnavailable) and exc.__cause__ is None:
+        return True  # closed
+    cause = exc.__cause__ or exc
+    if isinstance(cause, asyncpg.PostgresError):
+        return str(cause.sqlstate or "")[:2] in _OUTAGE_CLASSES
+    if isinstance(cause, ValueError):  # an argument the driver cannot encode
+        return False
+    return isinstance(cause, OSError | asyncpg.InterfaceError | asyncpg.InternalClientError)
 
 
 async def _purge_tx(
@@ -411,10 +276,6 @@ async def _purge_tx(
         batch,
     )
     return _rowcount(keys), _rowcount(rejections)
-
-
-def _placeholders(first: int, count: int) -> str:
-    return ", ".join(f"${i}" for i in range(first, first + count))
 
 
 def _rowcount(status: str) -> int:

@@ -17,6 +17,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.store import postgres as postgres_store
+from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
 from gateway.store.records import (
     AttemptIds,
@@ -497,11 +498,7 @@ async def test_without_the_job_lock_two_generations_race_onto_the_wire(
     """The protection switched off: without the per-job advisory lock both replicas
     read "nothing older in flight" and both generations are forwarded. Shows the
     race test above can fail."""
-    without = postgres_store._LOCK_SQL.replace(
-        "pg_advisory_xact_lock(hashtextextended('job:' || $1::text, 0)), ", "$1::text, "
-    )
-    assert without != postgres_store._LOCK_SQL
-    monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
+    monkeypatch.setattr(postgres_batch, "LOCK_KINDS", ("key",))
     assert await _race_until("attempts", _two_generations(), lambda v: v == ["forward", "forward"])
 
 
@@ -519,12 +516,7 @@ async def test_without_the_key_lock_one_key_of_several_jobs_is_forwarded_thrice(
     """The protection switched off: the job locks differ, the key row does not exist
     yet (nothing to lock), so without the key's advisory lock every replica reserves
     it. Shows the race test above can fail."""
-    without = postgres_store._LOCK_SQL.replace(
-        "pg_advisory_xact_lock(hashtextextended('key:' || $2::text || chr(10) || $3::text, 0))",
-        "$2::text || $3::text",
-    )
-    assert without != postgres_store._LOCK_SQL
-    monkeypatch.setattr(postgres_store, "_LOCK_SQL", without)
+    monkeypatch.setattr(postgres_batch, "LOCK_KINDS", ("job",))
     assert await _race_until(
         "idempotency", _one_key_three_jobs(), lambda v: v.count("forward") >= 2
     )

@@ -1,0 +1,252 @@
+"""One batch of write decisions on PostgreSQL: one transaction, four statements.
+
+`decide_batch(conn, operations)` runs inside a READ COMMITTED transaction:
+
+1. one statement: `synchronous_commit` on for this transaction, then
+   `pg_advisory_xact_lock` on every job and every (destination, key) of the
+   batch, in the order of the locks' keys (`_LOCK_SQL`). The job lock
+   serialises the decisions of one job across replicas, which the generation
+   barrier needs (two generations must not both see "no older attempt"); the
+   key lock serialises first reservations of one key, which no row lock can do
+   (the row does not exist yet). Every batch takes its locks in one and the
+   same global order, so two batches (of two replicas) never wait on each
+   other in opposite orders.
+2. one statement reading everything the batch's decisions need, with a
+   snapshot taken after the locks (`_STATE_SQL`): the store's clock, the leases
+   and marks of the batch's jobs, the barriers of their older attempts, and the
+   batch's key rows `FOR UPDATE`, locked in (destination, key) order as the
+   outcome statement locks them (`postgres_outcomes`).
+3. the decisions, in Python, in arrival order, each seeing the ones before it
+   (`batch_plan`).
+4. one statement applying them all (`_APPLY_SQL`): key reservations, attempts,
+   marks, and the batch's rejection-log rows. The rows are inserted after the
+   transaction-scoped lock `REJECTION_ORDER_LOCK`, held until COMMIT by every
+   transaction that inserts rejections: ids are handed out in commit order, so
+   every set of rows a reader can see is a prefix of the ids and the admin
+   cursor (`id < before`) never skips a row that commits late.
+
+The lease row is read, not locked: every read of the batch comes from one
+snapshot and the clock is read in the same statement, so each decision is the
+one SQLite would have taken at that instant; later writes of the job see this
+batch's attempts through the job lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.store import batch_plan
+from gateway.store.batch_plan import Barrier, BatchState, KeyId
+from gateway.store.plan import Reservation, WritePlan
+from gateway.store.records import (
+    KEY_COLUMNS,
+    KEY_COLUMNS_SQL,
+    REJECTION_FIELDS,
+    RejectionRecord,
+    Verdict,
+    WriteContext,
+    key_record,
+    new_attempt_id,
+    rejection_values,
+)
+from gateway.write.decision import WriteFacts
+from leases.model import LeaseRow, State
+from leases.postgres import DURABLE, STORE_NOW, Conn
+
+
+@dataclass(frozen=True, slots=True)
+class Decide:
+    """A write decision to take in the batch."""
+
+    facts: WriteFacts
+    context: WriteContext
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A rejection decided outside the store (SPEC 2 steps 3 and 5), logged in the batch."""
+
+    record: RejectionRecord
+
+
+Operation = Decide | Log
+
+# The advisory locks the batch takes (see `batch_plan.lock_names`); tests take
+# one kind away to show the race it closes.
+LOCK_KINDS: tuple[str, ...] = ("job", "key")
+
+# Held by every transaction inserting rejection-log rows, from just before the
+# insert to COMMIT (see the module doc). The two-key form: a lock space of its
+# own, apart from the one-key locks on jobs, keys and the schema.
+REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
+
+# $1: the lock names. DISTINCT + ORDER BY the lock key: one global order. The
+# sub-select is sorted before the outer target list takes the locks in turn.
+_LOCK_SQL = (
+    f"SELECT {DURABLE}, count(pg_advisory_xact_lock(h)) FROM "
+    "(SELECT DISTINCT hashtextextended(name, 0) AS h FROM unnest($1::text[]) AS name "
+    "ORDER BY h) AS ordered"
+)
+
+# $1 clock offset, $2 the batch's jobs, $3/$4 destinations/keys of its keyed writes.
+# Barriers: aggregated per (job, generation) except the rows of the batch's own
+# keys, which come whole with their `barrier_until` (a reservation replaces them).
+_STATE_SQL = f"""
+WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$1")} AS now),
+k AS MATERIALIZED (
+    SELECT {KEY_COLUMNS_SQL}, barrier_until FROM idempotency
+    WHERE (destination, key) IN (SELECT * FROM unnest($3::text[], $4::text[]))
+    ORDER BY destination, key FOR UPDATE
+)
+SELECT n.now,
+    ARRAY(SELECT row(job_id, owner, generation, state, lease_until, ttl) FROM leases
+        WHERE job_id = ANY($2::text[])) AS leases,
+    ARRAY(SELECT row(job_id, highest_generation) FROM fences
+        WHERE job_id = ANY($2::text[])) AS marks,
+    ARRAY(SELECT row(job_id, generation, max(barrier_until)) FROM idempotency i
+        WHERE job_id = ANY($2::text[]) AND state = 'in_flight' AND barrier_until > n.now
+        AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination AND k.key = i.key)
+        GROUP BY job_id, generation) AS keyed,
+    ARRAY(SELECT row(job_id, generation, max(deadline)) FROM attempts
+        WHERE job_id = ANY($2::text[]) AND deadline > n.now
+        GROUP BY job_id, generation) AS keyless,
+    ARRAY(SELECT row(k.*) FROM k) AS records
+FROM n
+"""
+
+_REJECTION_TYPES = (
+    "text", "text", "text", "text", "text", "text", "int8", "text", "text", "int8", "int8",
+    "text", "text", "int8",
+)  # fmt: skip  (the types of REJECTION_FIELDS, in order)
+assert len(_REJECTION_TYPES) == len(REJECTION_FIELDS)
+_REJECTION_ARGS = ", ".join(f"${22 + n}::{t}[]" for n, t in enumerate(_REJECTION_TYPES))
+
+# $1-$12 key reservations, $13-$18 keyless attempts, $19-$20 raised marks, $21 now,
+# $22.. the rejection rows' columns. Every array may be empty.
+_APPLY_SQL = f"""
+WITH reserve AS (
+    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts,
+        job_id, generation, owner, created_at, updated_at, deadline, barrier_until)
+    SELECT d, k, 'in_flight', f, a, n, j, g, o, c, u, dl, b FROM unnest($1::text[],
+        $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], $7::int8[], $8::text[],
+        $9::float8[], $10::float8[], $11::float8[], $12::float8[])
+        AS r(d, k, f, a, n, j, g, o, c, u, dl, b)
+    ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
+        attempt = excluded.attempt, attempts = excluded.attempts,
+        job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
+        updated_at = excluded.updated_at, deadline = excluded.deadline,
+        barrier_until = excluded.barrier_until, completed_at = NULL,
+        status = NULL, headers = NULL, body = NULL, body_omitted = false
+), attempt AS (
+    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
+    SELECT a, j, g, d, NULL, s, dl FROM unnest($13::text[], $14::text[], $15::int8[],
+        $16::text[], $17::float8[], $18::float8[]) AS r(a, j, g, d, s, dl)
+), mark AS (
+    INSERT INTO fences (job_id, highest_generation, updated_at)
+    SELECT j, g, $21::float8 FROM unnest($19::text[], $20::int8[]) AS r(j, g)
+    ON CONFLICT (job_id) DO UPDATE SET
+        highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
+        updated_at = excluded.updated_at
+), ordered AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]}) AS held
+    WHERE cardinality($22::text[]) > 0
+), logged AS (
+    INSERT INTO rejections (at, {", ".join(REJECTION_FIELDS)})
+    SELECT $21::float8, {", ".join(f"r.{f}" for f in REJECTION_FIELDS)}
+    FROM ordered, unnest({_REJECTION_ARGS}) WITH ORDINALITY
+        AS r({", ".join(REJECTION_FIELDS)}, n)
+    ORDER BY r.n
+    RETURNING id
+)
+SELECT ARRAY(SELECT id FROM logged ORDER BY id)
+"""
+
+
+async def decide_batch(
+    conn: Conn, operations: Sequence[Operation], offset: float
+) -> tuple[list[Verdict | int], float]:
+    """Decide and apply the batch inside the caller's transaction: each operation's
+    answer (a Verdict, or a `Log`'s rejection id) and the store's clock."""
+    writes = [(op.facts, op.context) for op in operations if isinstance(op, Decide)]
+    facts = [f for f, _ in writes]
+    await conn.execute(_LOCK_SQL, batch_plan.lock_names(facts, LOCK_KINDS))
+    state = _batch_state(await conn.fetchrow(_STATE_SQL, offset, *_read_args(facts)))
+    plans = iter(batch_plan.plan_batch(writes, state, new_attempt_id))
+    planned = [next(plans) if isinstance(op, Decide) else op for op in operations]
+    rejections = [
+        (p.rejection if isinstance(p, WritePlan) else p.record)
+        for p in planned
+        if not isinstance(p, WritePlan) or p.rejection is not None
+    ]
+    forwarded = [
+        p.reservation for p in planned if isinstance(p, WritePlan) and p.reservation is not None
+    ]
+    args = _apply_args(forwarded, state, rejections)
+    ids = iter(await conn.fetchval(_APPLY_SQL, *args))
+    return [_answer(p, ids) for p in planned], state.now
+
+
+def _answer(planned: WritePlan | Log, ids: Any) -> Verdict | int:
+    if isinstance(planned, Log):
+        return int(next(ids))
+    if planned.rejection is None:
+        return planned.verdict()
+    return planned.verdict(int(next(ids)))
+
+
+def _read_args(facts: Sequence[WriteFacts]) -> tuple[list[str], list[str], list[str]]:
+    jobs = sorted({f.job_id for f in facts})
+    keyed = sorted({(f.destination, f.key) for f in facts if f.key is not None})
+    return jobs, [d for d, _ in keyed], [k for _, k in keyed]
+
+
+def _batch_state(row: Any) -> BatchState:
+    now: float = row["now"]
+    state = BatchState(now=now)
+    for job, owner, generation, lease_state, until, ttl in row["leases"]:
+        state.leases[job] = LeaseRow(job, owner, generation, State(lease_state), until, ttl)
+    state.marks.update((job, mark) for job, mark in row["marks"])
+    for job, generation, until in (*row["keyed"], *row["keyless"]):
+        state.barriers.append(Barrier(job, generation, until))
+    width = len(KEY_COLUMNS)
+    for values in row["records"]:
+        record = key_record(values[:width])
+        ident: KeyId = (record.destination, record.key)
+        state.records[ident] = record
+        barrier = batch_plan.key_barrier(record, values[width])
+        if barrier is not None:
+            state.key_barriers[ident] = barrier
+    return state
+
+
+def _apply_args(
+    forwarded: Sequence[Reservation],
+    state: BatchState,
+    rejections: Sequence[RejectionRecord],
+) -> list[Any]:
+    """The arguments of `_APPLY_SQL`, in order."""
+    reservations = batch_plan.final_reservations(forwarded)
+    keyed = [r for r in reservations if r.key is not None]
+    records = [state.records[(r.destination, r.key)] for r in keyed]  # type: ignore[index]
+    keyless = [r for r in reservations if r.key is None]
+    marks = batch_plan.raised_marks(forwarded, state)
+    rows = [rejection_values(record) for record in rejections]
+    return [
+        *_columns(keyed, ("destination", "key", "fingerprint", "attempt")),
+        [k.attempts for k in records],
+        *_columns(keyed, ("job_id", "generation", "owner")),
+        [k.created_at for k in records],
+        *_columns(keyed, ("at", "deadline", "barrier_until")),
+        *_columns(keyless, ("attempt", "job_id", "generation", "destination", "at")),
+        [r.barrier_until for r in keyless],
+        list(marks),
+        list(marks.values()),
+        state.now,
+        *([row[n] for row in rows] for n in range(len(REJECTION_FIELDS))),
+    ]
+
+
+def _columns(reservations: Sequence[Reservation], names: Sequence[str]) -> list[list[Any]]:
+    return [[getattr(r, name) for r in reservations] for name in names]

@@ -1,0 +1,117 @@
+"""The outcomes of a batch of attempts on PostgreSQL, in one statement.
+
+The outcomes recorded while the previous batch is on its way go together in one
+statement outside a transaction block: its own atomic, durable transaction
+(see `DURABLE_FROM`), one round trip for all of them.
+
+No advisory lock is needed: the statement first locks the rows it will change,
+`FOR UPDATE`, in (destination, key) order, the order in which a decision batch
+locks its key rows (`postgres_batch`), so neither ever waits on the other in the
+opposite order. A row is locked only while it is still held by the attempt
+(`attempt = o.attempt`, re-checked on the latest committed version under READ
+COMMITTED): an attempt whose key a decision has meanwhile given to another
+attempt touches nothing, and is answered False.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.store.records import Outcome
+from gateway.write.decision import WriteFacts
+from leases.postgres import DURABLE, STORE_NOW, Conn
+
+# Durability of a single statement run outside a transaction block. Such a
+# statement is its own (implicit) transaction, committed by the server after the
+# statement has finished (at the extended protocol's Sync). `synchronous_commit`
+# is consulted only at that commit, and `set_config(..., is_local => true)` lasts
+# until the end of the current transaction, here the implicit one: so evaluating
+# this once, anywhere in the statement, makes its commit wait for the WAL flush
+# exactly as `require_durable_commit` does for a BEGIN ... COMMIT block (raised to
+# `on` only when the server or role has it `off`; stronger settings kept), and the
+# setting ends with the statement (no session state). The sub-select must be read
+# by the statement (`FROM (...) durable`): a plain SELECT CTE that nothing
+# references is never evaluated.
+DURABLE_FROM = f"FROM (SELECT {DURABLE}) durable"
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """One attempt's outcome, to record in the next batch."""
+
+    facts: WriteFacts
+    attempt: str
+    outcome: Outcome
+
+
+# $1-$8 the keyed outcomes' columns, $9 the keyless attempts, $10 clock offset.
+# Returns the attempts whose key row was touched.
+_OUTCOMES_SQL = f"""
+WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$10")} AS now),
+held AS MATERIALIZED (
+    SELECT i.destination, i.key, i.attempt, o.kind, o.status, o.headers, o.body, o.omitted
+    FROM idempotency i JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[],
+        $5::int4[], $6::text[], $7::bytea[], $8::bool[])
+        AS o(destination, key, attempt, kind, status, headers, body, omitted)
+        ON i.destination = o.destination AND i.key = o.key AND i.attempt = o.attempt
+    ORDER BY i.destination, i.key
+    FOR UPDATE OF i
+), completed AS (
+    UPDATE idempotency i SET state = 'completed', status = h.status, headers = h.headers,
+        body = h.body, body_omitted = h.omitted, completed_at = n.now, updated_at = n.now,
+        barrier_until = NULL
+    FROM held h, n
+    WHERE h.kind = 'completed' AND i.destination = h.destination AND i.key = h.key
+        AND i.attempt = h.attempt
+    RETURNING i.attempt
+), released AS (
+    DELETE FROM idempotency i USING held h
+    WHERE h.kind = 'released' AND i.destination = h.destination AND i.key = h.key
+        AND i.attempt = h.attempt
+    RETURNING i.attempt
+), unknown AS (
+    UPDATE idempotency i SET state = 'unknown', updated_at = n.now, barrier_until = NULL
+    FROM held h, n
+    WHERE h.kind = 'unknown' AND i.destination = h.destination AND i.key = h.key
+        AND i.attempt = h.attempt
+    RETURNING i.attempt
+), gone AS (
+    DELETE FROM attempts WHERE attempt = ANY($9::text[])
+)
+SELECT ARRAY(SELECT attempt FROM completed UNION ALL SELECT attempt FROM released
+    UNION ALL SELECT attempt FROM unknown)
+{DURABLE_FROM}
+"""
+
+_KINDS = ("completed", "released", "unknown")
+
+
+async def record_outcomes(conn: Conn, batch: Sequence[Recorded], offset: float) -> list[bool]:
+    """Record every outcome of `batch` in one statement; per outcome, whether its
+    attempt still held its key (always True for a keyless write)."""
+    keyed = [r for r in batch if r.facts.key is not None]
+    for r in keyed:
+        if r.outcome.kind not in _KINDS:  # pragma: no cover - programming error
+            raise AssertionError(r.outcome.kind)
+    touched = set(
+        await conn.fetchval(
+            _OUTCOMES_SQL,
+            [r.facts.destination for r in keyed],
+            [r.facts.key for r in keyed],
+            [r.attempt for r in keyed],
+            [r.outcome.kind for r in keyed],
+            [r.outcome.status for r in keyed],
+            [_headers(r.outcome) for r in keyed],
+            [r.outcome.body if r.outcome.kind == "completed" else None for r in keyed],
+            [r.outcome.body_omitted for r in keyed],
+            [r.attempt for r in batch if r.facts.key is None],
+            offset,
+        )
+    )
+    return [r.facts.key is None or r.attempt in touched for r in batch]
+
+
+def _headers(outcome: Outcome) -> str | None:
+    return json.dumps(outcome.headers) if outcome.kind == "completed" else None
