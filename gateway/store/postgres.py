@@ -65,6 +65,12 @@ __all__ = ["GATEWAY_SCHEMA_VERSION", "PostgresStore"]
 _OUTAGE_CLASSES = ("08", "53", "57", "58", "XX")
 
 
+# Batches of each kind on their way at once, each on its own connection. More than
+# one overlaps a batch's round trips with the next one's; they are as safe as
+# two replicas' batches (the same locks, in the same order).
+BATCHES_IN_FLIGHT = 2
+
+
 class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     """Gateway store on PostgreSQL; also the lease store the lease API uses.
 
@@ -77,10 +83,13 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         self._skew = 0.0  # server clock minus local clock, seconds
         self.clock = self._clock
         self._decisions: GroupCommit[Operation] = GroupCommit(
-            self._run_decisions, name="postgres-decisions", drop_cancelled=True
+            self._run_decisions,
+            name="postgres-decisions",
+            in_flight=BATCHES_IN_FLIGHT,
+            drop_cancelled=True,
         )
         self._outcomes: GroupCommit[Recorded] = GroupCommit(
-            self._run_outcomes, name="postgres-outcomes"
+            self._run_outcomes, name="postgres-outcomes", in_flight=BATCHES_IN_FLIGHT
         )
         # Batches run again one operation at a time, by the SQLSTATE (or error
         # type) that failed them: a deadlock here would say the lock order broke.

@@ -91,7 +91,8 @@ _LOCK_SQL = (
 )
 
 # $1 clock offset, $2 the batch's jobs, $3/$4 destinations/keys of its keyed writes.
-# Barriers: aggregated per (job, generation) except the rows of the batch's own
+# Barriers: aggregated per (job, generation), job by job (on the indexes by job:
+# a scan of every in-flight row would also walk the dead versions of completed ones), except the rows of the batch's own
 # keys, which come whole with their `barrier_until` (a reservation replaces them).
 _STATE_SQL = f"""
 WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$1")} AS now),
@@ -105,13 +106,16 @@ SELECT n.now,
         WHERE job_id = ANY($2::text[])) AS leases,
     ARRAY(SELECT row(job_id, highest_generation) FROM fences
         WHERE job_id = ANY($2::text[])) AS marks,
-    ARRAY(SELECT row(job_id, generation, max(barrier_until)) FROM idempotency i
-        WHERE job_id = ANY($2::text[]) AND state = 'in_flight' AND barrier_until > n.now
-        AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination AND k.key = i.key)
-        GROUP BY job_id, generation) AS keyed,
-    ARRAY(SELECT row(job_id, generation, max(deadline)) FROM attempts
-        WHERE job_id = ANY($2::text[]) AND deadline > n.now
-        GROUP BY job_id, generation) AS keyless,
+    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[]) AS j(job_id)
+        CROSS JOIN LATERAL (SELECT generation, max(barrier_until) AS until FROM idempotency i
+            WHERE i.job_id = j.job_id AND state = 'in_flight' AND barrier_until > n.now
+            AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination
+                AND k.key = i.key)
+            GROUP BY generation) AS b) AS keyed,
+    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[]) AS j(job_id)
+        CROSS JOIN LATERAL (SELECT generation, max(deadline) AS until FROM attempts a
+            WHERE a.job_id = j.job_id AND deadline > n.now
+            GROUP BY generation) AS b) AS keyless,
     ARRAY(SELECT row(k.*) FROM k) AS records
 FROM n
 """

@@ -1,0 +1,274 @@
+"""PostgreSQL group commit: what one batch must keep of one-after-the-other decisions.
+
+Each protection is shown twice: the test that holds with it, and the same race
+with it switched off (a monkeypatched lock statement or batch state), which
+must show the violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from gateway.store import postgres as postgres_store
+from gateway.store import batch_plan, postgres_batch
+from gateway.store.batch_plan import BatchState
+from gateway.store.plan import WritePlan, plan_write
+from gateway.store.postgres import PostgresStore
+from gateway.store.postgres_batch import Log
+from gateway.store.records import Outcome, RejectionQuery, RejectionRecord
+from gateway.write.decision import Forward, WriteFacts
+from leases.errors import StoreUnavailable
+from leases.postgres import DURABLE
+from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, reason, write
+from tests.harness import eventually
+from tests.pg import fresh_database
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with fresh_database() as url:
+        yield url
+
+
+@pytest.fixture
+async def store(url: str) -> AsyncIterator[PostgresStore]:
+    store = await PostgresStore.open(url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _names(verdicts: list[Any]) -> list[str]:
+    return ["forward" if isinstance(v.decision, Forward) else reason(v) for v in verdicts]
+
+
+async def _one_batch(store: PostgresStore, writes: list[WriteFacts]) -> list[str]:
+    """Decide `writes` together; asserts they rode one batch."""
+    before = store._decisions.batches
+    verdicts = await asyncio.gather(*(store.decide_write(w, CONTEXT) for w in writes))
+    assert store._decisions.batches == before + 1
+    return _names(list(verdicts))
+
+
+# --- in-batch ordering ----------------------------------------------------------------
+
+
+async def test_two_writes_of_one_key_in_one_batch_forward_it_once(store: PostgresStore) -> None:
+    one_key = [write(job_id="job-a"), write(job_id="job-b")]
+    assert await _one_batch(store, one_key) == ["forward", "request_in_progress"]
+    # A newer generation first raises the mark the older one then finds.
+    two_generations = [write(job_id="j", generation=2, key="g2"), write(job_id="j", key="g1")]
+    assert await _one_batch(store, two_generations) == ["forward", "stale_generation"]
+    # An older generation first bars the newer one.
+    bar = [write(job_id="k", key="h1"), write(job_id="k", generation=2, key="h2")]
+    assert await _one_batch(store, bar) == ["forward", "older_generation_in_flight"]
+    assert (await store.job_state("j")).highest_generation == 2  # type: ignore[union-attr]
+
+
+async def test_against_the_state_before_the_batch_one_key_is_forwarded_twice(
+    store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-batch ordering switched off (each write decided against the state as
+    it was before the batch, its changes still applied): shows the test above can fail."""
+
+    def pre_batch(writes: Any, state: BatchState, new_attempt: Any) -> list[WritePlan]:
+        before = copy.deepcopy(state)
+        plans = []
+        for facts, context in writes:
+            plan = plan_write(facts, context, before.state_for(facts), state.now, new_attempt)
+            if plan.reservation is not None:
+                state.apply(plan.reservation)
+            plans.append(plan)
+        return plans
+
+    monkeypatch.setattr(batch_plan, "plan_batch", pre_batch)
+    one_key = [write(job_id="job-a"), write(job_id="job-b")]
+    assert await _one_batch(store, one_key) == ["forward", "forward"]
+
+
+# --- the lock order across replicas ------------------------------------------------------
+
+# Arrival order, not the lock keys' order: what the batches must not do.
+_ARRIVAL_ORDER_LOCK_SQL = (
+    f"SELECT {DURABLE}, count(pg_advisory_xact_lock(hashtextextended(name, 0))) "
+    "FROM unnest($1::text[]) AS name"
+)
+
+
+async def _crossed_batches(url: str) -> list[Any]:
+    """Two replicas each decide a batch of the jobs J1 and J2, in opposite arrival
+    orders, released together onto the job locks; returns both replicas."""
+    admin = await asyncpg.connect(url)
+    await admin.execute(f"ALTER DATABASE \"{url.rsplit('/', 1)[1]}\" SET deadlock_timeout = '50ms'")
+    replicas = [await PostgresStore.open(url, max_size=2) for _ in range(2)]
+    try:
+        await admin.execute(
+            "SELECT pg_advisory_lock(hashtextextended('job:J1', 0)), "
+            "pg_advisory_lock(hashtextextended('job:J2', 0))"
+        )
+        first = [write(job_id="J1", key="a1"), write(job_id="J2", key="a2")]
+        second = [write(job_id="J2", key="b2"), write(job_id="J1", key="b1")]
+        tasks = [
+            asyncio.create_task(_gathered(r, batch))
+            for r, batch in zip(replicas, (first, second), strict=True)
+        ]
+
+        async def both_waiting() -> bool:
+            waiting = await admin.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' "
+                "AND datname = current_database()"
+            )
+            return bool(waiting == 2)
+
+        await eventually(both_waiting, every=0.01, what="both batches waiting on a job lock")
+        await admin.execute("SELECT pg_advisory_unlock_all()")
+        verdicts = await asyncio.gather(*tasks)
+        assert all(v == ["forward", "forward"] for v in verdicts)  # a failed batch is retried
+        return [r.isolated for r in replicas]
+    finally:
+        await admin.close()
+        for r in replicas:
+            await r.close()
+
+
+async def _gathered(store: PostgresStore, writes: list[WriteFacts]) -> list[str]:
+    return await _one_batch(store, writes)
+
+
+async def test_replicas_batches_of_the_same_jobs_in_opposite_orders_never_deadlock(
+    url: str,
+) -> None:
+    assert await _crossed_batches(url) == [{}, {}]
+
+
+async def test_in_arrival_order_the_same_batches_deadlock(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock order switched off: shows the test above can fail."""
+    monkeypatch.setattr(postgres_batch, "_LOCK_SQL", _ARRIVAL_ORDER_LOCK_SQL)
+    isolated = await _crossed_batches(url)
+    assert sum(i["40P01"] for i in isolated) >= 1  # deadlock_detected, then run alone
+
+
+# --- rejection ids in commit order -------------------------------------------------------
+
+
+async def _ids_skipped(url: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Replica A logs a rejection and holds its transaction open after taking its
+    id; replica B logs one meanwhile. The ids visible then must be a prefix of all
+    ids: returns those that committed later yet below a visible one (a reader
+    paging down from the newest would never see them)."""
+    held, release = asyncio.Event(), asyncio.Event()
+    original = postgres_store.decide_batch
+
+    async def holding(conn: Any, batch: Any, offset: float) -> Any:
+        answers = await original(conn, batch, offset)
+        if any(isinstance(op, Log) and op.record.detail == "held" for op in batch):
+            held.set()
+            await release.wait()
+        return answers
+
+    monkeypatch.setattr(postgres_store, "decide_batch", holding)
+    a, b = [await PostgresStore.open(url) for _ in range(2)]
+    try:
+        await a.record_rejection(RejectionRecord(reason="unauthorized", detail="first"))
+        held_task = asyncio.create_task(
+            a.record_rejection(RejectionRecord(reason="unauthorized", detail="held"))
+        )
+        await held.wait()
+        late = asyncio.create_task(
+            b.record_rejection(RejectionRecord(reason="unauthorized", detail="late"))
+        )
+        watcher = await asyncpg.connect(url)
+
+        async def b_committed_or_waiting() -> bool:
+            waiting = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' "
+                "AND datname = current_database()"
+            )
+            return late.done() or waiting == 1
+
+        await eventually(b_committed_or_waiting, what="B's rejection committed or waiting")
+        await watcher.close()
+        visible = {r.id for r in await b.list_rejections(RejectionQuery(limit=100))}
+        release.set()
+        await asyncio.gather(held_task, late)
+        every = {r.id for r in await b.list_rejections(RejectionQuery(limit=100))}
+        return sorted(i for i in every - visible if i < max(visible))
+    finally:
+        release.set()
+        await a.close()
+        await b.close()
+
+
+async def test_rejection_ids_become_visible_in_order_across_replicas(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert await _ids_skipped(url, monkeypatch) == []
+
+
+async def test_without_the_order_lock_a_late_commit_hides_below_the_cursor(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protection switched off: shows the test above can fail."""
+    lock = "pg_advisory_xact_lock({}, {})".format(*postgres_batch.REJECTION_ORDER_LOCK)
+    assert lock in postgres_batch._APPLY_SQL
+    monkeypatch.setattr(postgres_batch, "_APPLY_SQL", postgres_batch._APPLY_SQL.replace(lock, "1"))
+    assert await _ids_skipped(url, monkeypatch) == [2]
+
+
+# --- failures stay with their own operation -----------------------------------------------
+
+
+async def test_a_write_the_database_refuses_fails_alone(store: PostgresStore) -> None:
+    writes = [write(job_id="ok-1", key="k1"), write(job_id="bad\x00", key="k2")]
+    writes.append(write(job_id="ok-2", key="k3"))
+    answers = await asyncio.gather(
+        *(store.decide_write(w, CONTEXT) for w in writes), return_exceptions=True
+    )
+    assert isinstance(answers[1], StoreUnavailable)
+    assert _names([answers[0], answers[2]]) == ["forward", "forward"]
+    assert set(store.isolated) == {"22021"}  # character_not_in_repertoire: the NUL
+
+
+async def test_an_unreachable_store_fails_the_whole_batch_at_once(store: PostgresStore) -> None:
+    await store._pool.close()  # every connection gone, as when the server is
+    answers = await asyncio.gather(
+        *(store.decide_write(write(key=f"k{n}"), CONTEXT) for n in range(3)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(a, StoreUnavailable) for a in answers)
+    assert store.isolated == {}  # not run again one by one
+
+
+# --- outcomes ------------------------------------------------------------------------------
+
+
+async def test_outcomes_recorded_together_share_one_statement(store: PostgresStore) -> None:
+    writes = [write(key=f"k{n}", job_id=f"j{n}") for n in range(3)] + [write(key=None)]
+    verdicts = [await store.decide_write(w, CONTEXT) for w in writes]
+    attempts = [v.attempt for v in verdicts]
+    outcomes = [COMPLETED, Outcome("released"), Outcome("unknown"), COMPLETED]
+    attempts[1] = "not-its-attempt"
+    before = store._outcomes.batches
+    held = await asyncio.gather(
+        *(
+            store.record_outcome(w, a, o)  # type: ignore[arg-type]
+            for w, a, o in zip(writes, attempts, outcomes, strict=True)
+        )
+    )
+    assert store._outcomes.batches == before + 1
+    assert held == [True, False, True, True]
+    states = [await store.key_record("pay", f"k{n}") for n in range(3)]
+    assert [s.state for s in states] == ["completed", "in_flight", "unknown"]  # type: ignore[union-attr]
+    assert (states[0].status, states[0].body) == (201, b'{"ok":1}')  # type: ignore[union-attr]
+    assert (await store.job_state("job-1")).in_flight == ()  # type: ignore[union-attr]
