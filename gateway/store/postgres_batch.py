@@ -90,9 +90,11 @@ _LOCK_SQL = (
     "ORDER BY h) AS ordered"
 )
 
-# $1 clock offset, $2 the batch's jobs, $3/$4 destinations/keys of its keyed writes.
-# Barriers: aggregated per (job, generation), job by job (on the indexes by job:
-# a scan of every in-flight row would also walk the dead versions of completed ones), except the rows of the batch's own
+# $1 clock offset, $2 the batch's jobs, $3/$4 destinations/keys of its keyed writes,
+# $5 per job the highest generation it writes (only older attempts bar it).
+# Barriers: aggregated per (job, generation), job by job on the indexes by (job,
+# generation) (a scan of every in-flight row would also walk the dead versions of
+# completed ones), except the rows of the batch's own
 # keys, which come whole with their `barrier_until` (a reservation replaces them).
 _STATE_SQL = f"""
 WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$1")} AS now),
@@ -106,15 +108,18 @@ SELECT n.now,
         WHERE job_id = ANY($2::text[])) AS leases,
     ARRAY(SELECT row(job_id, highest_generation) FROM fences
         WHERE job_id = ANY($2::text[])) AS marks,
-    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[]) AS j(job_id)
+    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
+            AS j(job_id, below)
         CROSS JOIN LATERAL (SELECT generation, max(barrier_until) AS until FROM idempotency i
-            WHERE i.job_id = j.job_id AND state = 'in_flight' AND barrier_until > n.now
+            WHERE i.job_id = j.job_id AND state = 'in_flight' AND generation < j.below
+            AND barrier_until > n.now
             AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination
                 AND k.key = i.key)
             GROUP BY generation) AS b) AS keyed,
-    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[]) AS j(job_id)
+    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
+            AS j(job_id, below)
         CROSS JOIN LATERAL (SELECT generation, max(deadline) AS until FROM attempts a
-            WHERE a.job_id = j.job_id AND deadline > n.now
+            WHERE a.job_id = j.job_id AND generation < j.below AND deadline > n.now
             GROUP BY generation) AS b) AS keyless,
     ARRAY(SELECT row(k.*) FROM k) AS records
 FROM n
@@ -200,10 +205,12 @@ def _answer(planned: WritePlan | Log, ids: Any) -> Verdict | int:
     return planned.verdict(int(next(ids)))
 
 
-def _read_args(facts: Sequence[WriteFacts]) -> tuple[list[str], list[str], list[str]]:
-    jobs = sorted({f.job_id for f in facts})
+def _read_args(facts: Sequence[WriteFacts]) -> tuple[list[Any], ...]:
+    below: dict[str, int] = {}
+    for f in facts:
+        below[f.job_id] = max(f.generation, below.get(f.job_id, f.generation))
     keyed = sorted({(f.destination, f.key) for f in facts if f.key is not None})
-    return jobs, [d for d, _ in keyed], [k for _, k in keyed]
+    return list(below), [d for d, _ in keyed], [k for _, k in keyed], list(below.values())
 
 
 def _batch_state(row: Any) -> BatchState:

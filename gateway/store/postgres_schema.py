@@ -46,7 +46,11 @@ CREATE TABLE IF NOT EXISTS idempotency (
 ALTER TABLE idempotency ADD COLUMN IF NOT EXISTS barrier_until double precision;
 CREATE INDEX IF NOT EXISTS idempotency_in_flight ON idempotency (job_id, generation)
     WHERE state = 'in_flight';
-CREATE INDEX IF NOT EXISTS idempotency_completed ON idempotency (state, completed_at);
+-- Settled keys only: the write path's barrier read walks a job's in-flight rows on
+-- idempotency_in_flight, and an index on every state drew it onto all of them.
+CREATE INDEX IF NOT EXISTS idempotency_settled ON idempotency (state, completed_at)
+    WHERE state <> 'in_flight';
+DROP INDEX IF EXISTS idempotency_completed;
 CREATE TABLE IF NOT EXISTS attempts (
     attempt text PRIMARY KEY,
     job_id text NOT NULL,
