@@ -1,4 +1,4 @@
-"""One batch of write decisions on PostgreSQL: one transaction, four statements.
+"""One batch of write decisions on PostgreSQL: BEGIN, three statements, COMMIT.
 
 `decide_batch(conn, operations)` runs inside a READ COMMITTED transaction:
 
