@@ -10,10 +10,13 @@ batch, and one batch is one short READ COMMITTED transaction on a pooled
 connection: BEGIN, the advisory locks of all its jobs and keys in one statement,
 all its state in one statement, the decisions in Python in arrival order, all
 their changes in one statement, COMMIT (durable); see `postgres_batch`. The
-outcomes recorded meanwhile go together in one autocommit statement
-(`postgres_outcomes`). Each caller gets its own answer once its batch has
-committed. A batch that fails other than by the store being unreachable is run
-again one operation at a time, so an operation's failure is its own alone.
+outcomes recorded meanwhile go together in one statement, in a transaction of
+their own (`postgres_outcomes`). Both ask for custom plans first
+(`CUSTOM_PLANS`): a generic plan costed while the tables were small is kept
+per connection and went on hashing the whole key table as it grew. Each
+caller gets its own answer once its batch has committed. A batch that fails
+other than by the store being unreachable is run again one operation at a time,
+so an operation's failure is its own alone.
 
 The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
 `clock()` is synchronous (the lease API stamps `server_time`, the janitor and
@@ -38,7 +41,7 @@ import asyncpg  # type: ignore[import-untyped]
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
-from gateway.store.postgres_outcomes import Recorded, record_outcomes
+from gateway.store.postgres_outcomes import CUSTOM_PLANS_SQL, Recorded, record_outcomes
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
 from gateway.store.records import (
     Outcome,
@@ -177,7 +180,8 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL gateway write failed"):
-            async with self._pool.acquire() as conn:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(CUSTOM_PLANS_SQL)
                 return list(await record_outcomes(conn, batch, offset))
 
     async def _isolating(

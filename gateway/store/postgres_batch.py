@@ -2,7 +2,8 @@
 
 `decide_batch(conn, operations)` runs inside a READ COMMITTED transaction:
 
-1. one statement: `synchronous_commit` on for this transaction, then
+1. one statement: `synchronous_commit` on for this transaction, custom plans
+   for the statements after it (`postgres_outcomes.CUSTOM_PLANS`), then
    `pg_advisory_xact_lock` on every job and every (destination, key) of the
    batch, in the order of the locks' keys (`_LOCK_SQL`). The job lock
    serialises the decisions of one job across replicas, which the generation
@@ -40,6 +41,7 @@ from typing import Any
 from gateway.store import batch_plan
 from gateway.store.batch_plan import Barrier, BatchState, KeyId
 from gateway.store.plan import Reservation, WritePlan
+from gateway.store.postgres_outcomes import CUSTOM_PLANS
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -85,7 +87,7 @@ REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
 # $1: the lock names. DISTINCT + ORDER BY the lock key: one global order. The
 # sub-select is sorted before the outer target list takes the locks in turn.
 _LOCK_SQL = (
-    f"SELECT {DURABLE}, count(pg_advisory_xact_lock(h)) FROM "
+    f"SELECT {DURABLE}, {CUSTOM_PLANS}, count(pg_advisory_xact_lock(h)) FROM "
     "(SELECT DISTINCT hashtextextended(name, 0) AS h FROM unnest($1::text[]) AS name "
     "ORDER BY h) AS ordered"
 )

@@ -272,3 +272,58 @@ async def test_outcomes_recorded_together_share_one_statement(store: PostgresSto
     assert [s.state for s in states] == ["completed", "in_flight", "unknown"]  # type: ignore[union-attr]
     assert (states[0].status, states[0].body) == (201, b'{"ok":1}')  # type: ignore[union-attr]
     assert (await store.job_state("job-1")).in_flight == ()  # type: ignore[union-attr]
+
+
+# --- plans --------------------------------------------------------------------------------
+
+# What the batch statements look like in `pg_prepared_statements` (asyncpg prepares
+# and caches each one per connection).
+_BATCH_STATEMENTS = {"state": "k AS MATERIALIZED", "outcomes": "held AS MATERIALIZED"}
+
+
+async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[str, list[int]]:
+    """Run `rounds` decide+outcome batches, then read, on the store's one
+    connection, how often each batch statement was planned generic and custom."""
+    for n in range(rounds):
+        facts = write(key=f"plan-{n}", generation=1)
+        verdict = await store.decide_write(facts, CONTEXT)
+        assert verdict.attempt is not None
+        assert await store.record_outcome(facts, verdict.attempt, COMPLETED)
+    async with store._pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+        )
+    plans: dict[str, list[int]] = {}
+    for name, marker in _BATCH_STATEMENTS.items():
+        (row,) = [r for r in rows if marker in r["statement"]]
+        plans[name] = [row["generic_plans"], row["custom_plans"]]
+    return plans
+
+
+async def test_batch_statements_are_planned_for_their_arrays_every_time(url: str) -> None:
+    """A generic plan is made once per connection on the statistics of the moment and
+    kept: made while the tables were small, it hashed the whole key table on every
+    batch once they had grown. The batch transactions ask for custom plans."""
+    store = await PostgresStore.open(url, max_size=1)
+    try:
+        plans = await _plans_of_batch_statements(store, rounds=12)
+    finally:
+        await store.close()
+    assert plans == {"state": [0, 12], "outcomes": [0, 12]}
+
+
+async def test_without_custom_plans_the_server_settles_on_a_generic_plan(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protection switched off: after its first few executions the server keeps
+    a generic plan for a batch statement (the outcomes', here; whether the state
+    read's goes generic too depends on its costs), which the test above rules out."""
+    monkeypatch.setattr(postgres_store, "CUSTOM_PLANS_SQL", "SELECT 1")
+    lock_sql = postgres_batch._LOCK_SQL.replace(postgres_batch.CUSTOM_PLANS, "1")
+    monkeypatch.setattr(postgres_batch, "_LOCK_SQL", lock_sql)
+    store = await PostgresStore.open(url, max_size=1)
+    try:
+        plans = await _plans_of_batch_statements(store, rounds=12)
+    finally:
+        await store.close()
+    assert any(generic > 0 for generic, _ in plans.values()), plans
