@@ -135,24 +135,23 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 1 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be 1..1000, got {value}")
-    return value
+def _count(high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in 1..`high`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be 1..{high}, got {value}")
+        return value
+
+    return parse
 
 
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 1 <= value <= MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"must be 1..{MAX_WORKERS}, got {value}")
-    return value
+_limit = _count(1000)
+_workers = _count(MAX_WORKERS)
 
 
 def _version() -> str:

@@ -387,9 +387,8 @@ async def exit_of(process: asyncio.subprocess.Process) -> str:
     return err.decode()
 
 
-async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: Path) -> None:
-    (tmp_path / "store").mkdir()  # a directory where the SQLite file should be
-    config = write_config(tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9")
+async def serve_to_exit(config: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """`serve --workers 2` on `config`, to its exit: the process and its stderr."""
     process = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"),
         cwd=REPO,
@@ -397,7 +396,13 @@ async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: 
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    err = await exit_of(process)
+    return process, await exit_of(process)
+
+
+async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()  # a directory where the SQLite file should be
+    config = write_config(tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9")
+    process, err = await serve_to_exit(config)
     assert process.returncode == 1
     assert err.count("cannot open SQLite database") == 1, err
 
@@ -408,13 +413,6 @@ async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gatewa
     other = sqlite_gateway.directory / "other"
     taken = sqlite_gateway.listen
     config = write_config(other, f"sqlite:///{other / 'gateway.db'}", "http://127.0.0.1:9", taken)
-    process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"),
-        cwd=REPO,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    err = await exit_of(process)
+    process, err = await serve_to_exit(config)
     assert process.returncode == 1
     assert f"cannot listen on {taken}: Address already in use" in err, err
