@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -311,3 +314,18 @@ async def running_gateway(
             yield Gateway(url, store, gateway_clock, session, app)
     finally:
         await store.close()
+
+
+def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    """`sinkgate chaos ARGS` in a process of its own: its exit code, its JSON report
+    and what it printed (stdout, then stderr)."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert report_path.exists(), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(report_path.read_text()), proc.stdout + proc.stderr

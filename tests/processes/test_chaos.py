@@ -4,9 +4,6 @@ process, real workers on the real client."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ import pytest
 from gateway.tools.chaos import run as chaos
 from gateway.tools.chaos.destination import FAULT_KINDS
 from gateway.tools.chaos.judge import FinalLease, judge
+from tests.harness import run_chaos
 
 # --- the judge ---------------------------------------------------------------------------
 
@@ -83,19 +81,6 @@ def test_a_missing_effect_is_allowed_only_when_unknown_and_explained() -> None:
 # --- real runs ---------------------------------------------------------------------------
 
 SMALL = ["--workers", "6", "--jobs", "10", "--duration", "5", "--ttl", "0.8", "--max-pause", "2"]
-
-
-def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    report_path = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert report_path.exists(), proc.stdout + proc.stderr
-    return proc.returncode, json.loads(report_path.read_text()), proc.stdout
 
 
 @pytest.mark.slow

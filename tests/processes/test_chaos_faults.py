@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -22,6 +20,7 @@ from gateway.tools.chaos import faults, proxy
 from gateway.tools.chaos import run as chaos
 from gateway.tools.chaos.processes import GatewayProcess
 from gateway.tools.chaos.records import check_records
+from tests.harness import run_chaos
 from tests.pg import PG_ADMIN_URL, fresh_database, pg_skip_reason, skip_or_fail
 
 SHORT = ["--workers", "6", "--jobs", "10", "--duration", "8", "--ttl", "0.8", "--max-pause", "2"]
@@ -66,19 +65,6 @@ def test_a_2xx_must_match_an_applied_effect() -> None:
 
 
 # --- short real runs ---------------------------------------------------------------------
-
-
-def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    report_path = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert report_path.exists(), proc.stdout + proc.stderr
-    return proc.returncode, json.loads(report_path.read_text()), proc.stdout + proc.stderr
 
 
 def assert_clean(code: int, report: dict[str, Any], out: str) -> None:

@@ -9,33 +9,17 @@ they land as stale effects: the window is real and the judge sees it. With
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gateway.tools.chaos import run as chaos
+from tests.harness import run_chaos
 
 LATE = [
     *("--workers", "5", "--jobs", "6", "--duration", "4", "--ttl", "0.8", "--max-pause", "2"),
     *("--seed", "12", "--pause-rate", "0.4", "--upstream-faults", "0.2"),
 ]
-
-
-def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    report_path = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert report_path.exists(), proc.stdout + proc.stderr
-    return proc.returncode, json.loads(report_path.read_text()), proc.stdout
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/processes/test_workers.py",
         '"--workers", "2"',
     ),
-    "sinkgate chaos": ("tests/processes/test_chaos.py", '"-m", "gateway", "chaos"'),
+    "sinkgate chaos": ("tests/harness.py", '"-m", "gateway", "chaos"'),
     "sinkgate chaos --bypass-gateway": ("tests/processes/test_chaos.py", '"--bypass-gateway"'),
     "sinkgate chaos --gateways 3 --kill-every 3 --store "
     "postgresql://postgres@127.0.0.1:5432/chaos": (
