@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from gateway.app import create_app
+from gateway.app import create_app, write_front
 from gateway.config.model import Config, DestinationConfig
 from gateway.http.server import GatewayRunner
 from gateway.store.postgres import PostgresStore
@@ -310,7 +310,10 @@ async def running_gateway(
         gateway_clock = OffsetClock(store)
     app = create_app(config, store=store, clock=gateway_clock)
     try:
-        async with serving(app, shutdown_timeout=5) as url, aiohttp.ClientSession() as session:
+        async with (
+            serving(app, front=write_front(app), shutdown_timeout=5) as url,
+            aiohttp.ClientSession() as session,
+        ):
             yield Gateway(url, store, gateway_clock, session, app)
     finally:
         await store.close()

@@ -17,6 +17,9 @@ against; tests/e2e/test_hardening.py checks the answers on both listeners.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from aiohttp import web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
@@ -99,16 +102,29 @@ class _ProblemServer(web.Server):
         return _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+RequestHandler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+# Given the application's own handler, the one the listener calls instead.
+Front = Callable[[RequestHandler], RequestHandler]
+
+
 class GatewayRunner(web.AppRunner):
     """`web.AppRunner` whose listener answers aiohttp's own parse errors as
-    problem+json. Takes the same options."""
+    problem+json. Takes the same options, and `front`: what the listener calls
+    for each request in place of the application (given the application's
+    handler to fall back on), so a hot route can skip the router and the
+    middleware chain."""
+
+    def __init__(self, app: web.Application, *, front: Front | None = None, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self._front = front
 
     async def _make_server(self) -> web.Server:
         """aiohttp's own `Server` first (it starts and freezes the app and folds in
         the runner's options), then ours from the same arguments."""
         made = await super()._make_server()
+        handler = made.request_handler
         return _ProblemServer(
-            made.request_handler,
+            handler if self._front is None else self._front(handler),
             request_factory=made.request_factory,
             handler_cancellation=made.handler_cancellation,
             loop=made._loop,

@@ -32,7 +32,7 @@ from types import MappingProxyType
 import aiohttp
 from aiohttp import web
 
-from gateway.app import create_app
+from gateway.app import create_app, write_front
 from gateway.config.model import Config, DestinationConfig
 from gateway.http.server import GatewayRunner
 from gateway.telemetry.logs import configure_logging
@@ -92,7 +92,7 @@ class Recorder:
 
 @asynccontextmanager
 async def _serve(app: web.Application) -> AsyncIterator[str]:
-    runner = GatewayRunner(app, access_log=None, shutdown_timeout=2)
+    runner = GatewayRunner(app, front=write_front(app), access_log=None, shutdown_timeout=2)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

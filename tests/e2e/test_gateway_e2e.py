@@ -263,6 +263,22 @@ async def test_quoted_key_is_the_same_key_unquoted(
     assert len(upstream.received) == 1
 
 
+async def test_a_write_sent_with_expect_100_continue_gets_its_continue_and_one_forward(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """The listener's fast way in leaves such a write to the application, whose
+    router answers `100 Continue`: the client sends its body only after it."""
+    await gw.claim("job-1")
+    expect = {"Expect": "100-continue"}
+    first = await asyncio.wait_for(gw.write("/to/pay/x", headers=expect), 10)
+    assert first[0] == 201, first
+    again = await asyncio.wait_for(gw.write("/to/pay/x", headers=expect), 10)
+    assert again[0] == 201 and again[1]["Idempotent-Replayed"] == "true"
+    assert len(upstream.received) == 1
+    assert upstream.received[0].body == b'{"amount": 100}'
+    assert "Expect" not in upstream.received[0].headers
+
+
 # --- step 6: the fence --------------------------------------------------------------------
 
 
