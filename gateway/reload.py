@@ -109,7 +109,7 @@ class Reloader:
             if self._writes is not None:
                 await self._writes.upstreams.replace(destinations)
                 for name in destinations:
-                    self._writes.in_flight.setdefault(name, 0)
+                    self._writes.track(name)
                 self._writes.config = applied
             self.config = applied
             result = _difference(old.destinations, destinations, refused)

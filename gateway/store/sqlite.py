@@ -8,10 +8,11 @@ own, and each caller gets its answer only once the batch is durable.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 from typing import Any
+
+import orjson
 
 from gateway.store import sqlite_admin
 from gateway.store.plan import Reservation, plan_write
@@ -222,7 +223,7 @@ def _outcome_tx(
             "body_omitted = ?, completed_at = ?, updated_at = ?, barrier_until = NULL" + where,
             (
                 outcome.status,
-                json.dumps(outcome.headers),
+                orjson.dumps(outcome.headers).decode(),
                 outcome.body,
                 int(outcome.body_omitted),
                 now,

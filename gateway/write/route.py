@@ -8,6 +8,7 @@ path checks see exactly what the worker sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from typing import Any
@@ -53,10 +54,22 @@ class WriteGateway:
         self.store = store
         self.upstreams = upstreams
         self.metrics = metrics
-        self.in_flight: dict[str, int] = dict.fromkeys(config.destinations, 0)
+        self.in_flight: dict[str, int] = {}
         self.in_flight_total = 0
         self.forwards: set[asyncio.Task[Any]] = set()
+        for name in config.destinations:
+            self.track(name)
         traces.instrument_writes(self)  # spans around handle, store and upstreams, if on
+
+    def track(self, name: str) -> None:
+        """Count `name`'s writes in flight; the gauge reads the count when scraped,
+        so a write pays no metric update for it."""
+        if name in self.in_flight:
+            return
+        self.in_flight[name] = 0
+        in_flight = self.in_flight
+        gauge = self.metrics.child(self.metrics.in_flight, name)
+        gauge.set_function(lambda: in_flight[name])
 
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
         started = time.perf_counter()
@@ -212,13 +225,10 @@ class WriteGateway:
             raise Rejection(Reason.OVERLOADED, "too many writes in flight", retry_after=1)
         self.in_flight[name] += 1
         self.in_flight_total += 1
-        self.metrics.child(self.metrics.in_flight, name).set(self.in_flight[name])
 
     def _release(self, destination: DestinationConfig) -> None:
         self.in_flight[destination.name] -= 1
         self.in_flight_total -= 1
-        name = destination.name
-        self.metrics.child(self.metrics.in_flight, name).set(self.in_flight[name])
 
     async def _forward(
         self,
@@ -335,10 +345,15 @@ def _replay(decision: Replay) -> web.Response:
     return web.Response(status=record.status, body=record.body, headers=headers)
 
 
+@functools.lru_cache(maxsize=256)
+def _lower_names(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(name.lower() for name in names)
+
+
 def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -> Outcome:
     if answer.status in destination.retryable_statuses:
         return Outcome("released")
-    wanted = {name.lower() for name in destination.replay_headers}
+    wanted = _lower_names(destination.replay_headers)
     headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
     omitted = answer.rest is not None or len(answer.body) > destination.max_replay_body
     return Outcome(
