@@ -85,7 +85,7 @@ class TurnBufferedLoggerFactory:
     """structlog `logger_factory` for `TurnBufferedLogger`s on one file."""
 
     def __init__(self, file: BinaryIO) -> None:
-        self._buffer = TurnBuffer(file)
+        self.buffer = TurnBuffer(file)
 
     def __call__(self, *args: Any) -> TurnBufferedLogger:
-        return TurnBufferedLogger(self._buffer, name=args[0] if args else None)
+        return TurnBufferedLogger(self.buffer, name=args[0] if args else None)

@@ -25,6 +25,7 @@ from gateway.http.problem import problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.telemetry import traces
+from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
 from gateway.write.relay import close_stream as _close_stream
@@ -108,7 +109,7 @@ class WriteGateway:
         metrics.child(metrics.writes, label, fields.get("decision", "rejected")).inc()
         if traces.TRACER is not None:
             traces.annotate(fields)  # the span gets the fields, the line the trace ids
-        log.info("write_decision", **fields)
+        info_line(log, "write_decision", fields)
         return response
 
     # --- steps 1-5: request shape, nothing stored unless recorded as a rejection ---------

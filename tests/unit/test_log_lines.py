@@ -1,0 +1,86 @@
+"""`info_line`, the write route's cheap way to the JSON log, and the time stamp."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from gateway.telemetry import logs
+from gateway.telemetry.logs import configure_logging, info_line, utc_timestamp
+from leases.reasons import Reason
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers, root.level = handlers, level
+
+
+FIELDS = {
+    "destination": "payments",
+    "generation": 7,
+    "reason": Reason.DUPLICATE,
+    "rejection_id": None,
+    "total_ms": 1.25,
+    "huge": 2**70,  # beyond orjson: the standard library's encoder takes the line
+}
+
+
+def _lines(capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:
+    return [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+
+
+def test_info_line_writes_what_structlog_writes_field_for_field_in_its_order(
+    capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    configure_logging("info", json=True)
+    log = structlog.get_logger("gateway.write")
+    with structlog.contextvars.bound_contextvars(worker=2):
+        info_line(log, "write_decision", FIELDS)
+        log.info("write_decision", **FIELDS)
+    fast, slow = _lines(capsys)
+    assert list(fast) == list(slow)  # same keys, same order
+    fast.pop("timestamp"), slow.pop("timestamp")
+    assert fast == slow
+    assert fast["worker"] == 2 and fast["level"] == "info" and fast["reason"] == "duplicate"
+    assert FIELDS.keys().isdisjoint({"event", "level", "timestamp"})  # the caller's dict is kept
+
+
+def test_info_line_honours_the_level(
+    capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    configure_logging("warning", json=True)
+    info_line(structlog.get_logger(), "write_decision", FIELDS)
+    assert capsys.readouterr().err == ""
+
+
+def test_info_line_goes_through_structlog_when_another_configuration_holds(
+    capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    configure_logging("info", json=True)
+    with capture_logs() as captured:
+        info_line(structlog.get_logger(), "write_decision", {"destination": "payments"})
+    assert captured == [{"destination": "payments", "event": "write_decision", "log_level": "info"}]
+    assert capsys.readouterr().err == ""
+    assert logs._JSON_LINES is not None  # it was set up, and stood aside
+
+
+@pytest.mark.parametrize(
+    "nanos", [1_700_000_000_000_000_000, 1_700_000_000_250_000_000, 1_764_606_639_135_006_999]
+)
+def test_utc_timestamp_is_structlogs_iso_format(
+    monkeypatch: pytest.MonkeyPatch, nanos: int
+) -> None:
+    monkeypatch.setattr(logs.time, "time_ns", lambda: nanos)
+    second, rest = divmod(nanos, 10**9)
+    moment = datetime.fromtimestamp(second, UTC).replace(microsecond=rest // 1000)
+    assert utc_timestamp() == moment.isoformat().replace("+00:00", "Z")
