@@ -16,6 +16,7 @@ from urllib.parse import unquote
 # WHATWG URL parsers treat `\` as `/` in http(s) URLs, so both count.
 _NETWORK_PATH = re.compile(r"/[/\\]")
 _SCHEME_THEN_AUTHORITY = re.compile(r"/[A-Za-z][A-Za-z0-9+.-]*:[/\\]{2}")
+_SEPARATOR = re.compile(r"[/\\]")
 
 
 def names_another_host(path: str) -> bool:
@@ -25,9 +26,11 @@ def names_another_host(path: str) -> bool:
 
 def climbs_above_base(path: str) -> bool:
     """True if `..` segments, decoded, would climb above the upstream's base path."""
+    if ".." not in path and "%" not in path:
+        return False  # no segment is, or decodes to, `..`
     depth = 0
     for raw_segment in path.split("/"):
-        for segment in re.split(r"[/\\]", unquote(raw_segment)):
+        for segment in _SEPARATOR.split(unquote(raw_segment)):
             if segment == "..":
                 depth -= 1
                 if depth < 0:
