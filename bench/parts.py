@@ -89,24 +89,27 @@ def part_of(frames: list[str]) -> str:
     return "other"
 
 
-def breakdown(raw: Path) -> tuple[dict[str, float], int]:
-    """Share of samples per part in a py-spy `-f raw` file, and the sample count."""
+def breakdown(raw: Path, thread: str | None = None) -> tuple[dict[str, float], int]:
+    """Share of samples per part in a py-spy `-f raw` file, and the sample count;
+    `thread`: only the samples of threads whose name contains it."""
     counts: dict[str, int] = dict.fromkeys(PARTS, 0)
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
-        frames = stack.split(";")[1:]  # the first entry names the thread
+        thread_name, *frames = stack.split(";")  # the first entry names the thread
+        if thread is not None and thread not in thread_name:
+            continue
         counts[part_of(frames)] += int(count_text)
         total += int(count_text)
     return {p: c / total if total else 0.0 for p, c in counts.items()}, total
 
 
-def table(raws: list[Path], cpu_ms: list[float] | None = None) -> str:
+def table(raws: list[Path], cpu_ms: list[float] | None = None, thread: str | None = None) -> str:
     """A markdown table: one column per profile, share (and ms/write when the
-    CPU per write of that profile's run is given)."""
-    shares = [breakdown(r)[0] for r in raws]
+    CPU per write of that profile's run, or of that thread, is given)."""
+    shares = [breakdown(r, thread)[0] for r in raws]
     head = "| part | " + " | ".join(r.stem for r in raws) + " |"
     lines = [head, "|---|" + "---:|" * len(raws)]
     for part in PARTS:
@@ -123,14 +126,23 @@ def table(raws: list[Path], cpu_ms: list[float] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`raw files... [--cpu ms,ms,...]`: print the by-part table."""
+    """`raw files... [--cpu ms,ms,...] [--thread NAME]`: print the by-part table.
+
+    `--thread MainThread` counts the event-loop thread alone; with `--cpu` given
+    that thread's CPU per write (bench.run's "loop ms/req"), each cell is then
+    that thread's CPU per write in the part."""
     args = list(sys.argv[1:] if argv is None else argv)
     cpu = None
+    thread = None
     if "--cpu" in args:
         i = args.index("--cpu")
         cpu = [float(x) for x in args[i + 1].split(",")]
         del args[i : i + 2]
-    print(table([Path(a) for a in args], cpu))
+    if "--thread" in args:
+        i = args.index("--thread")
+        thread = args[i + 1]
+        del args[i : i + 2]
+    print(table([Path(a) for a in args], cpu, thread))
     return 0
 
 
