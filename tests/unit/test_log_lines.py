@@ -1,10 +1,10 @@
-"""`info_line`, the write route's cheap way to the JSON log, and the time stamp."""
+"""`info_line`, the write route's cheap way to the JSON log, and the time stamp.
+
+The autouse fixture in tests/conftest.py gives each test the logging it found."""
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -14,16 +14,6 @@ from structlog.testing import capture_logs
 from gateway.telemetry import logs
 from gateway.telemetry.logs import configure_logging, info_line, utc_timestamp
 from leases.reasons import Reason
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.reset_defaults()
-    root.handlers, root.level = handlers, level
-
 
 FIELDS = {
     "destination": "payments",
@@ -40,7 +30,7 @@ def _lines(capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:
 
 
 def test_info_line_writes_what_structlog_writes_field_for_field_in_its_order(
-    capsys: pytest.CaptureFixture[str], restore_logging: None
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     configure_logging("info", json=True)
     log = structlog.get_logger("gateway.write")
@@ -55,16 +45,14 @@ def test_info_line_writes_what_structlog_writes_field_for_field_in_its_order(
     assert FIELDS.keys().isdisjoint({"event", "level", "timestamp"})  # the caller's dict is kept
 
 
-def test_info_line_honours_the_level(
-    capsys: pytest.CaptureFixture[str], restore_logging: None
-) -> None:
+def test_info_line_honours_the_level(capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging("warning", json=True)
     info_line(structlog.get_logger(), "write_decision", FIELDS)
     assert capsys.readouterr().err == ""
 
 
 def test_info_line_goes_through_structlog_when_another_configuration_holds(
-    capsys: pytest.CaptureFixture[str], restore_logging: None
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     configure_logging("info", json=True)
     with capture_logs() as captured:
