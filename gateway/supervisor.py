@@ -102,7 +102,7 @@ def _socket(family: int, kind: int, proto: int, *, reuse_port: bool) -> socket.s
     return sock
 
 
-def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
+def _bind(sock: socket.socket, address: tuple[object, ...], host: str, port: int) -> None:
     try:
         sock.bind(address)
     except OSError as exc:

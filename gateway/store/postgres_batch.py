@@ -187,9 +187,9 @@ async def decide_batch(
     plans = iter(batch_plan.plan_batch(writes, state, new_attempt_id))
     planned = [next(plans) if isinstance(op, Decide) else op for op in operations]
     rejections = [
-        (p.rejection if isinstance(p, WritePlan) else p.record)
-        for p in planned
-        if not isinstance(p, WritePlan) or p.rejection is not None
+        r
+        for r in (p.rejection if isinstance(p, WritePlan) else p.record for p in planned)
+        if r is not None
     ]
     forwarded = [
         p.reservation for p in planned if isinstance(p, WritePlan) and p.reservation is not None
