@@ -647,6 +647,28 @@ async def test_unknown_destinations_share_one_metric_series(gw: Gateway) -> None
     assert 'destination="a1"' not in text
 
 
+async def test_the_in_flight_gauge_counts_a_forward_while_it_is_at_the_upstream(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """Read when scraped: there at 0 for every destination, 1 while a write waits
+    for its upstream, 0 again once it is answered."""
+    from gateway.http.appkeys import METRICS
+
+    def in_flight(destination: str) -> str:
+        text = gw.app[METRICS].render()[0].decode()
+        prefix = f'sinkgate_in_flight_writes{{destination="{destination}"}} '
+        return next(line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix))
+
+    assert in_flight("pay") == in_flight("mono") == "0.0"
+    await gw.claim("job-1")
+    write = asyncio.create_task(gw.write("/to/pay/slow/x"))
+    await asyncio.wait_for(upstream.arrived.wait(), 5)
+    assert in_flight("pay") == "1.0" and in_flight("mono") == "0.0"
+    upstream.release.set()
+    assert (await write)[0] == 201
+    assert in_flight("pay") == "0.0"
+
+
 async def test_main_listener_health_and_readiness_follow_the_store(gw: Gateway) -> None:
     async with gw.session.get(f"{gw.url}/healthz") as resp:
         assert resp.status == 200
