@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -332,3 +334,74 @@ def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     )
     assert report_path.exists(), proc.stdout + proc.stderr
     return proc.returncode, json.loads(report_path.read_text()), proc.stdout + proc.stderr
+
+
+# --- `sinkgate serve` as a process -----------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_serve_config(
+    directory: Path,
+    store_url: str,
+    upstream: str,
+    *,
+    listen: str | None = None,
+    shutdown_grace: str = "5s",
+    timeout: str = "10s",
+    connect_timeout: str | None = "2s",
+    workers: int | None = None,
+) -> tuple[Path, str]:
+    """A gateway.toml with one destination, `pay` (`{upstream}/api`, lease fencing),
+    in `directory/destinations`; returns (the config's path, the main listener's URL)."""
+    listen = listen or f"127.0.0.1:{free_port()}"
+    workers_line = "" if workers is None else f"workers = {workers}  # --workers wins\n"
+    (directory / "destinations").mkdir(parents=True)
+    (directory / "gateway.toml").write_text(
+        f"""[server]
+listen = "{listen}"
+admin_listen = "127.0.0.1:{free_port()}"
+shutdown_grace = "{shutdown_grace}"
+{workers_line}
+[store]
+url = "{store_url}"
+pool_size = 4
+
+[destinations]
+dir = "destinations"
+"""
+    )
+    connect = "" if connect_timeout is None else f'connect_timeout = "{connect_timeout}"\n'
+    (directory / "destinations" / "pay.toml").write_text(
+        f'upstream = "{upstream}/api"\nfencing = "lease"\ntimeout = "{timeout}"\n{connect}'
+    )
+    return directory / "gateway.toml", f"http://{listen}"
+
+
+async def spawn_serve(config: Path, log: Path, *args: str) -> asyncio.subprocess.Process:
+    """`python -m gateway serve --config CONFIG ARGS --log-format json` from the
+    repository, without the caller's SINKGATE_ variables; its stderr goes to `log`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
+    with log.open("wb") as stderr:
+        return await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "gateway", "serve", "--config", str(config), *args),
+            *("--log-format", "json"),
+            cwd=REPO,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+async def stop_serve(process: asyncio.subprocess.Process, within: float) -> int:
+    """SIGTERM (a drain), SIGKILL if it has not exited `within` seconds; the exit code."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), within)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode

@@ -11,9 +11,6 @@ upstream path answers when the test releases it.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +19,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.harness import RecordingUpstream, free_port, recording_upstream, wait_until_ok
+from tests.harness import (
+    RecordingUpstream,
+    recording_upstream,
+    spawn_serve,
+    stop_serve,
+    wait_until_ok,
+    write_serve_config,
+)
 from tests.pg import fresh_database
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 20.0
 
@@ -70,54 +73,10 @@ class Cluster:
             return resp.status, dict(resp.headers), await resp.read()
 
 
-def write_config(directory: Path, store_url: str, upstream: str) -> tuple[Path, str]:
-    """One replica's gateway.toml and destinations/pay.toml; returns (path, main URL)."""
-    listen, admin = free_port(), free_port()
-    (directory / "destinations").mkdir(parents=True)
-    (directory / "gateway.toml").write_text(
-        f"""[server]
-listen = "127.0.0.1:{listen}"
-admin_listen = "127.0.0.1:{admin}"
-shutdown_grace = "5s"
-
-[store]
-url = "{store_url}"
-pool_size = 4
-
-[destinations]
-dir = "destinations"
-"""
-    )
-    (directory / "destinations" / "pay.toml").write_text(
-        f"""upstream = "{upstream}/api"
-fencing = "lease"
-timeout = "10s"
-connect_timeout = "2s"
-"""
-    )
-    return directory / "gateway.toml", f"http://127.0.0.1:{listen}"
-
-
 async def start_replica(directory: Path, store_url: str, upstream: str) -> Replica:
-    config, url = write_config(directory, store_url, upstream)
+    config, url = write_serve_config(directory, store_url, upstream)
     log = directory / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
-    with log.open("wb") as stderr:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--config",
-            str(config),
-            "--log-format",
-            "json",
-            cwd=REPO,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=stderr,
-        )
+    process = await spawn_serve(config, log)
     return Replica(url, process, log)
 
 
@@ -132,16 +91,7 @@ async def wait_ready(replica: Replica, session: aiohttp.ClientSession) -> None:
 
 
 async def stop(replica: Replica) -> int:
-    process = replica.process
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode
+    return await stop_serve(replica.process, STOP_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -25,12 +25,19 @@ from typing import Any
 
 import pytest
 
-from tests.harness import RecordingUpstream, eventually, free_port, recording_upstream
+from tests.harness import (
+    REPO,
+    RecordingUpstream,
+    eventually,
+    recording_upstream,
+    spawn_serve,
+    stop_serve,
+    write_serve_config,
+)
 from tests.pg import fresh_database
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 30.0
 
 
@@ -191,47 +198,20 @@ class Gateway:
         return [await self.pin(pid, admin=admin) for pid in sorted(pids)]
 
 
-def write_config(
-    directory: Path, store_url: str, upstream: str, listen: str | None = None
-) -> Path:
-    (directory / "destinations").mkdir(parents=True)
-    (directory / "gateway.toml").write_text(
-        f"""[server]
-listen = "{listen or f'127.0.0.1:{free_port()}'}"
-admin_listen = "127.0.0.1:{free_port()}"
-shutdown_grace = "10s"
-workers = 1                 # the command line's --workers wins
-
-[store]
-url = "{store_url}"
-pool_size = 4
-
-[destinations]
-dir = "destinations"
-"""
-    )
-    (directory / "destinations" / "pay.toml").write_text(
-        f'upstream = "{upstream}/api"\nfencing = "lease"\ntimeout = "20s"\n'
-    )
-    return directory / "gateway.toml"
-
-
 @asynccontextmanager
 async def gateway(directory: Path, store_url: str) -> AsyncIterator[Gateway]:
     async with recording_upstream() as upstream:
-        config = write_config(directory, store_url, upstream.url)
+        config, _ = write_serve_config(
+            directory,
+            store_url,
+            upstream.url,
+            shutdown_grace="10s",
+            timeout="20s",
+            connect_timeout=None,
+            workers=1,
+        )
         log = directory / "serve.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SINKGATE_")}
-        with log.open("wb") as stderr:
-            process = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "gateway", "serve", "--config", str(config)),
-                *("--workers", "2", "--log-format", "json"),
-                cwd=REPO,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=stderr,
-            )
+        process = await spawn_serve(config, log, "--workers", "2")
         gw = Gateway(process, directory, "", "", log, upstream)
         try:
             serving = await eventually(
@@ -248,13 +228,7 @@ async def gateway(directory: Path, store_url: str) -> AsyncIterator[Gateway]:
             upstream.release.set()
             for writer in gw.connections:
                 writer.close()
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            await stop_serve(process, STOP_TIMEOUT_S)
         assert process.returncode == 0, log.read_text()[-3000:]
 
 
@@ -401,7 +375,9 @@ async def serve_to_exit(config: Path) -> tuple[asyncio.subprocess.Process, str]:
 
 async def test_a_worker_that_cannot_start_fails_the_start_with_exit_1(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()  # a directory where the SQLite file should be
-    config = write_config(tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9")
+    config, _ = write_serve_config(
+        tmp_path, f"sqlite:///{tmp_path / 'store'}", "http://127.0.0.1:9"
+    )
     process, err = await serve_to_exit(config)
     assert process.returncode == 1
     assert err.count("cannot open SQLite database") == 1, err
@@ -412,7 +388,9 @@ async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gatewa
     unnoticed; it is refused as one process would be."""
     other = sqlite_gateway.directory / "other"
     taken = sqlite_gateway.listen
-    config = write_config(other, f"sqlite:///{other / 'gateway.db'}", "http://127.0.0.1:9", taken)
+    config, _ = write_serve_config(
+        other, f"sqlite:///{other / 'gateway.db'}", "http://127.0.0.1:9", listen=taken
+    )
     process, err = await serve_to_exit(config)
     assert process.returncode == 1
     assert f"cannot listen on {taken}: Address already in use" in err, err
