@@ -14,7 +14,7 @@ own time (`Runner.run`, uvloop's C code: sockets, callbacks) a part of its own.
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 PARTS = (
@@ -125,24 +125,33 @@ def table(raws: list[Path], cpu_ms: list[float] | None = None, thread: str | Non
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`raw files... [--cpu ms,ms,...] [--thread NAME]`: print the by-part table.
+def ms_per_write(text: str) -> list[float]:
+    """`0.12,0.27`: one figure per file."""
+    return [float(x) for x in text.split(",")]
 
-    `--thread MainThread` counts the event-loop thread alone; with `--cpu` given
-    that thread's CPU per write (bench.run's "loop ms/req"), each cell is then
-    that thread's CPU per write in the part."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    cpu = None
-    thread = None
-    if "--cpu" in args:
-        i = args.index("--cpu")
-        cpu = [float(x) for x in args[i + 1].split(",")]
-        del args[i : i + 2]
-    if "--thread" in args:
-        i = args.index("--thread")
-        thread = args[i + 1]
-        del args[i : i + 2]
-    print(table([Path(a) for a in args], cpu, thread))
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the by-part table of the raw py-spy files given."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m bench.parts", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("raw", nargs="+", type=Path, help="py-spy --format raw files")
+    parser.add_argument(
+        "--cpu",
+        type=ms_per_write,
+        help="CPU ms per write of each file's run (of --thread's thread, if given): "
+        "each cell then also shows ms per write",
+    )
+    parser.add_argument(
+        "--thread", help="count only the thread whose name contains this (MainThread: the loop)"
+    )
+    args = parser.parse_args(argv)
+    missing = [str(raw) for raw in args.raw if not raw.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    if args.cpu is not None and len(args.cpu) != len(args.raw):
+        parser.error(f"--cpu gives {len(args.cpu)} figures for {len(args.raw)} files")
+    print(table(args.raw, args.cpu, args.thread))
     return 0
 
 

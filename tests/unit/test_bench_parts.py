@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import parts
 
 RAW = (
@@ -26,3 +28,21 @@ def test_a_thread_filter_counts_only_that_threads_samples(tmp_path: Path) -> Non
     table = parts.table([raw], [0.2], thread="MainThread")
     route = "write-route handling (checks, facts, fingerprint, answer)"
     assert f"| {route} | 75.0 % (0.150 ms) |" in table
+
+
+def test_the_command_prints_the_table_and_refuses_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = tmp_path / "gateway-c32.txt"
+    raw.write_text(RAW)
+    assert parts.main([str(raw), "--thread", "MainThread", "--cpu", "0.2"]) == 0
+    assert "75.0 % (0.150 ms)" in capsys.readouterr().out
+    for argv, message in (
+        ([str(tmp_path / "missing.txt")], "no such file"),
+        ([str(raw), "--cpu", "0.2,0.3"], "--cpu gives 2 figures for 1 files"),
+        ([str(raw), "--cpu", "fast"], "invalid ms_per_write value"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            parts.main(argv)
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err
