@@ -98,7 +98,7 @@ class SQLiteExecutor:
             opened.append(writer)
             # WAL + synchronous=FULL: a commit is on disk before run() returns, so a
             # reservation is durable before the gateway forwards.
-            await writer.execute("PRAGMA journal_mode=WAL")
+            await enable_wal(writer)
             await writer.execute("PRAGMA synchronous=FULL")
             await writer.execute("PRAGMA foreign_keys=ON")
             reader = await _connect(path)
@@ -171,6 +171,30 @@ class SQLiteExecutor:
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self._reader.close()
         await self._writer.close()
+
+
+async def enable_wal(conn: aiosqlite.Connection, max_wait: float = BUSY_TIMEOUT_S) -> None:
+    """`PRAGMA journal_mode=WAL`, waiting for another connection's write lock.
+
+    While a file is still in rollback-journal mode, the switch fails at once
+    with "database is locked", without SQLite's busy timeout, if another
+    connection holds the write lock: as when several processes open a new store
+    at the same moment and one of them is switching it to WAL. So a busy switch
+    is tried again, every 5 ms at first and at most every 100 ms, until
+    `max_wait` seconds; once the file is in WAL mode, the pragma only reads.
+    """
+    deadline = time.monotonic() + max_wait
+    delay = 0.005
+    while True:
+        try:
+            await conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = (exc.sqlite_errorcode & 0xFF) == sqlite3.SQLITE_BUSY  # extended codes too
+            if not busy or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 async def _connect(path: str) -> aiosqlite.Connection:

@@ -65,7 +65,9 @@ class FenceDatabase:
             await asyncio.to_thread(pending._thread.join, 5.0)
             raise
         try:
-            await conn.execute_fetchall("PRAGMA journal_mode=WAL")
+            from leases.sqlite import enable_wal
+
+            await enable_wal(conn)
             await self.fence.setup(conn)
         except BaseException:
             await conn.close()

@@ -8,9 +8,12 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import aiosqlite
 import pytest
 
-from leases.sqlite import SQLiteExecutor, in_thread
+from leases.fence import Fence, StaleToken
+from leases.fence.database import FenceDatabase
+from leases.sqlite import SQLiteExecutor, enable_wal, in_thread
 
 
 class Refused(Exception):
@@ -99,3 +102,58 @@ async def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Pa
     _, stderr = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
     assert b"RuntimeError: a bug after open_store" in stderr
+
+
+def hold_write_lock(path: Path) -> sqlite3.Connection:
+    """Another process's view of a new file: still in rollback-journal mode, its
+    write lock taken (as while that process switches the file to WAL)."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE other (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    return holder
+
+
+async def test_opening_a_new_file_waits_for_another_connections_write_lock(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "new.db"
+    holder = hold_write_lock(path)
+    asyncio.get_running_loop().call_later(0.3, holder.execute, "COMMIT")
+    ex = await SQLiteExecutor.open(path)  # failed at once with "database is locked"
+    try:
+        mode = await in_thread(ex._writer, lambda c: c.execute("PRAGMA journal_mode").fetchone())
+        assert mode == ("wal",)
+    finally:
+        await ex.close()
+        holder.close()
+
+
+async def test_without_waiting_the_switch_to_wal_fails_at_once(tmp_path: Path) -> None:
+    """The protection switched off (no time to wait): SQLite's own busy timeout
+    does not cover this case, which is why `enable_wal` retries."""
+    path = tmp_path / "new.db"
+    holder = hold_write_lock(path)
+    conn = await aiosqlite.connect(path, isolation_level=None, timeout=5)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+            await enable_wal(conn, max_wait=0)
+        assert asyncio.get_running_loop().time() - started < 2  # not SQLite's 5 s timeout
+    finally:
+        await conn.close()
+        holder.close()
+
+
+async def test_the_fence_database_waits_for_the_lock_too(tmp_path: Path) -> None:
+    path = tmp_path / "destination.db"
+    holder = hold_write_lock(path)
+    asyncio.get_running_loop().call_later(0.3, holder.execute, "COMMIT")
+    database = FenceDatabase(Fence(), f"sqlite:///{path}")
+    try:
+        await database.check("job-1", 1)  # opens the file first
+        await database.check("job-1", 2)
+        with pytest.raises(StaleToken):
+            await database.check("job-1", 1)
+    finally:
+        await database.close()
+        holder.close()
