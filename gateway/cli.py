@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -199,19 +200,30 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # address in use, or not one of this host's
         _error(str(exc))
         return 1
-    with listen, admin_listen:
+    from gateway.telemetry.metrics import forget_process
+
+    # The workers' metrics, summed by whichever worker is scraped; removed at exit.
+    with listen, admin_listen, tempfile.TemporaryDirectory(prefix="sinkgate-metrics-") as shared:
         supervisor = Supervisor(
             workers,
             listen.getsockname()[:2],
             admin_listen.getsockname()[:2],
-            lambda slot: _run_gateway(config, slot),
+            lambda slot: _run_gateway(config, slot, metrics_directory=shared),
+            exited=lambda pid: forget_process(pid, shared),
         )
         return supervisor.main()
 
 
-def _run_gateway(config: Config, slot: Slot | None = None) -> int:
-    """`serve` in this process (or in worker `slot`); its exit status."""
+def _run_gateway(
+    config: Config, slot: Slot | None = None, *, metrics_directory: str | None = None
+) -> int:
+    """`serve` in this process (or in worker `slot`, its metrics shared with the
+    other workers' in `metrics_directory`); its exit status."""
     traces.configure_from_env()  # off unless OTEL_TRACES_EXPORTER names an exporter
+    if metrics_directory is not None:
+        from gateway.telemetry.metrics import share_between_processes
+
+        share_between_processes(metrics_directory)
     app = _app()
     main = app.serve(config) if slot is None else app.serve(config, started=slot.ready, slot=slot)
     try:

@@ -124,6 +124,7 @@ class Supervisor:
     listen: tuple[str, int]
     admin_listen: tuple[str, int]
     run: Callable[[Slot], int]
+    exited: Callable[[int], None] = lambda pid: None  # told each worker's pid once it is reaped
     clock: Callable[[], float] = time.monotonic
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
     due: dict[int, tuple[float, int]] = field(default_factory=dict)  # index -> (when, failures)
@@ -210,6 +211,7 @@ class Supervisor:
                 self._exited(pid, worker, status)
 
     def _exited(self, pid: int, worker: _Worker, status: int) -> None:
+        self.exited(pid)
         how = _how(status)
         if self.stopping:
             self.failed_stop |= status != 0

@@ -1,16 +1,47 @@
-"""Prometheus metrics, one registry per app so tests and replicas don't share."""
+"""Prometheus metrics, one registry per app so tests and replicas don't share.
+
+The workers of one `serve --workers N` share theirs instead: each worker calls
+`share_between_processes(directory)` before it builds its app, its values then
+live in files in that directory (prometheus_client's multiprocess mode), and
+`/metrics` on any worker answers with the sum over all of them. So a scrape
+counts every worker's writes whichever worker takes it, and a counter does not
+go back when a worker dies and is started again (the dead one's file stays);
+`forget_process` drops a dead worker's in-flight writes from the gauges.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 # Children kept by `Metrics.child`; past this, label values are looked up each time.
 _MAX_CACHED_CHILDREN = 1000
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+# Set in a worker of `serve --workers N` (see the module's docstring).
+_shared_directory: str | None = None
+
+
+def share_between_processes(directory: str) -> None:
+    """Keep this process's metrics in `directory`, shared with the other processes
+    that do; once per process, before its first `Metrics()`."""
+    global _shared_directory
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # where the values' files go
+    in_files = prometheus_values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    prometheus_values.ValueClass = in_files
+    _shared_directory = directory
+
+
+def forget_process(pid: int, directory: str) -> None:
+    """A sharing process has exited: its gauges no longer count (its counters do)."""
+    mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
 
 
 class Metrics:
@@ -18,6 +49,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The directory whose files `render` sums, when shared between workers.
+        self.shared_directory = _shared_directory
         # Declared in this order, exposed in this order.
         self._write_metrics(self.registry)
         self._upkeep_metrics(self.registry)
@@ -56,7 +89,11 @@ class Metrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "sinkgate_in_flight_writes", "Writes being forwarded now.", ["destination"], registry=r
+            "sinkgate_in_flight_writes",
+            "Writes being forwarded now.",
+            ["destination"],
+            registry=r,
+            multiprocess_mode="livesum",  # shared: the sum over the live workers
         )
 
     def _upkeep_metrics(self, r: CollectorRegistry) -> None:
@@ -80,6 +117,7 @@ class Metrics:
             "destination (the whole store's count, the same on every replica).",
             ["destination"],
             registry=r,
+            multiprocess_mode="livemostrecent",  # shared: each worker counts the same store
         )
         self.reloads = Counter(
             "sinkgate_reloads_total",
@@ -100,4 +138,8 @@ class Metrics:
         return found
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.shared_directory is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        every_worker, directory = CollectorRegistry(), self.shared_directory
+        MultiProcessCollector(every_worker, path=directory)  # type: ignore[no-untyped-call]
+        return generate_latest(every_worker), CONTENT_TYPE_LATEST

@@ -57,6 +57,11 @@ class WriteGateway:
         self.metrics = metrics
         self.in_flight: dict[str, int] = {}
         self.in_flight_total = 0
+        # Shared between workers, the gauge is counted in their files: `_admit` and
+        # `_release` move it. Otherwise it reads `in_flight` when scraped.
+        self._shared_gauges: dict[str, Any] | None = (
+            None if metrics.shared_directory is None else {}
+        )
         self.forwards: set[asyncio.Task[Any]] = set()
         for name in config.destinations:
             self.track(name)
@@ -64,12 +69,16 @@ class WriteGateway:
 
     def track(self, name: str) -> None:
         """Count `name`'s writes in flight; the gauge reads the count when scraped,
-        so a write pays no metric update for it."""
+        so a write pays no metric update for it (but with metrics shared between
+        workers, where a scrape cannot call into the other workers)."""
         if name in self.in_flight:
             return
         self.in_flight[name] = 0
         in_flight = self.in_flight
         gauge = self.metrics.child(self.metrics.in_flight, name)
+        if self._shared_gauges is not None:
+            self._shared_gauges[name] = gauge
+            return
         gauge.set_function(lambda: in_flight[name])
 
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
@@ -226,10 +235,14 @@ class WriteGateway:
             raise Rejection(Reason.OVERLOADED, "too many writes in flight", retry_after=1)
         self.in_flight[name] += 1
         self.in_flight_total += 1
+        if self._shared_gauges is not None:
+            self._shared_gauges[name].inc()
 
     def _release(self, destination: DestinationConfig) -> None:
         self.in_flight[destination.name] -= 1
         self.in_flight_total -= 1
+        if self._shared_gauges is not None:
+            self._shared_gauges[destination.name].dec()
 
     async def _forward(
         self,

@@ -394,3 +394,59 @@ async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gatewa
     process, err = await serve_to_exit(config)
     assert process.returncode == 1
     assert f"cannot listen on {taken}: Address already in use" in err, err
+
+
+def sample(exposition: bytes, name: str, **labels: str) -> float | None:
+    """The value of one sample of a Prometheus text exposition, if present."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in exposition.decode().splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        metric, _, label_text = series.partition("{")
+        if metric == name and ",".join(sorted(label_text.rstrip("}").split(","))) == wanted:
+            return float(value)
+    return None
+
+
+async def scraped(admin: Pinned, name: str, **labels: str) -> float | None:
+    answer = await admin.request("GET", "/metrics")
+    assert answer.status == 200 and answer.pid == admin.pid
+    return sample(answer.body, name, **labels)
+
+
+async def test_metrics_count_every_workers_writes_whichever_worker_is_scraped(
+    sqlite_gateway: Gateway,
+) -> None:
+    gw = sqlite_gateway
+    a, b = await gw.pin_each()
+    admins = await gw.pin_each(admin=True)
+    assert (await a.lease("claim", "job-m", owner="w", ttl=60))["generation"] == 1
+    for n, client in enumerate((a, a, a, b, b)):
+        answer = await client.write("/to/pay/charge", job="job-m", generation=1, key=f"m-{n}")
+        assert answer.status == 201 and answer.pid == client.pid
+    forwarded = {"destination": "pay", "decision": "forwarded"}
+    # Each worker saw 3 or 2 of them; either one's /metrics counts all 5.
+    for admin in admins:
+        assert await scraped(admin, "sinkgate_writes_total", **forwarded) == 5
+        assert await scraped(admin, "sinkgate_in_flight_writes", destination="pay") == 0
+    # A write waiting for its upstream is in flight on worker a; both show it.
+    gw.upstream.arrived.clear()
+    slow = asyncio.create_task(a.write("/to/pay/slow/1", job="job-m", generation=1, key="m-s"))
+    await asyncio.wait_for(gw.upstream.arrived.wait(), 10)
+    for admin in admins:
+        assert await scraped(admin, "sinkgate_in_flight_writes", destination="pay") == 1
+    # Worker a killed and started again: its writes still count, none twice, and
+    # the write it had in flight no longer does.
+    os.kill(a.pid, signal.SIGKILL)
+    restarted = await eventually(lambda: gw.events("worker_restarted"), within=30)
+    fresh = await gw.pin(restarted[0]["pid"], admin=True)
+    survivor = next(admin for admin in admins if admin.pid == b.pid)
+    for admin in (fresh, survivor):
+        assert await scraped(admin, "sinkgate_writes_total", **forwarded) == 5
+        assert await scraped(admin, "sinkgate_in_flight_writes", destination="pay") == 0
+    with pytest.raises((asyncio.IncompleteReadError, ConnectionError, AssertionError)):
+        await slow  # its connection died with the worker
+    answer = await b.write("/to/pay/charge", job="job-m", generation=1, key="m-after")
+    assert answer.status == 201
+    assert await scraped(fresh, "sinkgate_writes_total", **forwarded) == 6
