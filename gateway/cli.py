@@ -203,7 +203,11 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.telemetry.metrics import forget_process
 
     # The workers' metrics, summed by whichever worker is scraped; removed at exit.
-    with listen, admin_listen, tempfile.TemporaryDirectory(prefix="sinkgate-metrics-") as shared:
+    # In memory where the system has a tmpfs for it: every metric update writes to
+    # these files, and on a disk the kernel would write those pages back.
+    in_memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    metrics_files = tempfile.TemporaryDirectory(prefix="sinkgate-metrics-", dir=in_memory)
+    with listen, admin_listen, metrics_files as shared:
         supervisor = Supervisor(
             workers,
             listen.getsockname()[:2],
