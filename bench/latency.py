@@ -129,8 +129,10 @@ async def fixed_rate(url: str, rate: float, duration: float, warmup: float, jobs
 def capacity(url: str, duration: float) -> float:
     """The plain proxy's closed-loop requests/s at 128 connections (bench/loadgen.py)."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.loadgen", "--url", url, "--connections", "128"]
-        + ["--duration", str(duration), "--warmup", "1"],
+        [
+            *(sys.executable, "-m", "bench.loadgen", "--url", url, "--connections", "128"),
+            *("--duration", str(duration), "--warmup", "1"),
+        ],
         cwd=bench.REPO,
         capture_output=True,
         text=True,
@@ -149,8 +151,10 @@ def start_targets(
         base = f"http://127.0.0.1:{bench.free_port()}"
         t = bench.Target(name, base, logfile=tmp / f"{name}.log")
         t.proc = procs.start(
-            [sys.executable, "-m", "bench.plain_proxy", "--port", t.base.rsplit(":", 1)[1]]
-            + ["--upstream", up.base, "--workers", str(workers)],
+            [
+                *(sys.executable, "-m", "bench.plain_proxy", "--port", t.base.rsplit(":", 1)[1]),
+                *("--upstream", up.base, "--workers", str(workers)),
+            ],
             t.logfile,
         )
         bench.wait_ready(t)
@@ -193,9 +197,8 @@ def summarise(results: list[dict], args: argparse.Namespace) -> str:
                     if r["target"] == "plain" and r["workers"] == workers
                 }
                 for i, key in enumerate(("p50_ms", "p99_ms")):
-                    added[i] = "%+.2f" % statistics.median(
-                        r[key] - plain[r["round"]][key] for r in rows
-                    )
+                    median = statistics.median(r[key] - plain[r["round"]][key] for r in rows)
+                    added[i] = f"{median:+.2f}"
             lines.append(
                 f"| {name} | {workers} | {med(rows, 'rps'):.0f} | {med(rows, 'ok_share'):.0%} "
                 f"| {med(rows, 'p50_ms'):.2f} "
@@ -206,9 +209,7 @@ def summarise(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def measure(
-    targets: dict[tuple[str, int], bench.Target], args: argparse.Namespace
-) -> list[dict]:
+def measure(targets: dict[tuple[str, int], bench.Target], args: argparse.Namespace) -> list[dict]:
     jobs: dict[tuple[str, int], Jobs] = {}
     for key, t in targets.items():
         jobs[key] = (
@@ -274,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         args.stores, pg_db = stores(args)
         up = bench.Target("upstream", f"http://127.0.0.1:{bench.free_port()}", logfile=tmp / "up")
         up.proc = procs.start(
-            [sys.executable, "-m", "bench.upstream", "--port", up.base.rsplit(":", 1)[1]]
-            + ["--latency-ms", str(args.upstream_latency_ms)],
+            [
+                *(sys.executable, "-m", "bench.upstream", "--port", up.base.rsplit(":", 1)[1]),
+                *("--latency-ms", str(args.upstream_latency_ms)),
+            ],
             up.logfile,
         )
         bench.wait_ready(up)

@@ -66,9 +66,7 @@ def make_handler(session: aiohttp.ClientSession, upstream: str):
     return handler
 
 
-async def main_async(
-    host: str, port: int, upstream: str, pool: int, shared: bool = False
-) -> None:
+async def main_async(host: str, port: int, upstream: str, pool: int, shared: bool = False) -> None:
     async def start():
         connector = aiohttp.TCPConnector(limit=pool, keepalive_timeout=60, ttl_dns_cache=None)
         session = aiohttp.ClientSession(
@@ -80,9 +78,7 @@ async def main_async(
         server = web.Server(make_handler(session, upstream), access_log=None)
         runner = web.ServerRunner(server, handle_signals=False, access_log=None)
         await runner.setup()
-        site = web.TCPSite(
-            runner, host, port, backlog=1024, reuse_address=True, reuse_port=shared
-        )
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True, reuse_port=shared)
         await site.start()
         print(f"plain proxy listening on {host}:{port} -> {upstream}", flush=True)
 

@@ -26,11 +26,11 @@ from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
 from gateway.reload import Reloader
-from gateway.supervisor import Slot, announce_reload
-from gateway.store import open_store
 from gateway.store import janitor as retention  # looked up at start: tests replace it
+from gateway.store import open_store
 from gateway.store.protocol import Store
 from gateway.store.records import Clock
+from gateway.supervisor import Slot, announce_reload
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
 from gateway.write.route import WriteGateway

@@ -40,9 +40,7 @@ import structlog
 
 log = structlog.get_logger("gateway.supervisor")
 
-HANDLED = frozenset(
-    {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}
-)
+HANDLED = frozenset({signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1})
 RELOAD_ALL = signal.SIGUSR1  # a worker to the parent: "I reloaded, reload the others"
 STEADY_S = 5.0  # a worker up this long had a good start: its next restart is immediate
 BACKOFF_FIRST_S = 0.5
@@ -139,9 +137,7 @@ class Supervisor:
         while self.workers or (self.due and not self.stopping):
             wait = self._until_due()
             info = (
-                signal.sigwaitinfo(HANDLED)
-                if wait is None
-                else signal.sigtimedwait(HANDLED, wait)
+                signal.sigwaitinfo(HANDLED) if wait is None else signal.sigtimedwait(HANDLED, wait)
             )
             if info is None:
                 self._restart_due()
@@ -250,7 +246,7 @@ def _child(parent: int, slot: Slot, run: Callable[[Slot], int]) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - a worker must exit, never return into the parent's loop
+    except BaseException:
         log.exception("worker_crashed", worker=slot.index)
     finally:
         sys.stdout.flush()

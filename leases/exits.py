@@ -180,4 +180,3 @@ async def _finish(store: LeaseStore, state: Hold, on_exit: OnExit) -> None:
             pass  # nothing to give back; the lease expires by itself
     else:
         raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")
-

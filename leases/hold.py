@@ -144,8 +144,6 @@ async def _exit(
     await settle(renewer, work, state, action, cancel_timeout, cancelled=False)
 
 
-
-
 async def _claim(
     store: LeaseStore, job_id: str, owner: str | None, ttl: float, cancel_timeout: float
 ) -> Lease:

@@ -143,4 +143,3 @@ def _retry_after(value: str | None) -> float | None:
         return None
     seconds = float(value.strip())
     return seconds if math.isfinite(seconds) else None
-

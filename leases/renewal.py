@@ -132,4 +132,3 @@ class Renewer:
                     return self.lose(Reason.STORE_UNAVAILABLE)
                 continue  # transient: try again until the local deadline
             state.deadline = self.schedule.deadline(sent)
-

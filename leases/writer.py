@@ -320,5 +320,3 @@ def _body(json: Any, data: bytes | str | None) -> tuple[bytes | None, str | None
     if data is None or isinstance(data, bytes):
         return data, None
     raise ValueError(f"data must be bytes or str, not {type(data).__name__}")
-
-

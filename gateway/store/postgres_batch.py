@@ -127,10 +127,12 @@ SELECT n.now,
 FROM n
 """
 
-_REJECTION_TYPES = (
+# fmt: off
+_REJECTION_TYPES = (  # the types of REJECTION_FIELDS, in order
     "text", "text", "text", "text", "text", "text", "int8", "text", "text", "int8", "int8",
     "text", "text", "int8",
-)  # fmt: skip  (the types of REJECTION_FIELDS, in order)
+)
+# fmt: on
 assert len(_REJECTION_TYPES) == len(REJECTION_FIELDS)
 _REJECTION_ARGS = ", ".join(f"${22 + n}::{t}[]" for n, t in enumerate(_REJECTION_TYPES))
 

@@ -32,7 +32,6 @@ from tests.backends import Backend
 from tests.conformance.test_store_conformance import CONTEXT, TIMEOUT, reason, write
 from tests.conftest import FakeClock
 
-
 PAST_DEADLINE = TIMEOUT + RESERVATION_GRACE_S + 1
 DAY = 86400.0
 

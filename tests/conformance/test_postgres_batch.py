@@ -15,8 +15,8 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.store import postgres as postgres_store
 from gateway.store import batch_plan, postgres_batch
+from gateway.store import postgres as postgres_store
 from gateway.store.batch_plan import BatchState
 from gateway.store.plan import WritePlan, plan_write
 from gateway.store.postgres import PostgresStore

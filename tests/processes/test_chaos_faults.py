@@ -236,7 +236,11 @@ def test_each_wire_fault_reaches_a_weakened_gateway(
     weakness: str,
 ) -> None:
     invariants = CAUGHT_BY[weakness]
-    store: Callable[[], AbstractContextManager[list[str]]] = lambda: nullcontext([])
+
+    def no_database() -> AbstractContextManager[list[str]]:
+        return nullcontext([])
+
+    store: Callable[[], AbstractContextManager[list[str]]] = no_database
     if target == "store":
         pg_required()
         store = _run_database

@@ -110,4 +110,3 @@ class Writers:
             json={"job": job_id, "step": step},
             step=step_name(step),
         )
-

@@ -96,4 +96,3 @@ class RunContext:
 
     def pending(self) -> list[str]:
         return [j for j in self.jobs if j not in self.done]
-

@@ -115,4 +115,3 @@ def settings_problem(args: argparse.Namespace) -> str | None:
     if args.json and not Path(args.json).resolve().parent.is_dir():
         return f"--json {args.json}: no such directory for the report"
     return None
-

@@ -160,4 +160,3 @@ def render(report: dict[str, Any]) -> str:
     verdict = "FAILED" if report["violation_count"] else "OK"
     lines.append(f"{verdict}: {report['violation_count']} violation(s)")
     return "\n".join(lines)
-

@@ -297,5 +297,3 @@ async def _final_leases(ctx: RunContext) -> dict[str, FinalLease | None]:
         else:
             raise ProcessFailed(f"could not read the lease of {job} from any gateway")
     return final
-
-
