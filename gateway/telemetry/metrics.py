@@ -11,6 +11,7 @@ go back when a worker dies and is started again (the dead one's file stays);
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -40,8 +41,10 @@ def share_between_processes(directory: str) -> None:
 
 
 def forget_process(pid: int, directory: str) -> None:
-    """A sharing process has exited: its gauges no longer count (its counters do)."""
-    mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+    """A sharing process has exited: its gauges no longer count (its counters do).
+    Never raises: the supervisor calling it must go on restarting workers."""
+    with contextlib.suppress(OSError):  # a file already gone, or the directory
+        mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
 
 
 class Metrics:
