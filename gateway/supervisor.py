@@ -246,7 +246,7 @@ def _child(parent: int, slot: Slot, run: Callable[[Slot], int]) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-    except BaseException:
+    except BaseException:  # a worker must exit, never return into the parent's loop
         log.exception("worker_crashed", worker=slot.index)
     finally:
         sys.stdout.flush()
