@@ -22,17 +22,28 @@ def template(name: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Write the files; exit 1 naming the first that exists, before writing any."""
+    """Write the files; exit 1 naming the first that is in the way, before writing
+    any. A write that fails midway takes back what it wrote: all or nothing."""
     directory = Path(args.dir)
     targets = [(directory / where, template(name)) for name, where in FILES]
     for path, _ in targets:
         if path.exists() or path.is_symlink():
-            print(f"sinkgate: {path} already exists; not overwriting it", file=sys.stderr)
-            return 1
+            return _refuse(f"{path} already exists; not overwriting it")
+        blocking = _not_a_directory(path.parent)
+        if blocking is not None:
+            return _refuse(f"{blocking} is not a directory; cannot write {path}")
+    written: list[Path] = []
     for path, text in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("x", encoding="utf-8") as fh:  # "x": never over a file made meanwhile
-            fh.write(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("x", encoding="utf-8") as fh:  # "x": never over a file made meanwhile
+                fh.write(text)
+        except OSError as exc:
+            for done in written:
+                done.unlink(missing_ok=True)
+            return _refuse(f"cannot write {path}: {exc.strerror or exc}")
+        written.append(path)
+    for path in written:
         print(f"wrote {path}")
     option = "" if args.dir == DEFAULT_DIR else f" --config {directory / 'gateway.toml'}"
     example = directory / "destinations" / "example.toml"
@@ -43,3 +54,16 @@ def main(args: argparse.Namespace) -> int:
         f"  curl http://127.0.0.1:8480/healthz"
     )
     return 0
+
+
+def _refuse(message: str) -> int:
+    print(f"sinkgate: {message}", file=sys.stderr)
+    return 1
+
+
+def _not_a_directory(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that exists but is no directory."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None

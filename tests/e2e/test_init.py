@@ -73,6 +73,37 @@ def test_init_refuses_to_overwrite_and_writes_nothing(tmp_path: Path, existing: 
     assert sorted(p.name for p in (tmp_path / "config").rglob("*.toml")) == [target.name]
 
 
+@pytest.mark.parametrize(
+    ("file", "into", "message"),
+    [
+        ("sg", "sg", "sinkgate: sg is not a directory; cannot write sg/gateway.toml\n"),
+        (
+            "sg/destinations",
+            "sg",
+            "sinkgate: sg/destinations is not a directory; cannot write "
+            "sg/destinations/example.toml\n",
+        ),
+    ],
+)
+def test_init_where_a_file_is_in_the_way_says_so_and_writes_nothing(
+    tmp_path: Path, file: str, into: str, message: str
+) -> None:
+    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / file).write_text("")
+    result = sinkgate(tmp_path, "init", into)
+    assert (result.returncode, result.stderr) == (1, message)
+    assert not list(tmp_path.rglob("*.toml"))
+
+
+def test_init_where_nothing_can_be_written_says_so_in_one_line(tmp_path: Path) -> None:
+    result = sinkgate(tmp_path, "init", "/proc/sinkgate-cannot-be-here")
+    assert result.returncode == 1
+    assert result.stderr == (
+        "sinkgate: cannot write /proc/sinkgate-cannot-be-here/gateway.toml: "
+        "No such file or directory\n"
+    )
+
+
 def test_serve_without_a_config_file_says_to_run_init(tmp_path: Path) -> None:
     result = sinkgate(tmp_path, "serve")
     assert result.returncode == 1
