@@ -20,6 +20,7 @@ from gateway.admin.models import CONTENT_TYPE, NOTE_MAX, ResolveRequest
 from gateway.admin.views import (
     DECIMAL_ID,
     MAX_LIMIT,
+    MAX_LOOKBACK_S,
     decode_cursor,
     encode_cursor,
     only_params,
@@ -102,6 +103,9 @@ def parse_summary_window(params: Mapping[str, str], now: float) -> tuple[float, 
     since = parse_time(since_text, "since", now) if since_text else until - DEFAULT_SUMMARY_WINDOW_S
     if since >= until:
         raise invalid_request("since must be before until")
+    if until - since > MAX_LOOKBACK_S:
+        # Its buckets would be aligned before the first year a date can name.
+        raise invalid_request("the summary's window is longer than 100 years")
     return since, until
 
 

@@ -281,6 +281,12 @@ async def test_summary_of_the_last_day(client, store, fake_clock):
     assert sum(hour["rejections_by_reason"].values()) == 3
     assert len(hour["series"]["buckets"]) <= 200
     assert (await client.get("/admin/summary?since=1h&until=2h", headers=AUTH)).status == 400
+    for window in ("since=0001-01-01T00:00:00Z", "since=1h&until=9999-12-31T23:59:59Z"):
+        answer = await client.get(f"/admin/summary?{window}", headers=AUTH)
+        assert answer.status == 400  # was a 500: buckets before year 1 or after 9999
+        assert "longer than 100 years" in (await answer.json())["detail"]
+    century = await get_json(client, "/admin/summary?since=1930-01-01T00:00:00Z")
+    assert sum(century["rejections_by_reason"].values()) == 3
 
 
 async def test_rejections_take_relative_times(client, store, fake_clock):
