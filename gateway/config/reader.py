@@ -43,6 +43,7 @@ _HOSTNAME = re.compile(
 # --- value parsers (raise ValueError; the loader adds file and key) ----------
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+MAX_DURATION_S = 36500 * 86400.0
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE = re.compile(r"(\d+)(B|KiB|MiB|GiB)")
 _SIZE_UNITS = {"B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
@@ -282,6 +283,9 @@ class Table:
             raise self.error(
                 key, f"must be {'>= 0' if allow_zero else '> 0'}, got {show(self.data[key])}"
             )
+        if value > MAX_DURATION_S:
+            # Deadlines and ages are dates the admin views show: keep them in the calendar.
+            raise self.error(key, f"must be at most 36500d (100 years), got {show(self.data[key])}")
         return value
 
     def size(self, key: str, default: int, *, allow_zero: bool = False) -> int:

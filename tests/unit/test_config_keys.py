@@ -66,6 +66,22 @@ def test_one_load_reports_every_error_of_every_file(tmp_path: Path) -> None:
     )
 
 
+def test_a_duration_past_100_years_is_refused(tmp_path: Path) -> None:
+    """Such a timeout put a key's deadline past the year 9999: the admin views of
+    that key answered 500."""
+    path = write_config(
+        tmp_path,
+        '[retention]\nrejections_ttl = "36500d"\n',
+        a=UPSTREAM + 'timeout = "36500.5d"\nconnect_timeout = "1s"\n',
+        b=UPSTREAM + 'timeout = "99999999999999999999d"\n',
+    )
+    assert errors(path) == (
+        'destinations/a.toml: timeout: must be at most 36500d (100 years), got "36500.5d"',
+        "destinations/b.toml: timeout: must be at most 36500d (100 years), "
+        'got "99999999999999999999d"',
+    )
+
+
 def test_files_are_named_as_the_caller_shows_them(tmp_path: Path) -> None:
     path = write_config(tmp_path, "colour = 1\n", a="x = 1\n" + UPSTREAM)
     assert errors_shown(path, "./conf/gateway.toml") == (
