@@ -151,6 +151,27 @@ def _fencing(
     return job_id, int(token), owner
 
 
+def valid_fencing(
+    headers: CIMultiDictProxy[str],
+) -> tuple[str | None, int | None, str | None, str | None]:
+    """(job_id, generation, owner, key): each header that passes its own check,
+    None for any that is missing or does not. For the record and log line of a
+    write refused before (or while) its headers were checked."""
+    job_id = field_value(headers, "Fencing-Job")
+    token = field_value(headers, "Fencing-Token")
+    owner = field_value(headers, "Fencing-Owner")
+    key = field_value(headers, "Idempotency-Key")
+    if len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]
+    generation = int(token) if _TOKEN.fullmatch(token) else None
+    return (
+        job_id if IDENT.fullmatch(job_id) else None,
+        generation if generation is not None and generation <= MAX_GENERATION else None,
+        owner if IDENT.fullmatch(owner) else None,
+        key if len(key) <= 255 and VISIBLE.fullmatch(key) else None,
+    )
+
+
 def field_value(headers: CIMultiDictProxy[str], name: str) -> str:
     """The header's field value; "" if absent. Repeated lines are one value joined
     with ", " (RFC 9110 5.3), which no fencing header or key may contain: a

@@ -30,7 +30,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
-from gateway.write.request import Target, field_value, path_escapes, raw_write_path, write_facts
+from gateway.write.request import Target, path_escapes, raw_write_path, valid_fencing, write_facts
 from gateway.write.upstream import (
     ForwardFailed,
     UpstreamAnswer,
@@ -39,7 +39,6 @@ from gateway.write.upstream import (
     upstream_url,
 )
 from leases.errors import StoreUnavailable
-from leases.model import IDENT
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
@@ -84,7 +83,13 @@ class WriteGateway:
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
         started = time.perf_counter()
         facts: WriteFacts | None = None
-        fields: dict[str, Any] = {"destination": target.destination, "method": request.method}
+        fields: dict[str, Any] = {
+            "destination": target.destination,
+            "method": request.method,
+            "job_id": None,  # SPEC 10: on every decision's line, null until known
+            "generation": None,
+            "key": None,
+        }
         try:
             destination = self._destination(request, target)
             body = await self._read_body(request, destination)
@@ -100,6 +105,9 @@ class WriteGateway:
             fields.update(job_id=facts.job_id, generation=facts.generation, key=facts.key)
             response = await self._write(request, destination, facts, context, body, fields)
         except Rejection as rejection:
+            if facts is None:  # refused before its facts: what of the headers is valid
+                job_id, generation, _, key = valid_fencing(request.headers)
+                fields.update(job_id=job_id, generation=generation, key=key)
             response = problem_response(rejection)
             if rejection.reason == Reason.REQUEST_TIMEOUT:
                 response.force_close()  # the rest of the body is never read
@@ -309,14 +317,17 @@ class WriteGateway:
         context: WriteContext | None,
     ) -> None:
         """Log a rejection of steps 3 and 5 before its answer leaves."""
-        job_id = field_value(request.headers, "Fencing-Job")
+        job_id, generation, owner, key = valid_fencing(request.headers)
         record = RejectionRecord(
             reason=rejection.reason,
             detail=rejection.detail,
             destination=destination,
             method=request.method,
             path=raw_write_path(request.raw_path),
-            job_id=job_id if IDENT.fullmatch(job_id) else None,
+            job_id=job_id,
+            generation=generation,
+            owner=owner,
+            idempotency_key=key,
             remote=request.remote,
             body_sha256=None if context is None else context.body_sha256,
             body_bytes=None if context is None else context.body_bytes,

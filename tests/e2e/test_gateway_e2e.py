@@ -244,6 +244,26 @@ async def test_idempotency_key_missing_or_malformed_is_400(
     assert upstream.received == []
 
 
+async def test_a_write_refused_on_its_headers_keeps_what_of_them_was_valid(gw: Gateway) -> None:
+    """SPEC 10 and 4: the decision's line carries job_id, generation and key (null
+    where not known) and the record what of the fencing headers passed its check."""
+    with structlog.testing.capture_logs() as logs:
+        await gw.write("/to/pay/x", job="job-7", generation=3, owner="w-1", key=None)
+        await gw.write("/to/pay/x", job="job-7", generation="03", key="k-1")
+        await gw.write("/to/nowhere/x", job="job-8", generation=2, key="k-2")
+    lines = [(e["job_id"], e["generation"], e["key"], e["reason"]) for e in logs]
+    assert lines == [
+        ("job-7", 3, None, "missing_idempotency_key"),
+        ("job-7", None, "k-1", "invalid_fencing_token"),
+        ("job-8", 2, "k-2", "unknown_destination"),
+    ]
+    logged = await gw.store.list_rejections(RejectionQuery(destination="pay"))
+    assert [
+        (r.record.job_id, r.record.generation, r.record.owner, r.record.idempotency_key)
+        for r in logged
+    ] == [("job-7", None, None, "k-1"), ("job-7", 3, "w-1", None)]  # newest first
+
+
 async def test_a_destination_without_required_keys_forwards_keyless_writes(
     gw: Gateway, upstream: RecordingUpstream
 ) -> None:
