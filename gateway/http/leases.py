@@ -232,6 +232,7 @@ def _finish(
     facts: dict[str, Any],
 ) -> web.StreamResponse:
     request.app[METRICS].lease_ops.labels(op=op, result=result).inc()
+    ok = result == "ok"
     fields = {
         "op": op,
         "result": result,
@@ -239,6 +240,10 @@ def _finish(
         "job_id": facts.get("job_id"),
         "owner": facts.get("owner"),
         "generation": facts.get("generation"),
+        # SPEC 10's fields on every decision's line, as a write's line has them
+        "key": None,
+        "decision": "ok" if ok else "rejected",
+        "reason": None if ok else result,
     }
     if traces.TRACER is not None:
         traces.annotate_lease(fields)

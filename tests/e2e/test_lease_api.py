@@ -487,7 +487,12 @@ async def test_one_log_line_per_lease_decision(api: Api) -> None:
         ("claim", "lease_held", "b", None),
         ("renew", "unknown_generation", "a", 2),
     ]
-    assert all(e["job_id"] == "j" for e in decisions)
+    assert all(e["job_id"] == "j" and e["key"] is None for e in decisions)
+    assert [(e["decision"], e["reason"]) for e in decisions] == [
+        ("ok", None),
+        ("rejected", "lease_held"),
+        ("rejected", "unknown_generation"),
+    ]
 
 
 async def test_lease_ops_are_counted_by_op_and_result(
