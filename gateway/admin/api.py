@@ -189,7 +189,9 @@ class _Api:
     async def list_rejections(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("format") in EXPORT_TYPES:
             return await self._ops.export(request)
-        query = parse_rejection_query(request.query, self._store.clock())
+        # Any other format is refused naming all this route takes, the exports too.
+        formats = tuple(EXPORT_TYPES)
+        query = parse_rejection_query(request.query, self._store.clock(), formats=formats)
         items, next_cursor = await fetch_page(self._store, query)
         return web.json_response(rejection_page(items, next_cursor))
 

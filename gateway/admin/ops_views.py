@@ -155,7 +155,8 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
     if outcome == "not_applied":
         extra = sorted({"status", "body", "content_type"} & set(body))
         if extra:
-            raise invalid_request(f"{', '.join(extra)} only go with applied", field=extra[0])
+            verb = "goes" if len(extra) == 1 else "go"
+            raise invalid_request(f"{', '.join(extra)} only {verb} with applied", field=extra[0])
         return Resolution(destination, key, attempt, False, note, remote)
     return Resolution(
         destination,

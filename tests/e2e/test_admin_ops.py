@@ -217,6 +217,17 @@ async def test_bad_resolve_bodies_are_400_and_change_nothing(client, store, body
     assert await store.list_audit(AuditQuery()) == []
 
 
+async def test_fields_that_only_go_with_applied_are_named(client, store):
+    attempt = await unknown(store, "k-1")
+    for extra, detail in (
+        ({"status": 200}, "status only goes with applied"),
+        ({"status": 200, "body": "x"}, "body, status only go with applied"),
+    ):
+        body = {"outcome": "not_applied", "attempt": attempt, "note": "x", **extra}
+        response = await post_resolve(client, "k-1", body)
+        assert (response.status, (await response.json())["detail"]) == (400, detail)
+
+
 async def test_resolve_wants_json(client, store):
     attempt = await unknown(store, "k-1")
     body = json.dumps({"outcome": "not_applied", "attempt": attempt, "note": "x"})
@@ -326,6 +337,7 @@ async def test_export_streams_every_row_past_1000(client, store):
     assert last["path"] == "'=HYPERLINK(1)"  # a spreadsheet shows it as text
     bad = await client.get("/admin/rejections?format=xml", headers=AUTH)
     assert bad.status == 400
+    assert (await bad.json())["detail"] == "format must be one of json, html, csv, ndjson"
 
 
 async def test_unknown_keys_gauge_follows_the_queue(client, store, metrics):
