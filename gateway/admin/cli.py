@@ -28,8 +28,8 @@ DEFAULT_LIMIT = 100
 TIMEOUT_S = 15.0
 CELL_MAX = 48
 
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 COLUMNS = ("WHEN (UTC)", "REASON", "JOB", "GEN/CUR", "DESTINATION", "REQUEST", "KEY")
 
@@ -133,7 +133,8 @@ def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]]
 
 
 def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
-    """`30m`, `1h`, `7d`, `2w` ago -> RFC 3339 UTC; anything else is sent as it is."""
+    """`250ms`, `30m`, `1h`, `7d`, `2w` ago -> RFC 3339 UTC; anything else is sent as
+    it is."""
     if not value:
         return None
     match = _RELATIVE.fullmatch(value.strip())
@@ -144,7 +145,8 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
         moment = now.astimezone(UTC) - timedelta(seconds=seconds)
     except OverflowError as exc:
         raise CliError(f"{option} {value!r} reaches too far back") from exc
-    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+    precision = "seconds" if moment.microsecond == 0 else "milliseconds"
+    return moment.isoformat(timespec=precision).replace("+00:00", "Z")
 
 
 def admin_base(args: argparse.Namespace) -> str:

@@ -42,8 +42,9 @@ _RFC3339 = re.compile(
     r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
 )
 _CURSOR_PREFIX = "r1:"
-_RELATIVE = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,6})?)(s|m|h|d|w)")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_RELATIVE = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,6})?)(ms|s|m|h|d|w)")
+# The config's duration units (ms too), and weeks.
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MAX_LOOKBACK_S = 100 * 365 * 86400
 
 
@@ -138,7 +139,7 @@ def parse_window(
 
 def parse_time(text: str, name: str, now: float | None = None) -> float:
     """RFC 3339 date-time with an offset (`Z` or `+hh:mm`), or a duration back from
-    `now` (`15m`, `1h`, `7d`; units s, m, h, d, w) -> seconds since the epoch."""
+    `now` (`15m`, `1h`, `7d`; units ms, s, m, h, d, w) -> seconds since the epoch."""
     relative = _RELATIVE.fullmatch(text)
     if relative is not None:
         seconds = float(relative.group(1)) * _UNITS[relative.group(2)]

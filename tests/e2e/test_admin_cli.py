@@ -218,6 +218,7 @@ async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
+        ("250ms", "2024-05-01T11:59:59.750Z"),
         ("30m", "2024-05-01T11:30:00Z"),
         ("1h", "2024-05-01T11:00:00Z"),
         ("7d", "2024-04-24T12:00:00Z"),

@@ -308,6 +308,10 @@ async def test_rejections_take_relative_times(client, store, fake_clock):
     assert [i["detail"] for i in items] == ["new"]
     items = (await get_json(client, "/admin/rejections?until=1h"))["items"]
     assert [i["detail"] for i in items] == ["old"]
+    fake_clock.advance(0.5)
+    items = (await get_json(client, "/admin/rejections?since=750ms"))["items"]
+    assert [i["detail"] for i in items] == ["new"]  # the config's units, ms too
+    assert (await get_json(client, "/admin/rejections?since=250ms"))["items"] == []
 
 
 async def test_export_streams_every_row_past_1000(client, store):
