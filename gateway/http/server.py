@@ -115,6 +115,11 @@ class GatewayRunner(web.AppRunner):
     middleware chain."""
 
     def __init__(self, app: web.Application, *, front: Front | None = None, **kwargs: Any):
+        # Bodies as sent: a write's body is hashed and forwarded byte for byte with
+        # its Content-Encoding (aiohttp would inflate it and forward the inflated
+        # bytes under the same header), and a body that is not what its coding says
+        # is the upstream's to refuse, not an error in the gateway.
+        kwargs.setdefault("auto_decompress", False)
         super().__init__(app, **kwargs)
         self._front = front
 

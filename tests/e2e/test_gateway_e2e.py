@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -262,6 +263,36 @@ async def test_a_write_refused_on_its_headers_keeps_what_of_them_was_valid(gw: G
         (r.record.job_id, r.record.generation, r.record.owner, r.record.idempotency_key)
         for r in logged
     ] == [("job-7", None, None, "k-1"), ("job-7", 3, "w-1", None)]  # newest first
+
+
+async def test_a_compressed_body_is_forwarded_as_sent(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """SPEC 2: the body and its end-to-end headers go on as they came. The server
+    used to inflate a gzip body and forward the inflated bytes still labelled
+    gzip, and to answer 500 for a body that was not gzip at all."""
+    await gw.claim("job-1")
+    packed = gzip.compress(b'{"amount": 100}')
+    for key, body in (("gz-1", packed), ("gz-2", b"not gzip")):
+        status, _, _ = await gw.write(
+            "/to/pay/x", key=key, body=body, headers={"Content-Encoding": "gzip"}
+        )
+        assert status == 201
+        assert upstream.received[-1].body == body
+        assert upstream.received[-1].headers["Content-Encoding"] == "gzip"
+    # The fingerprint is the body as sent: the same JSON uncompressed is another body.
+    status, _, _ = await gw.write("/to/pay/x", key="gz-1", body=b'{"amount": 100}')
+    assert status == 422
+
+
+async def test_a_lease_body_in_a_content_coding_is_a_400(gw: Gateway) -> None:
+    async with gw.session.post(
+        f"{gw.url}/leases/job-9/claim",
+        data=b"not gzip",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    ) as resp:
+        assert (resp.status, resp.headers["Sinkgate-Rejected"]) == (400, "invalid_request")
+    assert (await gw.store.get("job-9")) is None
 
 
 async def test_a_destination_without_required_keys_forwards_keyless_writes(
