@@ -151,6 +151,18 @@ def _fencing(
     return job_id, int(token), owner
 
 
+def header_not_utf8(headers: CIMultiDictProxy[str]) -> str | None:
+    """The name of the first header whose value is not UTF-8 (aiohttp keeps such
+    bytes as surrogates, which can be neither hashed nor sent on), else None."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return name
+    return None
+
+
 def valid_fencing(
     headers: CIMultiDictProxy[str],
 ) -> tuple[str | None, int | None, str | None, str | None]:

@@ -21,7 +21,7 @@ from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import bearer_matches
 from gateway.http.bodies import read_body
-from gateway.http.problem import problem_response
+from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.telemetry import traces
@@ -30,7 +30,14 @@ from gateway.telemetry.metrics import Metrics
 from gateway.write.decision import Forward, Reject, Replay, WriteFacts
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
-from gateway.write.request import Target, path_escapes, raw_write_path, valid_fencing, write_facts
+from gateway.write.request import (
+    Target,
+    header_not_utf8,
+    path_escapes,
+    raw_write_path,
+    valid_fencing,
+    write_facts,
+)
 from gateway.write.upstream import (
     ForwardFailed,
     UpstreamAnswer,
@@ -91,6 +98,9 @@ class WriteGateway:
             "key": None,
         }
         try:
+            unsendable = header_not_utf8(request.headers)
+            if unsendable is not None:  # a malformed request, as the parser's refusals
+                raise invalid_request(f"the value of header {unsendable} is not UTF-8")
             destination = self._destination(request, target)
             body = await self._read_body(request, destination)
             body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log

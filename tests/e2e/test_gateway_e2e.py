@@ -285,6 +285,31 @@ async def test_a_compressed_body_is_forwarded_as_sent(
     assert status == 422
 
 
+@pytest.mark.parametrize(
+    "header", [b"Content-Type: text/plain; charset=\xe9", b"X-Note: \xe9t\xe9"]
+)
+async def test_a_header_that_is_not_utf8_is_a_400_not_a_500(
+    gw: Gateway, upstream: RecordingUpstream, header: bytes
+) -> None:
+    """Its value can be neither hashed nor sent on: the fingerprint raised on such
+    a Content-Type (a 500), and forwarding any such header would have failed
+    after the key was reserved."""
+    await gw.claim("job-1")
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
+        b"Idempotency-Key: k-8\r\nContent-Length: 2\r\n" + header + b"\r\n\r\n{}"
+    )
+    head, _, body = (await reader.read(65536)).partition(b"\r\n\r\n")
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert b"Sinkgate-Rejected: invalid_request" in head
+    assert json.loads(body)["detail"].endswith("is not UTF-8")
+    assert upstream.received == []
+    assert await gw.store.key_record("pay", "k-8") is None
+
+
 async def test_a_lease_body_in_a_content_coding_is_a_400(gw: Gateway) -> None:
     async with gw.session.post(
         f"{gw.url}/leases/job-9/claim",
