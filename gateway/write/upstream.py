@@ -94,7 +94,23 @@ def relay_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     drop = _DROP_RELAYED
     if "Connection" in upstream:
         drop = drop | _connection_tokens(upstream)
-    return CIMultiDict((n, v) for n, v in upstream.items() if n.lower() not in drop)
+    return CIMultiDict(
+        (n, v if v.isascii() else _sendable(v))
+        for n, v in upstream.items()
+        if n.lower() not in drop
+    )
+
+
+def _sendable(value: str) -> str:
+    """A header value that can be stored and sent on. Bytes that were not UTF-8
+    (aiohttp keeps them as surrogates, which neither the store's JSON nor the
+    server's writer takes) are read as ISO-8859-1, as RFC 9110 5.5 has clients
+    read such bytes; they then go on as that text in UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape").decode("latin-1")
+    return value
 
 
 def upstream_url(destination: DestinationConfig, raw_path: str, query: str) -> URL:

@@ -754,3 +754,37 @@ async def test_main_listener_health_and_readiness_follow_the_store(gw: Gateway) 
     async with gw.session.get(f"{gw.url}/readyz") as resp:
         assert resp.status == 503
         assert resp.headers["Sinkgate-Rejected"] == "store_unavailable"
+
+
+async def test_an_answer_header_that_is_not_utf8_is_relayed_stored_and_replayed(
+    tmp_path: Path,
+) -> None:
+    """Such bytes failed the outcome's record and the relay: the worker got a 500
+    and the key stayed in flight, then unknown. They now go on read as ISO-8859-1."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b'HTTP/1.1 201 Created\r\nContent-Length: 2\r\nETag: "\xe9"\r\nX-Odd: \xe9t\xe9\r\n'
+            b"Connection: close\r\n\r\n{}"
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = make_config(tmp_path, destination("pay", f"http://127.0.0.1:{port}/api"))
+    try:
+        async with running_gateway(config) as gw:
+            await gw.claim("job-1")
+            status, headers, body = await gw.write("/to/pay/x", key="odd-1")
+            assert (status, body) == (201, b"{}")
+            lower = {name.lower(): value for name, value in headers.items()}
+            assert (lower["etag"], lower["x-odd"]) == ('"é"', "été")
+            record = await gw.store.key_record("pay", "odd-1")
+            assert record is not None and record.state == "completed"
+            status, headers, _ = await gw.write("/to/pay/x", key="odd-1")
+            lower = {name.lower(): value for name, value in headers.items()}
+            assert (status, lower["etag"], lower["idempotent-replayed"]) == (201, '"é"', "true")
+    finally:
+        server.close()
