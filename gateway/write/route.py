@@ -381,16 +381,20 @@ def _replay(decision: Replay) -> web.Response:
 
 
 @functools.lru_cache(maxsize=256)
-def _lower_names(names: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(name.lower() for name in names)
+def _stored_names(replay_headers: tuple[str, ...], body_kept: bool) -> frozenset[str]:
+    """The answer headers kept for replays: `replay_headers`, and with a stored
+    body always its `Content-Encoding`, without which a gzip body cannot be read
+    (an omitted body is replayed empty, so without it)."""
+    names = frozenset(name.lower() for name in replay_headers)
+    return names | {"content-encoding"} if body_kept else names - {"content-encoding"}
 
 
 def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -> Outcome:
     if answer.status in destination.retryable_statuses:
         return Outcome("released")
-    wanted = _lower_names(destination.replay_headers)
-    headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
     omitted = answer.rest is not None or len(answer.body) > destination.max_replay_body
+    wanted = _stored_names(destination.replay_headers, not omitted)
+    headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
     return Outcome(
         "completed",
         status=answer.status,

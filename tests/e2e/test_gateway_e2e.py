@@ -788,3 +788,44 @@ async def test_an_answer_header_that_is_not_utf8_is_relayed_stored_and_replayed(
             assert (status, lower["etag"], lower["idempotent-replayed"]) == (201, '"é"', "true")
     finally:
         server.close()
+
+
+async def test_a_replay_of_a_compressed_answer_keeps_its_content_encoding(
+    tmp_path: Path,
+) -> None:
+    """The stored body is the answer's bytes as sent; replayed without their
+    Content-Encoding (not among the default replay_headers) they were unreadable."""
+    packed = gzip.compress(b'{"charged": 100}')
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % len(packed)
+            + packed
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    upstream = f"http://127.0.0.1:{port}/api"
+    config = make_config(
+        tmp_path, destination("pay", upstream), destination("tiny", upstream, max_replay_body=8)
+    )
+    try:
+        async with running_gateway(config) as gw:
+            await gw.claim("job-1")
+            for _ in range(2):  # the answer, then its replay: the client inflates both
+                status, _, body = await gw.write("/to/pay/x", key="gz-a")
+                assert (status, json.loads(body)) == (201, {"charged": 100})
+            record = await gw.store.key_record("pay", "gz-a")
+            assert record is not None and ("Content-Encoding", "gzip") in record.headers
+            # A body too long to keep is replayed empty, without a coding for it.
+            await gw.write("/to/tiny/x", key="gz-b")
+            status, headers, body = await gw.write("/to/tiny/x", key="gz-b")
+            assert (status, body, headers["Sinkgate-Replay-Body"]) == (201, b"", "omitted")
+            assert "content-encoding" not in {name.lower() for name in headers}
+    finally:
+        server.close()
