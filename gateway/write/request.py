@@ -126,16 +126,18 @@ def _fencing(
     job_id = field_value(headers, "Fencing-Job")
     token = field_value(headers, "Fencing-Token")
     owner = field_value(headers, "Fencing-Owner") or None
+    valid_job = IDENT.fullmatch(job_id) is not None
+    if valid_job:
+        members["job_id"] = job_id  # known, for every refusal below (SPEC 2 members)
     if not job_id or not token:
         missing = "Fencing-Job" if not job_id else "Fencing-Token"
         raise Rejection(Reason.MISSING_FENCING_TOKEN, f"{missing} is required", **members)
-    if not IDENT.fullmatch(job_id):
+    if not valid_job:
         raise Rejection(
             Reason.INVALID_FENCING_TOKEN,
             "Fencing-Job must be 1-256 visible ASCII characters",
             **members,
         )
-    members["job_id"] = job_id
     if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
         raise Rejection(
             Reason.INVALID_FENCING_TOKEN,

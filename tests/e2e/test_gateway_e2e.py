@@ -263,6 +263,8 @@ async def test_a_write_refused_on_its_headers_keeps_what_of_them_was_valid(gw: G
         (r.record.job_id, r.record.generation, r.record.owner, r.record.idempotency_key)
         for r in logged
     ] == [("job-7", None, None, "k-1"), ("job-7", 3, "w-1", None)]  # newest first
+    status, _, body = await gw.write("/to/pay/x", job="job-7", generation=None)
+    assert (status, json.loads(body)["job_id"]) == (400, "job-7")  # known, so in the answer
 
 
 async def test_a_compressed_body_is_forwarded_as_sent(
