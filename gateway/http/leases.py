@@ -191,6 +191,8 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
 def _refusal(exc: Exception, job_id: str | None) -> Rejection:
     """The answer to a refused call: the request's own problem, or the store's."""
     if isinstance(exc, Rejection):
+        if job_id is not None:
+            exc.members.setdefault("job_id", job_id)  # the path's job, once it is valid
         return exc
     if isinstance(exc, LeaseHeld):
         return Rejection(

@@ -374,6 +374,12 @@ async def test_ttl_bounds_are_inclusive(api: Api) -> None:
     assert (await api.post("hi", "claim", {"owner": "a", "ttl": 86400}))[0] == 200
 
 
+async def test_a_refused_body_names_the_paths_job(api: Api) -> None:
+    status, headers, doc = await api.call("POST", "/leases/t2/claim", {"owner": "w", "ttl": 0.049})
+    assert_problem(status, headers, doc, 400, "invalid_request")
+    assert (doc["field"], doc["job_id"]) == ("ttl", "t2")
+
+
 async def test_body_over_64_kib_is_413_body_too_large(api: Api) -> None:
     body = json.dumps({"owner": "a", "ttl": 10, "pad": "x" * MAX_BODY}).encode()
     status, headers, doc = await api.call("POST", "/leases/j/claim", raw=body)
