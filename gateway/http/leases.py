@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import unquote
 
@@ -70,7 +70,12 @@ def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = N
 
 
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:
-    """The lease object of SPEC 3 (`models.Lease`)."""
+    """The lease object of SPEC 3 (`models.Lease`). `server_time` is the store's
+    now that `expires_in` counts from (the lease's own, while it runs), so that
+    `lease_until - server_time == expires_in`; `now` for any other lease."""
+    moment = datetime.fromtimestamp(now, UTC)
+    if lease.expires_in > 0:
+        moment = lease.lease_until - timedelta(seconds=lease.expires_in)
     return to_json(
         models.Lease(
             job_id=lease.job_id,
@@ -79,7 +84,7 @@ def lease_json(lease: Lease, now: float) -> dict[str, Any]:
             state=lease.state,
             lease_until=rfc3339(lease.lease_until),
             expires_in=lease.expires_in,
-            server_time=rfc3339(datetime.fromtimestamp(now, UTC)),
+            server_time=rfc3339(moment),
         )
     )
 

@@ -103,6 +103,30 @@ def assert_problem(status: int, headers: dict[str, str], doc: Any, want: int, re
     assert {"type", "title", "detail"} <= set(doc)
 
 
+class TickingClock(FakeClock):
+    """A store clock that moves 1 ms at every reading, as a real one moves
+    between the claim's transaction and the answer."""
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+@pytest.mark.parametrize("clock", [TickingClock()])
+async def test_server_time_is_the_now_that_expires_in_counts_from(api: Api) -> None:
+    for answer in (
+        await api.post("job-t", "claim", {"owner": "a", "ttl": 10}),
+        await api.get("job-t"),
+    ):
+        doc = answer[1]
+        until, server = (
+            datetime.fromisoformat(doc[name].replace("Z", "+00:00"))
+            for name in ("lease_until", "server_time")
+        )
+        assert (until - server).total_seconds() == pytest.approx(doc["expires_in"], abs=1e-6)
+    assert (await api.post("job-u", "claim", {"owner": "a", "ttl": 10}))[1]["expires_in"] == 10
+
+
 # --- claim -----------------------------------------------------------------------------
 
 
