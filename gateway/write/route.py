@@ -386,7 +386,7 @@ def _stored_names(replay_headers: tuple[str, ...], body_kept: bool) -> frozenset
     body always its `Content-Encoding`, without which a gzip body cannot be read
     (an omitted body is replayed empty, so without it)."""
     names = frozenset(name.lower() for name in replay_headers)
-    return names | {"content-encoding"} if body_kept else names - {"content-encoding"}
+    return (names | {"content-encoding"}) if body_kept else (names - {"content-encoding"})
 
 
 def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -> Outcome:
