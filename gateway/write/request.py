@@ -106,16 +106,31 @@ def fencing_headers(
                 **members,
             )
         return job_id, generation, owner, None
-    if len(key) >= 2 and key[0] == key[-1] == '"':
-        key = key[1:-1]  # the IETF draft's quoted form
-    if not (len(key) <= 255 and VISIBLE.fullmatch(key)):
+    checked = _checked_key(key)
+    if checked is None:
         raise Rejection(
             Reason.INVALID_IDEMPOTENCY_KEY,
             "Idempotency-Key must be 1-255 visible ASCII characters",
             generation=generation,
             **members,
         )
-    return job_id, generation, owner, key
+    return job_id, generation, owner, checked
+
+
+def _checked_key(key: str) -> str | None:
+    """The key, unquoted (the IETF draft's quoted form), if it is 1-255 visible
+    ASCII characters; else None."""
+    if len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]
+    return key if len(key) <= 255 and VISIBLE.fullmatch(key) else None
+
+
+def _checked_token(token: str) -> int | None:
+    """The generation a Fencing-Token names, if it is a valid one; else None."""
+    if not _TOKEN.fullmatch(token):
+        return None
+    generation = int(token)
+    return generation if generation <= MAX_GENERATION else None
 
 
 def _fencing(
@@ -138,7 +153,8 @@ def _fencing(
             "Fencing-Job must be 1-256 visible ASCII characters",
             **members,
         )
-    if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
+    generation = _checked_token(token)
+    if generation is None:
         raise Rejection(
             Reason.INVALID_FENCING_TOKEN,
             "Fencing-Token must be a decimal generation from 1 to 2^63-1, no sign or leading zero",
@@ -150,7 +166,7 @@ def _fencing(
             "Fencing-Owner must be 1-256 visible ASCII characters",
             **members,
         )
-    return job_id, int(token), owner
+    return job_id, generation, owner
 
 
 # Checked on their own (visible ASCII; the token compared as bytes), refused with
@@ -179,17 +195,12 @@ def valid_fencing(
     None for any that is missing or does not. For the record and log line of a
     write refused before (or while) its headers were checked."""
     job_id = field_value(headers, "Fencing-Job")
-    token = field_value(headers, "Fencing-Token")
     owner = field_value(headers, "Fencing-Owner")
-    key = field_value(headers, "Idempotency-Key")
-    if len(key) >= 2 and key[0] == key[-1] == '"':
-        key = key[1:-1]
-    generation = int(token) if _TOKEN.fullmatch(token) else None
     return (
         job_id if IDENT.fullmatch(job_id) else None,
-        generation if generation is not None and generation <= MAX_GENERATION else None,
+        _checked_token(field_value(headers, "Fencing-Token")),
         owner if IDENT.fullmatch(owner) else None,
-        key if len(key) <= 255 and VISIBLE.fullmatch(key) else None,
+        _checked_key(field_value(headers, "Idempotency-Key")),
     )
 
 
