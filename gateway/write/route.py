@@ -65,9 +65,7 @@ class WriteGateway:
         self.in_flight_total = 0
         # Shared between workers, the gauge is counted in their files: `_admit` and
         # `_release` move it. Otherwise it reads `in_flight` when scraped.
-        self._shared_gauges: dict[str, Any] | None = (
-            None if metrics.shared_directory is None else {}
-        )
+        self._shared_gauge = metrics.shared_directory is not None
         self.forwards: set[asyncio.Task[Any]] = set()
         for name in config.destinations:
             self.track(name)
@@ -82,9 +80,8 @@ class WriteGateway:
         self.in_flight[name] = 0
         in_flight = self.in_flight
         gauge = self.metrics.child(self.metrics.in_flight, name)
-        if self._shared_gauges is not None:
-            self._shared_gauges[name] = gauge
-            return
+        if self._shared_gauge:
+            return  # there at 0 all the same: the child is made
         gauge.set_function(lambda: in_flight[name])
 
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
@@ -253,14 +250,14 @@ class WriteGateway:
             raise Rejection(Reason.OVERLOADED, "too many writes in flight", retry_after=1)
         self.in_flight[name] += 1
         self.in_flight_total += 1
-        if self._shared_gauges is not None:
-            self._shared_gauges[name].inc()
+        if self._shared_gauge:
+            self.metrics.child(self.metrics.in_flight, name).inc()
 
     def _release(self, destination: DestinationConfig) -> None:
         self.in_flight[destination.name] -= 1
         self.in_flight_total -= 1
-        if self._shared_gauges is not None:
-            self._shared_gauges[destination.name].dec()
+        if self._shared_gauge:
+            self.metrics.child(self.metrics.in_flight, destination.name).dec()
 
     async def _forward(
         self,
