@@ -129,6 +129,35 @@ def main_thread_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_switches(pgid: int | None) -> tuple[int, int]:
+    """(read- and write-family system calls, voluntary context switches) summed
+    over every thread of the group, from /proc/<pid>/task/<tid>/{io,status}.
+    A voluntary switch is a thread going to sleep: an event loop with nothing to
+    do, a thread waiting for the GIL, a lock or its queue; each one is a wake-up
+    that some other thread pays for too."""
+    calls = switches = 0
+    if pgid is None:
+        return calls, switches
+    for pid in group_pids(pgid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/io") as f:
+                    io = dict(line.split(": ") for line in f.read().splitlines() if line)
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    status = dict(
+                        line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line
+                    )
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile, or /proc without io (permissions)
+            calls += int(io.get("syscr", 0)) + int(io.get("syscw", 0))
+            switches += int(status.get("voluntary_ctxt_switches", 0))
+    return calls, switches
+
+
 def memory_mb(pgid: int) -> tuple[float, float]:
     """(peak RSS, current RSS) in MB summed over the group, from /proc/<pid>/status."""
     hwm = rss = 0
@@ -355,6 +384,7 @@ def run_load(
     pgid = target.proc.pid if target.proc else None
     up_pgid = upstream.proc.pid if upstream and upstream.proc and upstream is not target else None
     cpu0, main0 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
+    calls0, switches0 = thread_switches(pgid)
     up0 = cpu_seconds(up_pgid) if up_pgid else 0.0
     db_needle = target.extra.get("db_process")
     db0 = matching_cpu_seconds(db_needle) if db_needle else {}
@@ -368,6 +398,7 @@ def run_load(
         timeout=args.duration + args.warmup + 120,
     )
     cpu1, main1 = cpu_seconds(pgid), main_thread_cpu_seconds(pgid)
+    calls1, switches1 = thread_switches(pgid)
     up1 = cpu_seconds(up_pgid) if up_pgid else 0.0
     db1 = matching_cpu_seconds(db_needle) if db_needle else {}
     db_cpu = cpu_since(db0, db1)
@@ -385,6 +416,8 @@ def run_load(
         peak_rss_mb=hwm,
         rss_mb=rss,
         main_thread_ms_per_req=(main1 - main0) * 1000 / total,
+        syscalls_per_req=(calls1 - calls0) / total,
+        switches_per_req=(switches1 - switches0) / total,
         upstream_cpu_s=up1 - up0,
         db_cpu_s=db_cpu,
         db_ms_per_req=db_cpu * 1000 / total,
@@ -532,13 +565,15 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
         "cpu ms/req",
         "loop ms/req",
         "db ms/req",
+        "rw calls/req",
+        "sleeps/req",
         "peak RSS MB",
         "gen cpu s",
         "idle %",
         "other cores",
         "outcomes",
     ]
-    widths = [18, 5, 15, 9, 7, 7, 10, 11, 9, 11, 9, 6, 11, 0]
+    widths = [18, 5, 15, 9, 7, 7, 10, 11, 9, 12, 10, 11, 9, 6, 11, 0]
     print()
     print("## Runs (in the order they ran)")
     print(fmt_row(head, widths))
@@ -558,6 +593,8 @@ def print_tables(results: list[dict], scenarios: list[tuple], targets: list[str]
                     f"{r['cpu_ms_per_req']:.3f}",
                     f"{r['main_thread_ms_per_req']:.3f}",
                     f"{r['db_ms_per_req']:.3f}" if r.get("db_cpu_s") else "-",
+                    f"{r['syscalls_per_req']:.2f}" if "syscalls_per_req" in r else "-",
+                    f"{r['switches_per_req']:.2f}" if "switches_per_req" in r else "-",
                     f"{r['peak_rss_mb']:.1f}",
                     f"{r['loadgen_cpu_s']:.1f}",
                     f"{r['idle_pct']:.0f}",

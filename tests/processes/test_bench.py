@@ -48,6 +48,9 @@ async def test_a_short_benchmark_run_measures_every_target(tmp_path: Path) -> No
     assert measured == {(s, t) for s in ("unique c=4", "mix c=4") for t in targets}
     for r in results:
         assert r["rps"] > 0 and r["errors"] == {}, r
+        # every target reads each request and writes each answer: at least one
+        # read- or write-family call per request, counted from /proc
+        assert r["syscalls_per_req"] >= 1 and r["switches_per_req"] >= 0, r
         outcomes = r["outcomes"]
         if r["scenario"].startswith("mix") and r["target"] in ("sqlite", "postgres"):
             # duplicates answered by a replay, stale generations refused
