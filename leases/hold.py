@@ -7,6 +7,7 @@ worker's own monotonic deadline, started *before* the claim request was sent,
 passing without a successful renewal. Either way the body is cancelled and
 `LeaseLost` leaves the `async with` - before the store could hand the job to
 anybody else, since the store's lease always ends after the local deadline.
+A claim whose answer arrives after that deadline never starts the body.
 
 A cancellation from outside (the worker shutting down) is not a lost lease: the
 lease is released at once, so the job does not stay blocked for up to a ttl, and
@@ -20,15 +21,18 @@ hang a shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
+from typing import NoReturn
 
-from .errors import LeaseLost
+from .errors import LeaseError, LeaseLost
 from .exits import OnExit, give_back_claim, release, settle, stop, wind_up
 from .model import Lease, default_owner, validate_ttl
+from .reasons import Reason
 from .renewal import Hold, RenewalSchedule, Renewer, Sleep
 from .store import LeaseStore
 
@@ -96,6 +100,8 @@ async def hold(
     started = monotonic()
     lease = await _claim(store, job_id, owner, schedule.ttl, cancel_timeout)
     state = Hold(lease, schedule.deadline(started), monotonic)
+    if monotonic() >= state.deadline:
+        await _too_late(store, lease, cancel_timeout)
     watchdog, renewer = _watch(store, state, schedule, monotonic, sleep)
     try:
         yield _held(lease, state)
@@ -155,6 +161,17 @@ async def _claim(
     except asyncio.CancelledError:
         await give_back_claim(store, claiming, cancel_timeout, job_id, owner)
         raise
+
+
+async def _too_late(store: LeaseStore, lease: Lease, cancel_timeout: float) -> NoReturn:
+    """The claim's answer came after the worker's own deadline: by its clock the
+    lease may already have run out in the store, so the body must not start. The
+    lease is given back if it is still ours (if not, the release is refused and
+    changes nothing), within `cancel_timeout`, and `LeaseLost` raised."""
+    with contextlib.suppress(LeaseError, TimeoutError):  # StoreUnavailable is one
+        async with asyncio.timeout(cancel_timeout):
+            await store.release(lease)
+    raise LeaseLost(lease.job_id, lease.generation, Reason.LEASE_EXPIRED)
 
 
 async def _cancelled(

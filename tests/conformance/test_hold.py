@@ -40,10 +40,14 @@ class SpyStore:
         self.hang_renewals = False
         self.slow_response = 0.0
         self.last_renewed: Lease | None = None
+        self.while_claiming: Callable[[], None] | None = None
         self._renewed = asyncio.Condition()
 
     async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:
-        return await self.inner.claim(job_id, owner=owner, ttl=ttl)
+        lease = await self.inner.claim(job_id, owner=owner, ttl=ttl)
+        if self.while_claiming is not None:
+            self.while_claiming()  # e.g. the worker's clock moves while the answer travels
+        return lease
 
     async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
         try:
@@ -260,6 +264,35 @@ async def test_unreachable_store_cancels_body_at_the_local_deadline(
     assert effects == ["before the deadline"]
     assert [e["reason"] for e in logs if e["event"] == "lease_lost"] == [info.value.reason]
     assert renewal_tasks() == []
+
+
+async def test_a_claim_answered_after_the_local_deadline_never_starts_the_body(
+    store: SpyStore, worker_clock: FakeClock
+) -> None:
+    """The claim was granted, but its answer took longer than the lease is safe for
+    on the worker's clock: the body does not run at all (not even up to its first
+    await), LeaseLost(lease_expired) leaves `hold`, and the lease is given back."""
+    store.while_claiming = lambda: worker_clock.advance(TTL)
+    entered = False
+    with pytest.raises(LeaseLost) as info:
+        async with hold(store, "job-1", owner="worker-a", ttl=TTL, monotonic=worker_clock):
+            entered = True
+    assert not entered
+    assert (info.value.reason, info.value.generation) == ("lease_expired", 1)
+    after = await store.get("job-1")
+    assert after is not None and after.state == "free"
+    assert renewal_tasks() == []
+
+
+async def test_a_claim_answered_just_before_the_local_deadline_starts_the_body(
+    store: SpyStore, worker_clock: FakeClock
+) -> None:
+    """The other side of the line: an answer that is late but inside the deadline."""
+    store.while_claiming = lambda: worker_clock.advance(TTL * 0.9)  # < ttl * (1 - 0.05)
+    async with hold(store, "job-1", owner="worker-a", ttl=TTL, monotonic=worker_clock) as lease:
+        assert lease.generation == 1
+    after = await store.get("job-1")
+    assert after is not None and after.state == "done"
 
 
 async def test_closed_store_stops_body_before_the_store_could_reassign_the_job(
