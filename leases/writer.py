@@ -203,6 +203,8 @@ class FencedWriter:
             status, answer_headers, answer = await self._send(method, url, body, sent, params)
             if "Sinkgate-Rejected" not in answer_headers:
                 replayed = answer_headers.get("Idempotent-Replayed", "").lower() == "true"
+                if replayed and _stored_fence_refusal(status, answer):
+                    raise rejection_from_response(status, answer_headers, answer)
                 return WriteResult(status, answer_headers, answer, replayed)
             rejection = rejection_from_response(status, answer_headers, answer)
             if rejection.reason not in _RETRIED or retries >= self.max_retries:
@@ -290,6 +292,20 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
+
+
+def _stored_fence_refusal(status: int, body: bytes) -> bool:
+    """A replay of the destination's own fence refusal (SPEC 3.1): the first
+    answer carried `Sinkgate-Rejected: stale_generation` and raised `StaleWrite`,
+    but a replay carries no `Sinkgate-Rejected` (SPEC 2), only the stored status
+    and problem body. It is the same refusal, so it raises the same way."""
+    if status != 409:
+        return False
+    try:
+        problem = jsonlib.loads(body)
+    except ValueError:
+        return False
+    return isinstance(problem, dict) and problem.get("reason") == Reason.STALE_GENERATION
 
 
 def _span_attributes(method: str, url: URL, headers: Mapping[str, str]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -554,3 +555,47 @@ async def test_writer_inside_hold_over_http_through_the_real_gateway(
                     await writer.put("payments", "/items/1", json={"q": 1}, step="again")
             assert info.value.reason == "job_completed"
             assert len(upstream.received) == 1
+
+
+async def test_a_replay_of_the_destinations_fence_refusal_raises_stale_write(
+    tmp_path: Path,
+) -> None:
+    """The destination runs `leases.fence` and refuses generation 1 (its mark is 5).
+    The first write raises StaleWrite from the relayed `Sinkgate-Rejected`; the
+    retry of the same step gets the stored 409 replayed, which carries no
+    `Sinkgate-Rejected` (SPEC 2), and must raise StaleWrite all the same, not
+    come back as a result the caller might take for success."""
+    from leases.fence import Fence, aiohttp_middleware
+
+    charges: list[bytes] = []
+
+    async def charge(request: web.Request) -> web.Response:
+        charges.append(await request.read())
+        return web.json_response({"charged": True}, status=201)
+
+    middleware = aiohttp_middleware(Fence(), f"sqlite:///{tmp_path / 'ledger.db'}")
+    app = web.Application(middlewares=[middleware])
+    app.router.add_post("/charges", charge)
+    server = TestServer(app, port=free_port())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            newer = {"Fencing-Job": "job-9", "Fencing-Token": "5"}
+            async with client.post(server.make_url("/charges"), headers=newer, data=b"{}") as r:
+                assert r.status == 201  # the destination's mark for job-9 is now 5
+        config = make_config(tmp_path, destination("ledger", str(server.make_url(""))))
+        async with running_gateway(config) as gw:
+            async with await HTTPLeaseStore.open(gw.url) as store:
+                lease = await store.claim("job-9", owner="worker-a", ttl=30)
+                assert lease.generation == 1
+                async with FencedWriter(gw.url, lease) as writer:
+                    with pytest.raises(StaleWrite) as first:
+                        await writer.post("ledger", "/charges", json={"n": 1}, step="charge")
+                    with pytest.raises(StaleWrite) as again:
+                        await writer.post("ledger", "/charges", json={"n": 1}, step="charge")
+        assert first.value.reason == again.value.reason == "stale_generation"
+        assert again.value.highest_generation == 5
+        assert len(charges) == 1  # only the direct write with token 5
+    finally:
+        await server.close()
+        await middleware.close()
