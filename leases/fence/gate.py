@@ -96,27 +96,37 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
 
 
 class JobLocks:
-    """One lock per job id, dropped once nobody holds or waits for it."""
+    """One lock per job id and event loop, dropped once nobody holds or waits for it.
+
+    One instance serves the whole process (`PROCESS_LOCKS`): SPEC 3.1 serialises a
+    job's requests within the process, so two middlewares (two apps, or one app
+    mounted twice) must take the same lock for one job. Keyed by the running loop
+    as well, since an asyncio lock belongs to one loop.
+    """
 
     def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._locks: dict[tuple[asyncio.AbstractEventLoop, str], tuple[asyncio.Lock, int]] = {}
 
     @asynccontextmanager
     async def hold(self, job_id: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(job_id, (asyncio.Lock(), 0))
-        self._locks[job_id] = (lock, users + 1)
+        key = (asyncio.get_running_loop(), job_id)
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
         try:
             async with lock:
                 yield
         finally:
-            lock, users = self._locks[job_id]
+            lock, users = self._locks[key]
             if users == 1:
-                del self._locks[job_id]
+                del self._locks[key]
             else:
-                self._locks[job_id] = (lock, users - 1)
+                self._locks[key] = (lock, users - 1)
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+PROCESS_LOCKS = JobLocks()
 
 
 class FenceGate:
@@ -125,7 +135,7 @@ class FenceGate:
 
     def __init__(self, fence: Fence, database_url: str) -> None:
         self.database = FenceDatabase(fence, database_url)
-        self.locks = JobLocks()
+        self.locks = PROCESS_LOCKS
 
     @asynccontextmanager
     async def admit(self, job_id: str, token: int) -> AsyncIterator[Refusal | None]:

@@ -294,6 +294,30 @@ async def test_asgi_one_jobs_requests_are_serialised(
         await fenced.close()
 
 
+async def test_two_middlewares_in_one_process_serialise_one_job_together(
+    tmp_path: Path,
+) -> None:
+    """SPEC 3.1 serialises a job's requests within the process, not within one
+    middleware: generation 5 held open in one fenced app, 6 and 4 sent to another
+    one on the same database, and 6 still waits for 5."""
+    ledger = Ledger()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    first, second = (
+        ASGIFence(bare_app(ledger), Fence(), url),
+        ASGIFence(bare_app(ledger), Fence(), url),
+    )
+
+    async def send(token: str | None = None, job: str | None = "job-1", path: str = "/e"):
+        app = first if token == "5" else second
+        return await asgi_call(app, path, {"Fencing-Job": job or "", "Fencing-Token": token or ""})
+
+    try:
+        await _one_job_is_serialised(send, ledger)
+    finally:
+        await first.close()
+        await second.close()
+
+
 async def test_asgi_lifespan_passes_through_and_shutdown_closes_the_database(
     tmp_path: Path,
 ) -> None:
