@@ -18,7 +18,8 @@ class AiohttpFence:
     A request carrying `Fencing-Job`/`Fencing-Token` is checked in a committed
     transaction of its own, then handled with the job's lock held; a stale one
     gets 409 `stale_generation` and its handler is never called. Requests
-    without the headers pass through untouched. `close` (also usable as an
+    without the headers pass through untouched, and so do requests no route
+    serves (aiohttp's 404 and 405 answer them). `close` (also usable as an
     `on_cleanup` callback) closes the database.
     """
 
@@ -27,6 +28,10 @@ class AiohttpFence:
         self.__middleware_version__ = 1  # a new-style aiohttp middleware
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.http_exception is not None:
+            # No route serves it (404, 405): no effect can follow, so it must not
+            # raise the job's mark and fence off the generations below it.
+            return await handler(request)
         fencing = fencing_of(
             request.headers.getall("Fencing-Job", []), request.headers.getall("Fencing-Token", [])
         )

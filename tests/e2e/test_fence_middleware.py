@@ -101,6 +101,27 @@ async def test_aiohttp_stale_requests_are_refused_before_the_handler(database_ur
         assert len(middleware.gate.locks) == 0  # no lock kept for jobs nobody is writing
 
 
+async def test_aiohttp_a_request_no_route_serves_does_not_raise_the_mark(tmp_path: Path) -> None:
+    """A newer generation's request to a path the app does not have gets aiohttp's
+    404 (or 405) and records nothing: an older generation's real write still passes."""
+    ledger = Ledger()
+    middleware = aiohttp_middleware(Fence(), f"sqlite:///{tmp_path / 'l.db'}")
+    app = web.Application(middlewares=[middleware])
+    app.on_cleanup.append(middleware.close)
+    app.router.add_post("/charges", ledger.aiohttp_handler)
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+
+        async def send(method: str, path: str, token: str) -> int:
+            headers = {"Fencing-Job": "job-1", "Fencing-Token": token}
+            async with session.request(method, base + path, headers=headers) as resp:
+                return resp.status
+
+        assert await send("POST", "/nope", "9") == 404
+        assert await send("GET", "/charges", "8") == 405
+        assert await send("POST", "/charges", "2") == 201
+    assert ledger.effects == [("job-1", "2")]
+
+
 async def test_aiohttp_requests_without_fencing_headers_pass_through(database_url: str) -> None:
     async with aiohttp_ledger(database_url) as (ledger, send, _):
         assert (await send(None, job=None))[0] == 201
