@@ -298,7 +298,7 @@ async def _body(request: web.Request, op: str) -> LeaseRequest:
             raise invalid_request(f"missing field {name!r}", field=name)
     parsed: dict[str, Any] = {}
     for name in allowed:
-        if body.get(name) is None:
+        if name not in body:
             continue  # only an optional field can be absent here (renew's ttl)
         try:
             parsed[name] = _CHECKS[name](body[name])

@@ -98,12 +98,12 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class RenewRequest:
-    """The body of `POST /leases/{job_id}/renew`; a null ttl, like an absent one,
-    keeps the ttl the lease was claimed with."""
+    """The body of `POST /leases/{job_id}/renew`; without `ttl` the lease keeps the
+    ttl it was claimed (or last renewed) with. A null `ttl` is not a number: 400."""
 
     owner: Ident
     generation: Generation
-    ttl: Ttl | None = None
+    ttl: Ttl | None = absent()
 
 
 @dataclass(frozen=True, slots=True)

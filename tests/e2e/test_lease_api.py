@@ -364,6 +364,7 @@ BAD_BODIES: list[tuple[str, str, Any]] = [
     ("renew", "generation 2^63", {"owner": "a", "generation": 2**63}),
     ("renew", "huge generation", b'{"owner": "a", "generation": 1' + b"0" * 5000 + b"}"),
     ("renew", "bool ttl", {"owner": "a", "generation": 1, "ttl": False}),
+    ("renew", "null ttl", {"owner": "a", "generation": 1, "ttl": None}),
     ("renew", "ttl 86401", {"owner": "a", "generation": 1, "ttl": 86401}),
     ("complete", "ttl on complete", {"owner": "a", "generation": 1, "ttl": 10}),
     ("complete", "missing owner", {"generation": 1}),
