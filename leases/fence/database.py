@@ -7,6 +7,7 @@ It is opened on first use, so building an app never does I/O.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from .core import Fence
@@ -55,6 +56,9 @@ class FenceDatabase:
         import aiosqlite
 
         assert self._path is not None
+        # As the gateway's own store and `open_store` do: a missing directory is
+        # made, rather than every fenced request answered 503.
+        await asyncio.to_thread(Path(self._path).parent.mkdir, parents=True, exist_ok=True)
         pending = aiosqlite.connect(self._path, timeout=10.0, isolation_level=None)
         pending._thread.daemon = True  # as leases.sqlite does: never hang the exit
         try:

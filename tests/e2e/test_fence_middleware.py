@@ -147,7 +147,8 @@ async def test_aiohttp_malformed_fencing_headers_get_400(tmp_path: Path) -> None
 
 
 async def test_aiohttp_an_unusable_database_fails_closed_with_503(tmp_path: Path) -> None:
-    async with aiohttp_ledger(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}") as (
+    (tmp_path / "a-file").write_text("not a directory")
+    async with aiohttp_ledger(f"sqlite:///{tmp_path / 'a-file' / 'fence.db'}") as (
         ledger,
         send,
         _,
@@ -156,6 +157,15 @@ async def test_aiohttp_an_unusable_database_fails_closed_with_503(tmp_path: Path
         problem(status, headers, body, "store_unavailable")
         assert (await send(None, job=None))[0] == 201  # unfenced requests still served
         assert ledger.effects == [(None, None)]
+
+
+async def test_a_missing_directory_for_the_fence_database_is_made(tmp_path: Path) -> None:
+    """As the gateway's store does: not a 503 on every fenced request."""
+    path = tmp_path / "no" / "such" / "fence.db"
+    async with aiohttp_ledger(f"sqlite:///{path}") as (ledger, send, _):
+        assert (await send("3"))[0] == 201
+        assert (await send("2"))[0] == 409
+    assert path.exists() and ledger.effects == [("job-1", "3")]
 
 
 async def _one_job_is_serialised(send: Callable[..., Awaitable[Any]], ledger: Ledger) -> None:
