@@ -87,3 +87,16 @@ class StoreUnavailable(LeaseError):
     only for the caller: the store either applied it whole or not at all."""
 
     reason = Reason.STORE_UNAVAILABLE
+
+
+class SchemaTooNew(LeaseError):
+    """The database was written by a newer release: refused at open, left unchanged."""
+
+    def __init__(self, component: str, found: int, supported: int) -> None:
+        super().__init__(
+            f"database schema {component} v{found} is newer than this sinkgate "
+            f"(v{supported}): run the release that wrote it"
+        )
+        self.component = component
+        self.found = found
+        self.supported = supported

@@ -39,7 +39,7 @@ import asyncpg  # type: ignore[import-untyped]
 
 from . import model
 from .base import Closing
-from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
+from .errors import JobCompleted, LeaseHeld, SchemaTooNew, StoreUnavailable, refused
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
 
 T = TypeVar("T")
@@ -165,9 +165,7 @@ async def ensure_component(conn: Conn, component: str, version: int) -> None:
             "INSERT INTO sinkgate_schema (component, version) VALUES ($1, $2)", component, version
         )
     elif current > version:
-        raise RuntimeError(
-            f"database schema {component} v{current} is newer than this sinkgate (v{version})"
-        )
+        raise SchemaTooNew(component, current, version)
     elif current < version:
         await conn.execute(
             "UPDATE sinkgate_schema SET version = $2 WHERE component = $1", component, version

@@ -22,7 +22,7 @@ import aiosqlite
 
 from . import model
 from .base import Closing
-from .errors import JobCompleted, LeaseHeld, StoreUnavailable, refused
+from .errors import JobCompleted, LeaseHeld, SchemaTooNew, StoreUnavailable, refused
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
 
 T = TypeVar("T")
@@ -67,9 +67,7 @@ def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> 
             "INSERT INTO sinkgate_schema (component, version) VALUES (?, ?)", (component, version)
         )
     elif row[0] > version:
-        raise RuntimeError(
-            f"database schema {component} v{row[0]} is newer than this sinkgate (v{version})"
-        )
+        raise SchemaTooNew(component, row[0], version)
     elif row[0] < version:
         conn.execute(
             "UPDATE sinkgate_schema SET version = ? WHERE component = ?", (version, component)
@@ -362,9 +360,11 @@ class SQLiteLeaseStore(Closing):
         executor = await SQLiteExecutor.open(path)
         try:
             await in_thread(executor._writer, init_leases_schema)
-        except sqlite3.Error as exc:
+        except BaseException as exc:
             await executor.close()
-            raise StoreUnavailable(f"cannot create the lease schema: {exc}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise StoreUnavailable(f"cannot create the lease schema: {exc}") from exc
+            raise  # SchemaTooNew, or a bug: the store is closed either way
         return cls(executor, clock)
 
     async def claim(self, job_id: str, *, owner: str | None = None, ttl: float) -> Lease:

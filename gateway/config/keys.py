@@ -171,19 +171,41 @@ def pem_file(t: Table, name: str) -> Path:
 def store_url(t: Table, name: str) -> str:
     """A sqlite:/// or postgresql:// URL; never echoed whole (it may hold a password)."""
     url = t.string(name)
-    scheme = url.partition(":")[0].lower()
-    if scheme in ("postgresql", "postgres") and url[len(scheme) :].startswith("://"):
+    written, has_scheme, _ = url.partition("://")
+    scheme = written.lower() if has_scheme else ""
+    if scheme in ("postgresql", "postgres"):
+        if not _postgres_ports_ok(url):
+            # asyncpg would fail on it only at start-up, with a traceback
+            raise t.error(name, "a port in the URL is not a number from 1 to 65535")
         return url
+    if not has_scheme and url.startswith("sqlite:"):
+        scheme = "sqlite"  # sqlite:relative: refused below with the sqlite:/// forms
     if scheme != "sqlite":
         # Only the scheme is echoed: the rest may hold a password.
-        raise t.error(
-            name, f"expected sqlite:///path or postgresql://..., got a {show(scheme)} URL"
-        )
+        got = f"a {show(written)} URL" if has_scheme else "a value without scheme://"
+        raise t.error(name, f"expected sqlite:///path or postgresql://..., got {got}")
     if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
         raise t.error(
             name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
         )
     return url
+
+
+def _postgres_ports_ok(url: str) -> bool:
+    """Every `host:port` of a postgresql:// URL (asyncpg takes a comma-separated
+    list, and `[v6]:port`) has a port of 1..65535, or none."""
+    netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    for host in netloc.rpartition("@")[2].split(","):
+        if host.startswith("["):
+            after = host.partition("]")[2]
+            if after and not after.startswith(":"):
+                return False
+            port = after[1:]
+        else:
+            port = host.rpartition(":")[2] if ":" in host else ""
+        if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            return False
+    return True
 
 
 def fencing(t: Table, name: str) -> Fencing:

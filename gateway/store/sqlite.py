@@ -66,9 +66,11 @@ class SQLiteStore(sqlite_admin.SQLiteAdmin, SQLiteLeaseStore):
         executor = await SQLiteExecutor.open(lease_sql.sqlite_path(url))
         try:
             await in_thread(executor._writer, init_schema)
-        except sqlite3.Error as exc:
+        except BaseException as exc:
             await executor.close()
-            raise StoreUnavailable(f"cannot create the gateway schema: {exc}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise StoreUnavailable(f"cannot create the gateway schema: {exc}") from exc
+            raise  # SchemaTooNew, or a bug: the store is closed either way
         return cls(executor, clock)
 
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
+from leases.errors import JobCompleted, LeaseHeld, LeaseLost, SchemaTooNew, StoreUnavailable
 from leases.model import Lease
 from leases.postgres import (
     PostgresLeaseStore,
@@ -80,7 +80,7 @@ async def test_a_database_from_a_newer_release_is_refused(pg_url: str) -> None:
     async with await PostgresLeaseStore.open(pg_url):
         pass
     await _fetch(pg_url, "UPDATE sinkgate_schema SET version = 2 WHERE component = 'leases'")
-    with pytest.raises(RuntimeError, match="newer"):
+    with pytest.raises(SchemaTooNew, match="newer"):
         await PostgresLeaseStore.open(pg_url)
 
 

@@ -227,6 +227,34 @@ def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -
     assert last.startswith("sinkgate: ") and "127.0.0.1:1" in last, result.stderr
 
 
+def test_serve_on_a_store_from_a_newer_release_exits_1_with_one_line(tmp_path: Path) -> None:
+    """A database whose recorded schema is newer than this release is refused at
+    start-up, without a traceback, and its recorded version is left as it was."""
+    import sqlite3
+
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text(
+        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+        '[store]\nurl = "sqlite:///data/sinkgate.db"\n'
+    )
+    first = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
+    assert first.returncode == 0, first.stderr
+    db = tmp_path / "data" / "sinkgate.db"
+    db.parent.mkdir()
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE sinkgate_schema (component TEXT PRIMARY KEY, version INTEGER)")
+        conn.execute("INSERT INTO sinkgate_schema VALUES ('leases', 99)")
+    result = sinkgate("serve", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sinkgate: store sqlite:///") and "leases v99 is newer" in last, (
+        result.stderr
+    )
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT * FROM sinkgate_schema").fetchall() == [("leases", 99)]
+
+
 def test_serve_runs_the_app_with_the_loaded_config(
     monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:

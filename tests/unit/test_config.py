@@ -207,6 +207,11 @@ dir = "dests"
         ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
         ("sqlite:///:memory:", "sqlite:///:memory:"),
         ("postgres://h/db", "postgres://h/db"),
+        # the forms asyncpg takes pass the port check: several hosts, IPv6, a socket
+        ("postgresql://u@h1:5432,h2:5433/db", "postgresql://u@h1:5432,h2:5433/db"),
+        ("postgresql://u@[::1]:5432/db", "postgresql://u@[::1]:5432/db"),
+        ("postgresql:///db?host=/run/postgresql", "postgresql:///db?host=/run/postgresql"),
+        ("POSTGRESQL://h/db", "POSTGRESQL://h/db"),
     ],
 )
 def test_sqlite_urls_are_made_absolute_relative_to_the_config_file(
@@ -415,6 +420,18 @@ def test_parse_upstream_refuses(text: str) -> None:
         (
             '[store]\nurl = "sqlite://x.db"\n',
             "store.url: expected sqlite:///relative/path",
+        ),
+        (  # a bare path: not echoed (lower-cased, as a scheme it was)
+            '[store]\nurl = "/Var/Lib/Sinkgate.db"\n',
+            "store.url: expected sqlite:///path or postgresql://..., got a value without scheme://",
+        ),
+        (  # asyncpg would refuse it only at start-up, with a traceback
+            '[store]\nurl = "postgresql://postgres:pw@127.0.0.1:notaport/test"\n',
+            "store.url: a port in the URL is not a number from 1 to 65535",
+        ),
+        (
+            '[store]\nurl = "postgres://h1:5432,h2:99999/db"\n',
+            "store.url: a port in the URL is not a number from 1 to 65535",
         ),
         (
             '[store]\npool_size = "10"\n',
