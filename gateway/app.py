@@ -19,7 +19,7 @@ from aiohttp import hdrs, web
 from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
 from gateway.config.tls import server_context
-from gateway.errors import Rejection
+from gateway.errors import GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
 from gateway.http.openapi import add_openapi_route
@@ -116,11 +116,7 @@ def create_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         owned = store is None
-        app[STORE] = (
-            store
-            if store is not None
-            else await open_store(config.store_url, clock=clock, pool_size=config.store_pool_size)
-        )
+        app[STORE] = store if store is not None else await _open_configured_store(config, clock)
         upstreams = Upstreams(config.destinations)
         writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
         app[WRITES] = writes
@@ -172,6 +168,15 @@ def refuse_open_admin(config: Config) -> None:
             f"refusing to start: no admin token in ${config.admin_token_env} and the admin "
             f"listener {admin_host} is not loopback-only"
         )
+
+
+async def _open_configured_store(config: Config, clock: Clock) -> Store:
+    """`[store] url` opened; a URL the driver refuses (asyncpg checks its options
+    only here, e.g. `sslmode=bogus`) is a start-up error of one line."""
+    try:
+        return await open_store(config.store_url, clock=clock, pool_size=config.store_pool_size)
+    except ValueError as exc:
+        raise GatewayError(f"store {redact_url(config.store_url)}: {exc}") from None
 
 
 async def serve(

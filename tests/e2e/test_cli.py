@@ -227,6 +227,29 @@ def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -
     assert last.startswith("sinkgate: ") and "127.0.0.1:1" in last, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        # refused by check-config and serve alike
+        ("postgresql://postgres:pw@127.0.0.1:notaport/test", "a port in the URL is not a number"),
+        # asyncpg checks its options only when connecting
+        ("postgresql://postgres:pw@127.0.0.1:1/test?sslmode=bogus", "`sslmode` parameter"),
+    ],
+)
+def test_serve_with_a_store_url_the_driver_refuses_exits_1_with_one_line(
+    tmp_path: Path, url: str, says: str
+) -> None:
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n[store]\nurl = "{url}"\n'
+    )
+    result = sinkgate("serve", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "pw" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sinkgate: ") and says in last, result.stderr
+
+
 def test_serve_on_a_store_from_a_newer_release_exits_1_with_one_line(tmp_path: Path) -> None:
     """A database whose recorded schema is newer than this release is refused at
     start-up, without a traceback, and its recorded version is left as it was."""
