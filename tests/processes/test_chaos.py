@@ -101,6 +101,12 @@ def test_a_short_chaos_run_through_the_gateway_finds_no_violation(tmp_path: Path
     assert sum(stale["rejected"].values()) == stale["attempted"]
     assert set(stale["rejected"]) <= {"stale_generation", "lease_expired", "job_completed"}
     assert report["stale_completions"]["accepted"] == 0
+    # SPEC 7: each rejection reason counted, from the answers themselves: at least
+    # every refused zombie write, and the lease API's refusals of zombie completions
+    rejections = report["rejections"]
+    refused = sum(stale["rejected"].values())
+    assert sum(rejections[r] for r in stale["rejected"] if r in rejections) >= refused
+    assert "rejections.stale_generation" in out or "rejections.lease_expired" in out
     assert "OK: 0 violation(s)" in out
 
 

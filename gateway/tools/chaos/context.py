@@ -69,6 +69,9 @@ class Tally:
     # Loop times of `store_unavailable` answers, and how many lacked Retry-After.
     store_refusals: list[float] = field(default_factory=list)
     store_refusals_without_retry_after: int = 0
+    # Every answer that carried `Sinkgate-Rejected`, by reason: writes and lease
+    # calls, the refusals the writer retries by itself included (`count_rejections`).
+    rejections: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -96,3 +99,19 @@ class RunContext:
 
     def pending(self) -> list[str]:
         return [j for j in self.jobs if j not in self.done]
+
+
+def count_rejections(into: Counter[str]) -> aiohttp.TraceConfig:
+    """A client trace hook: the reason of each answer carrying `Sinkgate-Rejected`
+    counted into `into` (SPEC 7: the report counts each rejection reason)."""
+
+    async def ended(
+        _session: aiohttp.ClientSession, _context: Any, params: aiohttp.TraceRequestEndParams
+    ) -> None:
+        reason = params.response.headers.get("Sinkgate-Rejected")
+        if reason:
+            into[reason] += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_end.append(ended)
+    return trace

@@ -52,6 +52,7 @@ def build_report(
         **_stale(tally),
         "writes": _writes(tally, verdict),
         "leases_lost": dict(tally.leases_lost),
+        "rejections": dict(tally.rejections),
         "lease_calls_failed": tally.lease_calls_failed,
         "completions_confirmed_after_lost_answer": len(tally.completions_confirmed),
         "faults": _faults(args, record, tally, kills),
@@ -148,7 +149,7 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {prefix:<44} {value}")
 
     for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
-                "writes", "leases_lost", "faults", "store_unavailable", "destination",
+                "writes", "leases_lost", "rejections", "faults", "store_unavailable", "destination",
                 "violations"):  # fmt: skip
         walk(key, report.get(key))
     for name, items in report["violation_examples"].items():

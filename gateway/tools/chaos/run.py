@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ import aiohttp
 
 from gateway.telemetry.logs import configure_logging
 from gateway.tools.chaos import late as late_mode
-from gateway.tools.chaos.context import RunContext, job_keys
+from gateway.tools.chaos.context import RunContext, count_rejections, job_keys
 from gateway.tools.chaos.judge import FinalLease
 from gateway.tools.chaos.options import parser, settings_problem
 from gateway.tools.chaos.plan import FaultPlan
@@ -115,7 +116,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         extra_args=late_mode.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
     )
     gateways: list[GatewayProcess] = []
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    rejections: Counter[str] = Counter()
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), trace_configs=[count_rejections(rejections)]
+    )
     stores: list[HTTPLeaseStore] = []
     plan = FaultPlan(args)
     try:
@@ -136,6 +140,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         await _start_gateways(gateways, session)
         stores = [await HTTPLeaseStore.open(g.url, timeout=3.0, session=session) for g in gateways]
         ctx = _context(args, gateways, upstream, stores, session, plan.extra_patience)
+        ctx.tally.rejections = rejections
         plan.start(gateways, lambda: [j for j in ctx.tally.granted if j not in ctx.done])
         try:
             kills = await _work(args, ctx, gateways, session)
