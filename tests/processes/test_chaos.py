@@ -152,6 +152,10 @@ def test_killing_gateways_loses_no_guarantee(tmp_path: Path) -> None:
         (["--ttl", "nan"], "must be a finite number > 0"),
         (["--duration", "inf"], "must be a finite number > 0"),
         (["--json", "/nonexistent-dir/r.json"], "no such directory for the report"),
+        (["--gateways", "65"], "--gateways: at most 64, got 65"),
+        (["--gateways", "1.5"], "expected an integer, got '1.5'"),
+        (["--store", "/tmp/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),
+        (["--store", "sqlite://x.db"], "--store: expected sqlite:///path"),
     ],
 )
 def test_settings_that_could_only_fail_mid_run_are_refused_up_front(
@@ -166,3 +170,19 @@ def test_settings_that_could_only_fail_mid_run_are_refused_up_front(
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_store_faults_on_a_database_that_cannot_be_used_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The run's own database is made through the given one: when that fails (no
+    server here, on port 1) the run could not start, which is exit 2, not the
+    violations' 1, and one line naming the URL without its password."""
+    url = "postgresql://postgres:secret-pw@127.0.0.1:1/x"
+    code = chaos.main(["--jobs", "2", "--duration", "2", "--store", url, "--store-faults", "0.2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "secret-pw" not in err
+    assert (
+        err.startswith("sinkgate chaos: --store-faults needs a database") and "127.0.0.1:1" in err
+    )

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from gateway.tools.chaos.processes import GatewayProcess
+from gateway.config.reader import redact_url
+from gateway.tools.chaos.processes import GatewayProcess, ProcessFailed
 from leases.sqlite import BUSY_TIMEOUT_S
 
 PG_KINDS = ("terminate_backends", "refuse_connections", "lock_delay")
@@ -89,8 +90,18 @@ class RunDatabase:
         self.admin: Any = None  # an asyncpg connection
 
     async def create(self) -> None:
-        self.admin = await _connect(self.admin_url)
-        await self._execute(f'CREATE DATABASE "{self.name}"')
+        """Connect and create the run's database; `ProcessFailed` (one line, naming
+        the URL without its password) if the given database cannot be used for it."""
+        import asyncpg
+
+        try:
+            self.admin = await _connect(self.admin_url)
+            await self._execute(f'CREATE DATABASE "{self.name}"')
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise ProcessFailed(
+                f"--store-faults needs a database to create the run's own in: "
+                f"{redact_url(self.admin_url)}: {type(exc).__name__}: {exc}"
+            ) from None
         # The gateway's patience for a lock (see `lock_delay`).
         await self._execute(
             f"ALTER DATABASE \"{self.name}\" SET lock_timeout = '{int(LOCK_PATIENCE_S * 1000)}ms'"

@@ -17,7 +17,8 @@ def _positive(kind: type[int] | type[float]) -> Any:
         try:
             value = kind(text.removesuffix("s"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
@@ -33,6 +34,20 @@ def _rate(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
+
+
+MAX_GATEWAYS = 64
+
+
+def _store_url_shape(url: str) -> bool:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return False
+    scheme = scheme.lower()
+    return (scheme == "sqlite" and rest.startswith("/") and len(rest) > 1) or scheme in (
+        "postgresql",
+        "postgres",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,7 +86,12 @@ def _add_setup_options(p: argparse.ArgumentParser) -> None:
     """What runs (store, gateways, destination), what faults it, and the output."""
     p.add_argument("--store", metavar="URL", help="sqlite:///path or postgresql://... "
                    "(default: a temporary SQLite file)")  # fmt: skip
-    p.add_argument("--gateways", type=_positive(int), default=1, help="gateway processes (1)")
+    p.add_argument(
+        "--gateways",
+        type=_positive(int),
+        default=1,
+        help=f"gateway processes (1, at most {MAX_GATEWAYS})",
+    )
     p.add_argument(
         "--kill-every",
         type=_positive(float),
@@ -85,7 +105,10 @@ def _add_setup_options(p: argparse.ArgumentParser) -> None:
         "--store-faults", type=_rate, default=0.0, help="share of time the store is faulted (0)"
     )
     p.add_argument(
-        "--wire-faults", type=_rate, default=0.0, help="share of connections faulted (0)"
+        "--wire-faults",
+        type=_rate,
+        default=0.0,
+        help="chance per second that a proxied connection is faulted (0)",
     )
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
@@ -108,6 +131,12 @@ def settings_problem(args: argparse.Namespace) -> str | None:
         validate_ttl(args.ttl)
     except ValueError as exc:
         return f"--ttl: {exc}"
+    if args.gateways > MAX_GATEWAYS:
+        # each one a process of its own (about 50 MB), as `serve --workers` caps them
+        return f"--gateways: at most {MAX_GATEWAYS}, got {args.gateways}"
+    if args.store is not None and not _store_url_shape(args.store):
+        # found only once a gateway reads its config, after the destination started
+        return "--store: expected sqlite:///path or postgresql://..."
     if args.max_pause < args.ttl * 1.3:
         return "--max-pause must be at least 1.3 x --ttl"
     if (problem := late_mode.settings_problem(args)) is not None:
