@@ -4,6 +4,12 @@ process, real workers on the real client."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +192,54 @@ def test_store_faults_on_a_database_that_cannot_be_used_is_one_line_and_exit_2(
     assert (
         err.startswith("sinkgate chaos: --store-faults needs a database") and "127.0.0.1:1" in err
     )
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:  # field 4: ppid
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_kill_9_of_the_chaos_command_takes_its_processes_with_it() -> None:
+    """No clean-up of its own runs on SIGKILL: the kernel's parent-death signal
+    stops the destination and the gateways instead of leaving them running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "chaos", "--jobs", "20", "--duration", "30",
+         "--gateways", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        children: set[int] = set()
+        while len(children) < 3 and time.monotonic() < deadline:  # destination + 2 gateways
+            time.sleep(0.2)
+            children = _children(proc.pid)
+        assert len(children) >= 3, children
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [c for c in children if _alive(c)]
+    for pid in left:  # do not leave them to the next test either way
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert left == []

@@ -1,21 +1,49 @@
 """The chaos run's processes: the recording destination and the gateways.
 
 Each runs in its own session (process group), so `kill -9` of a gateway takes
-its whole group and the final clean-up can stop every group it started.
+its whole group and the final clean-up can stop every group it started. On
+Linux each is also sent SIGTERM when the chaos command itself dies, even by
+`kill -9`, which no clean-up of its own can handle (`PR_SET_PDEATHSIG`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` asking the kernel to SIGTERM the child when its parent dies;
+    None off Linux. `prctl` is looked up here, in the parent: between fork and exec
+    the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody to wait for
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return die_with_parent
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 class ProcessFailed(Exception):
@@ -53,6 +81,7 @@ class Managed:
                 stderr=log,
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=_death_signal(),
             )
 
     @property
