@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -53,6 +54,24 @@ def test_an_applied_effect_needs_a_held_key_record() -> None:
     assert found(effects=applied, records={"k0": "released"}) == {"effects_have_key_records": 1}
     # Another run's effects on the same destination are not ours to judge.
     assert found(effects=[effect(1, "x", job="other")]) == {}
+
+
+def _time_share(durations: list[float], gaps: list[float]) -> float:
+    return sum(durations) / (sum(durations) + sum(gaps))
+
+
+def test_store_faults_take_about_their_share_of_the_time_whatever_their_lengths() -> None:
+    """SQLite's kinds last 0.3-2.5 s, and a long write lock past the busy timeout
+    (about 11 s) one time in four: the quiet gaps follow each fault's own length,
+    so the share holds; a fixed gap sized for a 1.5 s fault doubled it."""
+    rng = random.Random(7)
+    long_hold = faults.BUSY_TIMEOUT_S + 1.0
+    durations = [long_hold if rng.random() < 0.25 else rng.uniform(0.3, 2.5) for _ in range(400)]
+    for share in (0.1, 0.2, 0.5):
+        gaps = [faults.quiet_after(d, share, rng.uniform(0.5, 1.5)) for d in durations]
+        assert abs(_time_share(durations, gaps) - share) < 0.05, share
+    fixed = [1.5 * (1 - 0.2) / 0.2] * len(durations)  # the gap before
+    assert _time_share(durations, fixed) > 0.35
 
 
 def test_a_2xx_must_match_an_applied_effect() -> None:

@@ -149,6 +149,14 @@ class RunDatabase:
         await self.admin.execute(sql)
 
 
+def quiet_after(lasted: float, share: float, jitter: float) -> float:
+    """PURE: the quiet gap after a fault that lasted `lasted` seconds. In proportion
+    to the fault (kinds last from 0.3 s to past the busy timeout), so that about
+    `share` of the time is spent under a fault whatever kinds were drawn;
+    `jitter` (mean 1) spreads the gaps."""
+    return lasted * (1 - share) / max(share, 0.01) * jitter
+
+
 class StoreFaults:
     """The injector loop; a subclass injects its own kinds."""
 
@@ -165,16 +173,11 @@ class StoreFaults:
     async def run(self, stop: asyncio.Event, pending: Callable[[], list[str]]) -> None:
         """Inject until `stop` is set; every fault is over when this returns."""
         loop = asyncio.get_running_loop()
-        nominal = 1.5  # mean length of a fault, seconds
-        gap = nominal * (1 - self.share) / max(self.share, 0.01)
-        first = True
+        wait = 0.5  # the first fault early: a short run still gets each kind
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                # The first fault early: a short run still gets each kind.
-                wait = 0.5 if first else gap * self.rng.uniform(0.5, 1.5)
                 await asyncio.wait_for(stop.wait(), wait)
                 return
-            first = False
             if not self._deck:
                 self._deck = list(self.kinds)
                 self.rng.shuffle(self._deck)
@@ -184,10 +187,13 @@ class StoreFaults:
                 await self.inject(kind, pending)
             except Exception as exc:  # a fault that could not be injected is no fault
                 print(f"sinkgate chaos: store fault {kind} failed: {exc!r}", file=sys.stderr)
+                wait = 1.0
                 continue
+            lasted = loop.time() - began
             self.counts[kind] += 1
-            self.windows.append((began, loop.time()))
-            self.fault_s += loop.time() - began
+            self.windows.append((began, began + lasted))
+            self.fault_s += lasted
+            wait = quiet_after(lasted, self.share, self.rng.uniform(0.5, 1.5))
 
     async def inject(self, kind: str, pending: Callable[[], list[str]]) -> None:
         raise NotImplementedError
