@@ -89,7 +89,10 @@ class SQLiteExecutor:
     @classmethod
     async def open(cls, path: str | Path) -> SQLiteExecutor:
         path = str(path)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file in the way, no permission, a read-only place
+            raise StoreUnavailable(f"cannot make the directory of {path}: {exc}") from exc
         opened: list[aiosqlite.Connection] = []
         try:
             writer = await _connect(path)

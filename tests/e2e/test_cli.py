@@ -250,6 +250,19 @@ def test_serve_with_a_store_url_the_driver_refuses_exits_1_with_one_line(
     assert last.startswith("sinkgate: ") and says in last, result.stderr
 
 
+def test_serve_where_the_sqlite_directory_cannot_be_made_names_the_store(tmp_path: Path) -> None:
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "in-the-way").write_text("a file, not a directory")
+    (tmp_path / "gateway.toml").write_text(
+        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+        '[store]\nurl = "sqlite:///in-the-way/sinkgate.db"\n'
+    )
+    result = sinkgate("serve", "--config", str(tmp_path / "gateway.toml"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sinkgate: store sqlite:///") and "cannot make the directory" in last
+
+
 def test_serve_on_a_store_from_a_newer_release_exits_1_with_one_line(tmp_path: Path) -> None:
     """A database whose recorded schema is newer than this release is refused at
     start-up, without a traceback, and its recorded version is left as it was."""
