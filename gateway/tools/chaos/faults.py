@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config.reader import redact_url
-from gateway.tools.chaos.processes import GatewayProcess, ProcessFailed
+from gateway.tools.chaos.processes import GatewayProcess, ProcessFailed, death_signal
 from leases.sqlite import BUSY_TIMEOUT_S
 
 PG_KINDS = ("terminate_backends", "refuse_connections", "lock_delay")
@@ -354,6 +354,7 @@ class PipedGateway(GatewayProcess):
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=death_signal(),
         )
         assert self.proc.stderr is not None
         self._drain = asyncio.create_task(_drain(self.proc.stderr, self.log_path))

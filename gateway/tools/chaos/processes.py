@@ -21,8 +21,10 @@ from pathlib import Path
 
 import aiohttp
 
+_PR_SET_PDEATHSIG = 1
 
-def _death_signal() -> Callable[[], None] | None:
+
+def death_signal() -> Callable[[], None] | None:
     """A `preexec_fn` asking the kernel to SIGTERM the child when its parent dies;
     None off Linux. `prctl` is looked up here, in the parent: between fork and exec
     the child only calls it."""
@@ -41,9 +43,6 @@ def _death_signal() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return die_with_parent
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 class ProcessFailed(Exception):
@@ -81,7 +80,7 @@ class Managed:
                 stderr=log,
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                preexec_fn=_death_signal(),
+                preexec_fn=death_signal(),
             )
 
     @property
