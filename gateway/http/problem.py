@@ -18,12 +18,15 @@ def problem_response(rejection: Rejection) -> web.Response:
     headers = {**rejection.headers, "Sinkgate-Rejected": rejection.reason}
     if rejection.retry_after is not None:
         headers["Retry-After"] = str(rejection.retry_after)
-    return web.Response(
+    response = web.Response(
         status=rejection.status,
         body=json.dumps(rejection.problem(), separators=(",", ":")).encode(),
         content_type=PROBLEM_JSON,
         headers=headers,
     )
+    if rejection.reason == Reason.REQUEST_TIMEOUT:
+        response.force_close()  # the rest of the body is never read: `Connection: close`
+    return response
 
 
 def invalid_request(detail: str, **members: Any) -> Rejection:

@@ -116,8 +116,6 @@ class WriteGateway:
                 job_id, generation, _, key = valid_fencing(request.headers)
                 fields.update(job_id=job_id, generation=generation, key=key)
             response = problem_response(rejection)
-            if rejection.reason == Reason.REQUEST_TIMEOUT:
-                response.force_close()  # the rest of the body is never read
             fields.update(
                 decision="rejected",
                 reason=rejection.reason,

@@ -236,6 +236,27 @@ async def test_a_write_body_slower_than_the_deadline_is_408_and_changes_nothing(
     assert await table_counts(gw.store) == before
 
 
+async def test_a_lease_body_slower_than_the_deadline_is_408_with_connection_close(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on the write route: the rest of the body is never read, so the answer
+    says the connection closes."""
+    monkeypatch.setattr(bodies, "BODY_READ_TIMEOUT_S", 0.3)
+    url = URL(gw.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(
+            b"POST /leases/job-1/claim HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{"
+        )
+        await writer.drain()
+        response = await asyncio.wait_for(read_response(reader), 10)
+    finally:
+        writer.close()
+    assert_problem(response, 408, "request_timeout")
+    assert head_and_body(response)[0]["connection"].lower() == "close"
+    assert await gw.store.get("job-1") is None
+
+
 async def test_slowloris_headers_are_cut_off_at_the_keepalive_deadline(
     tmp_path: Path, upstream: RecordingUpstream
 ) -> None:
