@@ -22,6 +22,11 @@ _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "authorization", "expec
 _NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 FENCING_HEADERS = ("Fencing-Job", "Fencing-Token", "Fencing-Owner")
 _FENCING_LOWER = frozenset(h.lower() for h in FENCING_HEADERS)
+# What the write was checked and fingerprinted on, and SPEC 2 passes on: a worker's
+# `Connection` header cannot make these hop-by-hop (the destination's own fence
+# and an idempotent upstream rely on them). Empty ones count as missing: not sent.
+_CHECKED_LOWER = _FENCING_LOWER | {"idempotency-key"}
+_NOT_UNLISTED = _CHECKED_LOWER | {"content-type"}
 
 
 class SendFailure(StrEnum):
@@ -77,12 +82,12 @@ def forward_headers(
         else _DROP_NOT_FORWARDING_FENCING
     )
     if "Connection" in incoming:
-        drop = drop | _connection_tokens(incoming)
+        drop = drop | (_connection_tokens(incoming) - _NOT_UNLISTED)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lower = name.lower()
-        # an empty fencing header counts as missing (SPEC 2): not passed on either
-        if lower not in drop and (value or lower not in _FENCING_LOWER):
+        # an empty fencing header or key counts as missing (SPEC 2): not passed on
+        if lower not in drop and (value.strip() or lower not in _CHECKED_LOWER):
             out.add(name, value)
     for name, value in destination.upstream_headers:
         out[name] = value  # replaces any the worker sent under the same name

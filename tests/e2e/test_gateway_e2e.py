@@ -634,6 +634,30 @@ async def test_hop_by_hop_headers_are_stripped_and_fencing_headers_passed_on(
     assert seen.headers["Idempotency-Key"] == "key-1"
 
 
+async def test_connection_cannot_strip_the_headers_the_write_was_checked_on(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """RFC 9110 makes a header named in `Connection` hop-by-hop; the fencing
+    headers, the key and the content type are what the gateway checked and
+    fingerprinted, and what a destination's own fence reads: passed on anyway."""
+    await gw.claim("job-1", owner="a")
+    listed = "Idempotency-Key, Fencing-Token, Fencing-Job, fencing-owner, Content-Type, X-Hop"
+    await gw.write(
+        "/to/pay/x",
+        owner="a",
+        headers={"Connection": listed, "X-Hop": "1", "Content-Type": "application/json"},
+    )
+    (seen,) = upstream.received
+    assert "X-Hop" not in seen.headers and "Connection" not in seen.headers
+    assert (
+        seen.headers["Fencing-Job"],
+        seen.headers["Fencing-Token"],
+        seen.headers["Fencing-Owner"],
+        seen.headers["Idempotency-Key"],
+        seen.headers["Content-Type"],
+    ) == ("job-1", "1", "a", "key-1", "application/json")
+
+
 async def test_fencing_headers_not_passed_on_when_switched_off(
     gw: Gateway, upstream: RecordingUpstream
 ) -> None:
