@@ -245,7 +245,9 @@ class WriteGateway:
             self.in_flight[name] >= destination.max_in_flight
             or self.in_flight_total >= self.config.max_in_flight
         ):
-            raise Rejection(Reason.OVERLOADED, "too many writes in flight", retry_after=1)
+            raise Rejection(
+                Reason.OVERLOADED, "too many writes in flight", retry_after=1, destination=name
+            )
         self.in_flight[name] += 1
         self.in_flight_total += 1
         if self._shared_gauge:

@@ -504,9 +504,10 @@ async def test_past_max_in_flight_writes_get_503_overloaded_not_a_queue(
     await gw.claim("job-1")
     slow = [asyncio.create_task(gw.write("/to/narrow/slow/1", key=f"s{i}")) for i in range(2)]
     await eventually(lambda: len(upstream.received) == 2, what="both forwards at the upstream")
-    status, headers, _ = await gw.write("/to/narrow/x", key="third")
+    status, headers, body = await gw.write("/to/narrow/x", key="third")
     assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
     assert int(headers["Retry-After"]) >= 1
+    assert json.loads(body)["destination"] == "narrow"  # SPEC 2: where known
     assert await gw.store.key_record("narrow", "third") is None  # nothing reserved
     upstream.release.set()
     assert [(await t)[0] for t in slow] == [201, 201]
