@@ -181,7 +181,7 @@ class HTTPLeaseStore(Closing):
             raise StoreUnavailable(f"lease API {method} {path} answered {status}")
         try:
             doc = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         if not isinstance(doc, dict):
             raise StoreUnavailable(

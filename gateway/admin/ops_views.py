@@ -126,7 +126,7 @@ def decode_key_cursor(cursor: str) -> tuple[float, str, str]:
             raise ValueError("time")
         if not (isinstance(destination, str) and isinstance(key, str)):
             raise ValueError("names")
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError):
         raise invalid_request("cursor is not one this server handed out") from None
     return float(at), destination, key
 
@@ -138,7 +138,7 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
     """The body of `POST /admin/keys/{destination}/{key}/resolve`."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the parser's depth
         raise invalid_request("the body must be a JSON object") from None
     if not isinstance(body, dict):
         raise invalid_request("the body must be a JSON object")

@@ -204,6 +204,7 @@ async def test_resolve_of_another_attempt_is_409_attempt_mismatch(client, store)
         {"outcome": "not_applied", "attempt": "A", "note": "x", "status": 200},
         {"outcome": "applied", "attempt": "A", "note": "x", "extra": 1},
         '{"outcome": "applied", "attempt": "A", "note": "\\ud800"}',
+        b"[" * 5000 + b"]" * 5000,  # deeper than the JSON parser recurses
     ],
 )
 async def test_bad_resolve_bodies_are_400_and_change_nothing(client, store, body):
