@@ -31,7 +31,14 @@ from gateway.admin.views import (
 )
 from gateway.http.problem import invalid_request
 from gateway.http.schema import field_names, to_json
-from gateway.store.admin_records import AuditEntry, AuditQuery, KeyQuery, Resolution, Summary
+from gateway.store.admin_records import (
+    AuditEntry,
+    AuditQuery,
+    KeyQuery,
+    Resolution,
+    Summary,
+    summary_fits,
+)
 from gateway.store.records import StoredRejection
 from gateway.write.decision import KeyState
 from leases.model import IDENT
@@ -104,8 +111,11 @@ def parse_summary_window(params: Mapping[str, str], now: float) -> tuple[float, 
     if since >= until:
         raise invalid_request("since must be before until")
     if until - since > MAX_LOOKBACK_S:
-        # Its buckets would be aligned before the first year a date can name.
         raise invalid_request("the summary's window is longer than 100 years")
+    if not summary_fits(since, until):
+        # Its buckets, aligned on their width, would start or end outside the years
+        # a date can name (0001-9999).
+        raise invalid_request("the summary's buckets would fall outside the years 0001-9999")
     return since, until
 
 

@@ -120,6 +120,20 @@ def bucket_width(since: float, until: float) -> tuple[int, float]:
     return width, math.floor(since / width) * width
 
 
+# The first and last second a date can name (0001-01-01, 9999-12-31 UTC), epoch s.
+FIRST_DATE_S = -62135596800.0
+LAST_DATE_S = 253402300799.0
+
+
+def summary_fits(since: float, until: float) -> bool:
+    """Whether every bucket of the summary of [since, until] starts and ends at a
+    date that can be named: buckets are aligned before `since`, and the last one
+    ends after `until`."""
+    width, start = bucket_width(since, until)
+    count = max(1, math.ceil((until - start) / width))
+    return start >= FIRST_DATE_S and start + count * width <= LAST_DATE_S
+
+
 class OperatorStore(Protocol):
     """The operator's verbs of a gateway store. Each is one short transaction."""
 

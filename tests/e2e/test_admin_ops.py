@@ -297,6 +297,14 @@ async def test_summary_of_the_last_day(client, store, fake_clock):
         answer = await client.get(f"/admin/summary?{window}", headers=AUTH)
         assert answer.status == 400  # was a 500: buckets before year 1 or after 9999
         assert "longer than 100 years" in (await answer.json())["detail"]
+    for window in (  # short windows at the edges of the dates that can be named
+        "until=0001-01-01T23:59:59Z",
+        "until=0001-01-01T00:00:00%2B23:59",
+        "since=9999-12-31T00:00:00Z&until=9999-12-31T23:59:59-01:00",
+    ):
+        answer = await client.get(f"/admin/summary?{window}", headers=AUTH)
+        assert answer.status == 400, window  # was a 500: year 0 / year 10000
+        assert "outside the years 0001-9999" in (await answer.json())["detail"]
     century = await get_json(client, "/admin/summary?since=1930-01-01T00:00:00Z")
     assert sum(century["rejections_by_reason"].values()) == 3
 

@@ -70,6 +70,14 @@ async def test_the_glance_presets_and_auto_refresh(browser):
     assert "auto-refresh: on" in refreshing
 
 
+async def test_a_since_at_the_edge_of_the_dates_still_draws_the_page(browser):
+    """An offset that puts `since` before year 1 in UTC: the chart falls back to the
+    last 24 hours instead of failing to name its first bucket (a 500 before)."""
+    answer = await browser.get("/admin/?since=0001-01-01T00:00:00%2B01:00")
+    assert answer.status == 200
+    assert '<svg id="chart"' in await answer.text()
+
+
 async def test_the_queue_escapes_what_workers_sent(browser):
     page = await (await browser.get("/admin/queue")).text()
     assert HOSTILE_KEY not in page
