@@ -89,7 +89,7 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument(
         "--log-level",
         choices=LEVELS,
-        default=os.environ.get("SINKGATE_LOG_LEVEL", "info").lower(),
+        default=(os.environ.get("SINKGATE_LOG_LEVEL") or "info").lower(),  # empty: unset
         help="minimum level logged (default: $SINKGATE_LOG_LEVEL or info)",
     )
     serve.add_argument(
@@ -182,6 +182,9 @@ def _load(args: argparse.Namespace) -> Config | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.log_level not in LEVELS:  # argparse checks --log-level, not its default
+        _error(f"SINKGATE_LOG_LEVEL must be one of {', '.join(LEVELS)}, not {args.log_level!r}")
+        return 2
     config = _load(args)
     if config is None:
         return 1

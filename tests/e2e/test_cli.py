@@ -213,6 +213,17 @@ def test_serve_with_a_bad_config_exits_1_before_starting(
     )
 
 
+def test_a_bad_log_level_from_the_environment_is_one_line_and_exit_2() -> None:
+    result = sinkgate(
+        "serve", "--config", "config/gateway.toml", env={"SINKGATE_LOG_LEVEL": "bogus"}
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "sinkgate: SINKGATE_LOG_LEVEL must be one of debug, info, warning, error, critical, "
+        "not 'bogus'"
+    )
+
+
 def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -> None:
     """A store that cannot be opened at start-up is a one-line error, not a traceback."""
     (tmp_path / "destinations").mkdir()
