@@ -34,6 +34,32 @@ def wants_html(request: web.Request) -> bool:
     )
 
 
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site(request: web.Request) -> bool:
+    """A state-changing request a browser sent from another page's origin (CSRF).
+
+    Browsers tell: `Sec-Fetch-Site` (anything but `same-origin`, or `none` for
+    what the user typed) and, before it, `Origin` on a cross-origin POST, which
+    must then name this listener. The session cookie's `SameSite=Strict` does not
+    cover a page on another port of the same host, which counts as the same site,
+    nor a listener without a token, which needs no cookie at all. Programs (the
+    CLI, curl) send neither header and are not affected."""
+    if request.method in _SAFE_METHODS:
+        return False
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None:
+        return fetch_site not in ("same-origin", "none")
+    # An older browser: only `Origin`. "null" is what the page's own forms send
+    # under its `Referrer-Policy: no-referrer`, so only another named origin counts.
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return False
+    scheme, _, rest = origin.partition("://")
+    return rest.lower() != request.host.lower() or scheme.lower() != request.scheme
+
+
 class SessionAuth:
     """Bearer token or session cookie, both checked in constant time."""
 
@@ -90,6 +116,15 @@ class SessionAuth:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         guarded = path == "/admin" or path.startswith("/admin/")
+        if guarded and cross_site(request):
+            log.warning("admin_cross_site_refused", path=path, remote=request.remote)
+            return problem_response(
+                Rejection(
+                    Reason.UNAUTHORIZED,
+                    "a browser request from another site may not change anything here",
+                    status=403,
+                )
+            )
         if not guarded or path == "/admin/login" or self.authenticated(request):
             return await handler(request)
         log.warning("admin_unauthorized", path=path, remote=request.remote)

@@ -259,6 +259,47 @@ async def test_every_new_route_needs_the_token(client, store, method, path):
     assert await store.key_record("payments", "k-1") is not None
 
 
+@pytest.mark.parametrize(
+    "browser_headers",
+    [
+        {"Origin": "http://evil.example"},  # a browser without Sec-Fetch-Site
+        {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},  # another port of the same host
+    ],
+)
+async def test_a_cross_site_browser_request_changes_nothing_even_with_credentials(
+    client, store, browser_headers
+):
+    """CSRF: the cookie's SameSite=Strict does not cover another port of the same
+    host, and a listener without a token needs no cookie at all; what a browser
+    says about where the request comes from does. Refused before anything runs."""
+    attempt = await unknown(store, "k-1")
+    body = {"outcome": "not_applied", "attempt": attempt, "note": "x"}
+    response = await post_resolve(client, "k-1", body, headers=browser_headers)
+    assert response.status == 403
+    assert (await response.json())["reason"] == "unauthorized"
+    assert (await store.key_record("payments", "k-1")).attempt == attempt
+    assert await store.list_audit(AuditQuery()) == []
+
+
+async def test_the_admin_listeners_own_pages_and_programs_may_post(client, store):
+    origin = str(client.make_url("")).rstrip("/")
+    for n, headers in enumerate(
+        (
+            {},  # the CLI, curl: no browser headers
+            {"Origin": origin, "Sec-Fetch-Site": "same-origin"},
+            # the page's own form under Referrer-Policy: no-referrer (as Chromium sends it)
+            {"Origin": "null", "Sec-Fetch-Site": "same-origin"},
+            {"Origin": origin},  # a browser without Sec-Fetch-Site
+        )
+    ):
+        attempt = await unknown(store, f"k-{n}")
+        body = {"outcome": "not_applied", "attempt": attempt, "note": "x"}
+        response = await post_resolve(client, f"k-{n}", body, headers=headers)
+        assert response.status == 200, (headers, await response.text())
+
+
 # --- audit, summary, export, gauge -----------------------------------------------------------
 
 
