@@ -237,13 +237,15 @@ def _check_server(server: Table, srv: dict[str, Any]) -> None:
 def _admin_token(
     server: Table, admin_host: str, token_env: str, env: Mapping[str, str]
 ) -> str | None:
-    """The admin token from the environment; none is a problem beyond loopback."""
-    admin_token = env.get(token_env) or None
+    """The admin token from the environment; none is a problem beyond loopback.
+    Surrounding whitespace is not part of it (a bearer token is read without it, so
+    a token ending in a space could never be presented): blank counts as unset."""
+    admin_token = env.get(token_env, "").strip() or None
     if admin_token is None and not is_loopback(admin_host):
         server.report(
             "admin_listen",
             f"listens beyond loopback on {show(admin_host)} but no admin token is "
-            f"set (environment variable {token_env} is unset or empty)",
+            f"set (environment variable {token_env} is unset, empty or blank)",
         )
     return admin_token
 

@@ -225,6 +225,15 @@ def test_sqlite_urls_are_made_absolute_relative_to_the_config_file(
 def test_empty_admin_token_variable_means_no_token(tmp_path: Path) -> None:
     path = write_config(tmp_path)
     assert load_config(path, environ={"SINKGATE_ADMIN_TOKEN": ""}).admin_token is None
+    assert load_config(path, environ={"SINKGATE_ADMIN_TOKEN": " \t "}).admin_token is None
+    assert load_config(path, environ={"SINKGATE_ADMIN_TOKEN": " tok "}).admin_token == "tok"
+
+
+def test_a_blank_admin_token_does_not_open_a_listener_beyond_loopback(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[server]\nadmin_listen = "0.0.0.0:8481"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"SINKGATE_ADMIN_TOKEN": "   "})
+    assert "listens beyond loopback" in str(info.value)
 
 
 def test_config_objects_are_frozen_and_destinations_read_only() -> None:
