@@ -1,14 +1,17 @@
 """Who may use /admin: the bearer token, or a signed session cookie from the page's sign-in.
 
-Both are checked in constant time. The session is an expiry and an HMAC of it
-under the admin token, so rotating the token signs everyone out and nothing is
-stored server-side.
+Both are checked in constant time. The session is an expiry, a random nonce and
+an HMAC of both under the admin token, so rotating the token signs everyone out
+and nothing is stored server-side; signing out removes the browser's cookie, and
+a copy of it stays valid until its expiry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
+import secrets
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -25,6 +28,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SESSION_COOKIE = "sinkgate_admin"
 SESSION_TTL_S = 12 * 3600
+_NONCE = re.compile(r"[0-9a-f]{16}")
 
 
 def wants_html(request: web.Request) -> bool:
@@ -90,8 +94,11 @@ class SessionAuth:
         return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), self._token)
 
     def new_session(self) -> str:
+        """`expiry.nonce.mac`: the nonce makes every sign-in's session (and so its
+        CSRF token) its own, also two in the same second."""
         expiry = int(self._clock()) + SESSION_TTL_S
-        return f"{expiry}.{self._mac(expiry)}"
+        nonce = secrets.token_hex(8)
+        return f"{expiry}.{nonce}.{self._mac(expiry, nonce)}"
 
     def authenticated(self, request: web.Request) -> bool:
         if self._token is None:
@@ -102,14 +109,18 @@ class SessionAuth:
         return self._valid_session(request.cookies.get(SESSION_COOKIE, ""))
 
     def _valid_session(self, value: str) -> bool:
-        expiry, _, mac = value.partition(".")
+        expiry, _, rest = value.partition(".")
+        nonce, _, mac = rest.partition(".")
         if not DECIMAL_ID.fullmatch(expiry) or int(expiry) <= self._clock():
             return False
-        return hmac.compare_digest(mac.encode("ascii", "replace"), self._mac(int(expiry)).encode())
+        if not _NONCE.fullmatch(nonce):
+            return False
+        expected = self._mac(int(expiry), nonce).encode()
+        return hmac.compare_digest(mac.encode("ascii", "replace"), expected)
 
-    def _mac(self, expiry: int) -> str:
+    def _mac(self, expiry: int, nonce: str) -> str:
         assert self._token is not None
-        message = f"sinkgate-admin-session:{expiry}".encode()
+        message = f"sinkgate-admin-session:{expiry}:{nonce}".encode()
         return hmac.new(self._token, message, hashlib.sha256).hexdigest()
 
     @web.middleware

@@ -615,6 +615,20 @@ async def test_session_cookie_expires(store, metrics, fake_clock, mixed):
 async def test_forged_cookie_is_refused(client):
     client.session.cookie_jar.update_cookies({"sinkgate_admin": "99999999999.deadbeef"})
     assert (await client.get("/admin/")).status == 401
+    nonce = "0123456789abcdef"  # a well-formed session whose MAC is not the token's
+    forged = f"99999999999.{nonce}.{'0' * 64}"
+    client.session.cookie_jar.update_cookies({"sinkgate_admin": forged})
+    assert (await client.get("/admin/")).status == 401
+
+
+async def test_two_sign_ins_in_one_second_get_sessions_of_their_own(client, mixed):
+    """A random nonce in each session: two sign-ins never share a cookie, and so
+    never a CSRF token."""
+    cookies = set()
+    for _ in range(2):
+        response = await login(client)
+        cookies.add(response.cookies["sinkgate_admin"].value)
+    assert len(cookies) == 2
 
 
 async def test_login_next_cannot_redirect_off_site(client):
