@@ -196,14 +196,14 @@ class _Api:
         return web.json_response(rejection_page(items, next_cursor))
 
     async def get_rejection(self, request: web.Request) -> web.Response:
-        only_params(request.query, ())
+        only_params(request.query, (), formats=("html",))
         if request.query.get("format") == "html":
             return await self.page.detail(request)
         found = await find_rejection(self._store, request.match_info["id"])
         return web.json_response(rejection_item(found))
 
     async def get_job(self, request: web.Request) -> web.Response:
-        only_params(request.query, ())
+        only_params(request.query, (), formats=("html",))
         if request.query.get("format") == "html":
             return await self._ops_page.job(request)
         job_id = request.match_info["job_id"]
@@ -215,7 +215,7 @@ class _Api:
         return web.json_response(job_view(state, self._store.clock()))
 
     async def get_key(self, request: web.Request) -> web.Response:
-        only_params(request.query, ())
+        only_params(request.query, (), formats=("html",))
         if request.query.get("format") == "html":
             return await self._ops_page.key(request)
         destination, key = request.match_info["destination"], request.match_info["key"]

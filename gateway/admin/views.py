@@ -112,8 +112,9 @@ def parse_rejection_query(
 def only_params(
     params: Mapping[str, str], allowed: tuple[str, ...], *, formats: tuple[str, ...] = ()
 ) -> None:
-    """Refuse unknown or repeated query parameters; `format` (json, html, or one of
-    `formats`) is always allowed."""
+    """Refuse unknown or repeated query parameters; `format` (json, or one of the
+    route's own `formats`; empty counts as unset, as a form sends it) is always
+    allowed."""
     names = [name for name, _ in params.items()]
     unknown = sorted({n for n in names if n not in allowed and n != "format"})
     if unknown:
@@ -121,8 +122,8 @@ def only_params(
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise invalid_request(f"query parameter(s) given twice: {', '.join(repeated)}")
-    known = ("json", "html", *formats)
-    if params.get("format", "json") not in known:
+    known = ("json", *formats)
+    if (params.get("format") or "json") not in known:
         raise invalid_request(f"format must be one of {', '.join(known)}")
 
 

@@ -391,7 +391,17 @@ async def test_export_streams_every_row_past_1000(client, store):
     assert last["path"] == "'=HYPERLINK(1)"  # a spreadsheet shows it as text
     bad = await client.get("/admin/rejections?format=xml", headers=AUTH)
     assert bad.status == 400
-    assert (await bad.json())["detail"] == "format must be one of json, html, csv, ndjson"
+    assert (await bad.json())["detail"] == "format must be one of json, csv, ndjson"
+    # html only where a page answers it; an empty format is unset, as forms send it
+    listed = await client.get("/admin/rejections?format=html", headers=AUTH)
+    assert listed.status == 400
+    assert (await client.get("/admin/rejections?format=", headers=AUTH)).status == 200
+    for path in ("/admin/keys?format=html", "/admin/summary?format=html"):
+        answer = await client.get(path, headers=AUTH)
+        assert (answer.status, (await answer.json())["detail"]) == (
+            400,
+            "format must be one of json",
+        ), path
 
 
 async def test_unknown_keys_gauge_follows_the_queue(client, store, metrics):
