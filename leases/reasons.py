@@ -89,7 +89,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     R.UNKNOWN_DESTINATION: ReasonInfo(404, F.REQUEST),
     R.METHOD_NOT_ALLOWED: ReasonInfo(405, F.REQUEST),
     R.UNAUTHORIZED: ReasonInfo(401, F.REQUEST, recorded=True),
-    R.BODY_TOO_LARGE: ReasonInfo(413, F.REQUEST, recorded=True),
+    R.BODY_TOO_LARGE: ReasonInfo(413, F.REQUEST),  # step 4: before the request is known
     R.REQUEST_TIMEOUT: ReasonInfo(408, F.REQUEST),
     R.MISSING_FENCING_TOKEN: ReasonInfo(400, F.REQUEST, recorded=True),
     R.INVALID_FENCING_TOKEN: ReasonInfo(400, F.REQUEST, recorded=True),

@@ -61,10 +61,11 @@ def check_reason(reason: str | None) -> None:
     only say it is unknown)."""
     if not reason:
         return
-    from leases.reasons import RECORDED_REASONS  # the one table of reasons, lazily
+    from leases.reasons import REASONS, RECORDED_REASONS  # the one table, lazily
 
     if reason not in RECORDED_REASONS:
-        raise CliError(f"unknown reason {reason!r}; valid reasons: {', '.join(RECORDED_REASONS)}")
+        what = "is never in the rejection log" if reason in REASONS else "is not a reason"
+        raise CliError(f"{reason!r} {what}; the log's reasons: {', '.join(RECORDED_REASONS)}")
 
 
 def main(

@@ -135,4 +135,8 @@ async def test_an_unknown_reason_names_the_valid_ones(live):
     url, _ = live
     code, out, err = await sinkgate("rejections", "--admin", url, "--reason", "stale")
     assert code == 1 and out == ""
-    assert "unknown reason 'stale'" in err and "stale_generation" in err and "duplicate" in err
+    assert "'stale' is not a reason" in err and "stale_generation" in err and "duplicate" in err
+    # a reason of the contract that no log row carries is named as such
+    code, out, err = await sinkgate("rejections", "--admin", url, "--reason", "invalid_path")
+    assert code == 1 and out == ""
+    assert "'invalid_path' is never in the rejection log" in err
