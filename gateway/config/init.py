@@ -5,6 +5,7 @@ is already there."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -45,7 +46,9 @@ def main(args: argparse.Namespace) -> int:
         written.append(path)
     for path in written:
         print(f"wrote {path}")
-    option = "" if args.dir == DEFAULT_DIR else f" --config {directory / 'gateway.toml'}"
+    # quoted for the shell, so the lines can be pasted as they are
+    config = shlex.quote(str(directory / "gateway.toml"))
+    option = "" if args.dir == DEFAULT_DIR else f" --config {config}"
     example = directory / "destinations" / "example.toml"
     print(
         f"\nnext: point upstream in {example} at your service, then\n"

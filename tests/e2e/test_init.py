@@ -59,6 +59,8 @@ def test_init_into_a_directory_names_it_in_the_next_commands(tmp_path: Path) -> 
     assert "  sinkgate serve --config etc/sg/gateway.toml\n" in result.stdout
     check = sinkgate(tmp_path, "check-config", "--config", "etc/sg/gateway.toml")
     assert check.returncode == 0, check.stderr
+    spaced = sinkgate(tmp_path, "init", "my config")
+    assert "  sinkgate serve --config 'my config/gateway.toml'\n" in spaced.stdout
 
 
 @pytest.mark.parametrize("existing", ["gateway.toml", "destinations/example.toml"])
