@@ -334,11 +334,20 @@ def _link(href: str, text: str) -> str:
 
 def _fields(view: dict[str, Any]) -> str:
     rows = "".join(
-        f"<tr><th>{html.escape(k)}</th><td><code>"
-        f"{html.escape('—' if v is None else str(v))}</code></td></tr>"
+        f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(_shown(v))}</code></td></tr>"
         for k, v in view.items()
     )
     return f'<table class="fields">{rows}</table>'
+
+
+def _shown(value: Any) -> str:
+    """A field's value as the JSON view spells it (`true`, `["ETag", "\"e1\""]`),
+    not as Python prints it."""
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _cell(name: str, item: dict[str, Any]) -> str:

@@ -142,3 +142,13 @@ async def test_key_job_and_audit_views(browser, store):
     assert "destinations: payments" in audit
     missing = await browser.get("/admin/keys/payments/nope?format=html")
     assert missing.status == 404
+
+
+async def test_the_key_view_spells_values_as_the_json_does(browser, store):
+    f = facts("job-1", 1, "done-1")
+    verdict = await store.decide_write(f, CONTEXT)
+    answer = Outcome("completed", status=201, headers=(("ETag", '"e1"'),), body=b"{}")
+    assert await store.record_outcome(f, verdict.attempt, answer)
+    text = await (await browser.get("/admin/keys/payments/done-1?format=html")).text()
+    assert "[[&quot;ETag&quot;, &quot;\\&quot;e1\\&quot;&quot;]]" in text
+    assert "<code>false</code>" in text and "False" not in text  # body_omitted
