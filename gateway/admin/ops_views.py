@@ -55,6 +55,7 @@ _RESOLVE_FIELDS = set(field_names(ResolveRequest))
 _CONTENT_TYPE = re.compile(CONTENT_TYPE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _KEY_CURSOR_PREFIX = "k1:"
+_AUDIT_CURSOR_PREFIX = "a1:"
 
 
 # --- queries -------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def parse_audit_query(params: Mapping[str, str], now: float) -> AuditQuery:
         since=since,
         until=until,
         limit=_limit(value["limit"]),
-        before_id=decode_cursor(value["cursor"]) if value["cursor"] else None,
+        before_id=decode_cursor(value["cursor"], _AUDIT_CURSOR_PREFIX) if value["cursor"] else None,
     )
 
 
@@ -246,7 +247,7 @@ def _audit_model(entry: AuditEntry) -> models.AuditEntry:
 
 
 def audit_cursor(items: list[AuditEntry], limit: int) -> str | None:
-    return encode_cursor(items[limit - 1].id) if len(items) > limit else None
+    return encode_cursor(items[limit - 1].id, _AUDIT_CURSOR_PREFIX) if len(items) > limit else None
 
 
 def summary_view(summary: Summary) -> dict[str, Any]:

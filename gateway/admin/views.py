@@ -172,20 +172,22 @@ def utc_time(ts: float) -> str:
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def encode_cursor(before_id: int) -> str:
-    raw = f"{_CURSOR_PREFIX}{before_id}".encode()
+def encode_cursor(before_id: int, prefix: str = _CURSOR_PREFIX) -> str:
+    """An opaque cursor; `prefix` names the list it pages (a rejections cursor is
+    refused by the audit log and the other way round)."""
+    raw = f"{prefix}{before_id}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> int:
+def decode_cursor(cursor: str, prefix: str = _CURSOR_PREFIX) -> int:
     try:
         if len(cursor) > 64:
             raise ValueError("too long")
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raw = ""
-    number = raw.removeprefix(_CURSOR_PREFIX)
-    if not raw.startswith(_CURSOR_PREFIX) or not DECIMAL_ID.fullmatch(number):
+    number = raw.removeprefix(prefix)
+    if not raw.startswith(prefix) or not DECIMAL_ID.fullmatch(number):
         raise invalid_request("cursor is not one this server handed out")
     if int(number) > MAX_GENERATION:
         raise invalid_request("cursor is not one this server handed out")

@@ -314,6 +314,15 @@ async def test_audit_pages_and_time_filters(client, store, fake_clock):
     recent = await get_json(client, "/admin/audit?since=90m")
     assert [e["note"] for e in recent["items"]] == ["reload 2"]
     assert (await client.get("/admin/audit?since=later", headers=AUTH)).status == 400
+    # each list's cursors are its own: a rejections cursor does not page the audit log
+    for n in range(3):
+        await store.record_rejection(RejectionRecord(reason="duplicate", detail=f"r{n}"))
+    other = (await get_json(client, "/admin/rejections?limit=1"))["next_cursor"]
+    assert other is not None
+    crossed = await client.get(f"/admin/audit?cursor={other}", headers=AUTH)
+    assert crossed.status == 400
+    back = await client.get(f"/admin/rejections?cursor={page['next_cursor']}", headers=AUTH)
+    assert back.status == 400
 
 
 async def test_summary_of_the_last_day(client, store, fake_clock):
