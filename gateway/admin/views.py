@@ -39,7 +39,7 @@ FILTERS = ("destination", "job_id", "reason", "since", "until", "limit", "cursor
 DECIMAL_ID = re.compile(r"[1-9][0-9]{0,18}")
 
 _RFC3339 = re.compile(
-    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,64}))?([Zz]|[+-]\d{2}:\d{2})"
 )
 _CURSOR_PREFIX = "r1:"
 _RELATIVE = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,6})?)(ms|s|m|h|d|w)")
@@ -155,11 +155,20 @@ def parse_time(text: str, name: str, now: float | None = None) -> float:
         )
     day, clock, fraction, offset = match.groups()
     offset = "+00:00" if offset in ("Z", "z") else offset
-    iso = f"{day}T{clock}{'.' + (fraction + '00000')[:6] if fraction else ''}{offset}"
+    # RFC 3339 allows a leap second (:60); Python's datetime does not: read it as
+    # the first instant of the next minute. Fraction digits past microseconds are
+    # dropped.
+    leap = clock.endswith(":60")
+    if leap:
+        clock = clock[:-2] + "59"
+    iso = f"{day}T{clock}{'.' + (fraction + '00000')[:6] if fraction and not leap else ''}{offset}"
     try:
-        return datetime.fromisoformat(iso).timestamp()
-    except (ValueError, OverflowError) as exc:
-        raise invalid_request(f"{name} is not a valid date-time: {exc}") from exc
+        return datetime.fromisoformat(iso).timestamp() + (1.0 if leap else 0.0)
+    except (ValueError, OverflowError):
+        raise invalid_request(
+            f"{name} is not a valid date-time: check the day of the month, hours "
+            "00-23, minutes 00-59 and an offset of at most 23:59"
+        ) from None
 
 
 def rfc3339(ts: float | None) -> str | None:

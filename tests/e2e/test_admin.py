@@ -249,6 +249,17 @@ async def test_malformed_filters_are_400_invalid_request(client, query):
     await assert_invalid(client, "/admin/rejections?" + query)
 
 
+async def test_rfc3339_leap_seconds_and_long_fractions_are_read(client):
+    """RFC 3339 allows second 60 and any number of fraction digits; an offset of
+    24 hours is refused without Python's own wording in the detail."""
+    for query in ("since=2016-12-31T23:59:60Z", "since=2026-12-01T00:00:00.1234567891Z"):
+        response = await client.get("/admin/rejections?" + query, headers=AUTH)
+        assert response.status == 200, (query, await response.text())
+    bad = await client.get("/admin/rejections?since=2026-12-01T00:00:00%2B24:00", headers=AUTH)
+    assert bad.status == 400
+    assert "timedelta" not in (await bad.json())["detail"]
+
+
 async def test_unknown_parameter_is_named_in_the_detail(client):
     problem = await assert_invalid(client, "/admin/rejections?job=job-1")
     assert "job" in problem["detail"]
