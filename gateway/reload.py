@@ -124,10 +124,17 @@ class Reloader:
                 rejections_ttl_s=applied.rejections_ttl,
             )
             self._metrics.reloads.labels("applied").inc()
-            await self._record(trigger, result, remote)
+            retention = tuple(
+                f"{name} {show_duration(getattr(old, name))} -> {show_duration(getattr(new, name))}"
+                for name in ("idempotency_ttl", "rejections_ttl")
+                if getattr(new, name) != getattr(old, name)
+            )
+            await self._record(trigger, result, remote, retention)
             return result
 
-    async def _record(self, trigger: str, result: Reloaded, remote: str | None) -> None:
+    async def _record(
+        self, trigger: str, result: Reloaded, remote: str | None, retention: tuple[str, ...]
+    ) -> None:
         if self._audit is None:
             return
         note = "; ".join(
@@ -136,6 +143,7 @@ class Reloader:
                 ("added", result.added),
                 ("changed", result.changed),
                 ("removed", result.removed),
+                ("retention", retention),
                 ("refused", result.refused),
             )
             if names
@@ -180,6 +188,14 @@ def _keep_unchanged(
 ) -> dict[str, DestinationConfig]:
     """`new`, with the very objects of `old` where nothing changed (their pools stay)."""
     return {name: old[name] if old.get(name) == dest else dest for name, dest in new.items()}
+
+
+def show_duration(seconds: float) -> str:
+    """A retention period as the config writes it: the largest unit that divides it."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 def _difference(

@@ -200,6 +200,18 @@ async def test_each_applied_reload_is_in_the_audit_log_and_a_failed_one_is_not(
     assert entry.note == "test: added c; changed a; removed b; refused server.max_in_flight"
 
 
+async def test_a_retention_change_is_in_the_reloads_audit_note(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        retention = '[retention]\nidempotency_ttl = "2d"\nrejections_ttl = "90m"\n'
+        write_files(tmp_path, GATEWAY + retention, a=to(one))
+        await gw.app[RELOADER].reload("test")
+        (entry,) = await gw.store.list_audit(AuditQuery())
+    assert entry.note == "test: retention idempotency_ttl 1d -> 2d, rejections_ttl 7d -> 90m"
+
+
 # --- through the real triggers ------------------------------------------------------
 
 
