@@ -107,7 +107,7 @@ def rejection_from_response(
     """The typed exception for a gateway answer carrying `Sinkgate-Rejected`."""
     try:
         problem = jsonlib.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         problem = None
     if not isinstance(problem, dict):
         problem = {}

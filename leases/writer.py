@@ -303,7 +303,7 @@ def _stored_fence_refusal(status: int, body: bytes) -> bool:
         return False
     try:
         problem = jsonlib.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # an upstream's own 409, whatever its body
         return False
     return isinstance(problem, dict) and problem.get("reason") == Reason.STALE_GENERATION
 
