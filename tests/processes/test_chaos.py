@@ -160,7 +160,7 @@ def test_killing_gateways_loses_no_guarantee(tmp_path: Path) -> None:
         (["--json", "/nonexistent-dir/r.json"], "no such directory for the report"),
         (["--gateways", "65"], "--gateways: at most 64, got 65"),
         (["--gateways", "1.5"], "expected an integer, got '1.5'"),
-        (["--store", "/tmp/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),
+        (["--store", "data/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),
         (["--store", "sqlite://x.db"], "--store: expected sqlite:///path"),
     ],
 )
