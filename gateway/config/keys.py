@@ -171,7 +171,8 @@ def pem_file(t: Table, name: str) -> Path:
 def store_url(t: Table, name: str) -> str:
     """A sqlite:/// or postgresql:// URL; never echoed whole (it may hold a password)."""
     url = t.string(name)
-    written, has_scheme, _ = url.partition("://")
+    written, sep, _ = url.partition("://")
+    has_scheme = bool(sep) and _SCHEME.fullmatch(written) is not None  # echoed below
     scheme = written.lower() if has_scheme else ""
     if scheme in ("postgresql", "postgres"):
         if not _postgres_ports_ok(url):
@@ -189,6 +190,9 @@ def store_url(t: Table, name: str) -> str:
             name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
         )
     return url
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}")  # RFC 3986 3.1
 
 
 def _postgres_ports_ok(url: str) -> bool:

@@ -434,6 +434,10 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[store]\nurl = "/Var/Lib/Sinkgate.db"\n',
             "store.url: expected sqlite:///path or postgresql://..., got a value without scheme://",
         ),
+        (  # what comes before :// is not a scheme: not echoed (it could hold a secret)
+            '[store]\nurl = "u:secret@db://x"\n',
+            "store.url: expected sqlite:///path or postgresql://..., got a value without scheme://",
+        ),
         (  # asyncpg would refuse it only at start-up, with a traceback
             '[store]\nurl = "postgresql://postgres:pw@127.0.0.1:notaport/test"\n',
             "store.url: a port in the URL is not a number from 1 to 65535",
