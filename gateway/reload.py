@@ -23,6 +23,7 @@ from aiohttp import web
 
 from gateway.admin.models import ReloadAnswer
 from gateway.config.model import Config, DestinationConfig, load_config
+from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
 from gateway.http.schema import to_json
@@ -125,7 +126,8 @@ class Reloader:
             )
             self._metrics.reloads.labels("applied").inc()
             retention = tuple(
-                f"{name} {show_duration(getattr(old, name))} -> {show_duration(getattr(new, name))}"
+                f"{name} {format_duration(getattr(old, name))} -> "
+                f"{format_duration(getattr(new, name))}"
                 for name in ("idempotency_ttl", "rejections_ttl")
                 if getattr(new, name) != getattr(old, name)
             )
@@ -188,14 +190,6 @@ def _keep_unchanged(
 ) -> dict[str, DestinationConfig]:
     """`new`, with the very objects of `old` where nothing changed (their pools stay)."""
     return {name: old[name] if old.get(name) == dest else dest for name, dest in new.items()}
-
-
-def show_duration(seconds: float) -> str:
-    """A retention period as the config writes it: the largest unit that divides it."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 def _difference(
