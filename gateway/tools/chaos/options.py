@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gateway.config.keys import MAX_WORKERS
 from gateway.tools.chaos import late as late_mode
 from leases.model import validate_ttl
 
@@ -36,7 +37,8 @@ def _rate(text: str) -> float:
     return value
 
 
-MAX_GATEWAYS = 64
+# Each gateway is a process of its own, capped as `serve --workers` is.
+MAX_GATEWAYS = MAX_WORKERS
 
 
 def _store_url_shape(url: str) -> bool:
@@ -132,7 +134,6 @@ def settings_problem(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return f"--ttl: {exc}"
     if args.gateways > MAX_GATEWAYS:
-        # each one a process of its own (about 50 MB), as `serve --workers` caps them
         return f"--gateways: at most {MAX_GATEWAYS}, got {args.gateways}"
     if args.store is not None and not _store_url_shape(args.store):
         # found only once a gateway reads its config, after the destination started
