@@ -140,7 +140,9 @@ class WriteGateway:
         destination = self.config.destinations.get(target.destination)
         if destination is None:
             raise Rejection(
-                Reason.UNKNOWN_DESTINATION, f"no destination named {target.destination!r}"
+                Reason.UNKNOWN_DESTINATION,
+                f"no destination named {target.destination!r}",
+                destination=target.destination,
             )
         if request.method not in destination.methods:
             raise Rejection(

@@ -81,7 +81,8 @@ def assert_rejected(result: tuple[int, dict[str, str], bytes], status: int, reas
 
 
 async def test_unknown_destination_is_404(gw: Gateway, upstream: RecordingUpstream) -> None:
-    assert_rejected(await gw.write("/to/nope/x"), 404, "unknown_destination")
+    doc = assert_rejected(await gw.write("/to/nope/x"), 404, "unknown_destination")
+    assert doc["destination"] == "nope"  # SPEC 2: the members "where known"
     assert upstream.received == []
 
 
