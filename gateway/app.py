@@ -60,15 +60,15 @@ SERVER_LIMITS: dict[str, Any] = {
 
 def write_front(app: web.Application) -> Front:
     """The listener's way in: a write goes straight to the write route, without
-    the application's router and middleware chain (about 4 % of a write's CPU);
-    everything else, and a write with an `Expect` header (the router's
-    expect handler answers `100 Continue`), takes the application's way, where
+    the application's router and middleware chain (about 4 % of a write's CPU),
+    and the write route answers an `Expect: 100-continue` itself once the write
+    passed steps 1-4; everything else takes the application's way, where
     `dispatch_writes` routes writes the same way."""
 
     def front(handle_app: RequestHandler) -> RequestHandler:
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             target = parse_target(request.raw_path)
-            if target is None or hdrs.EXPECT in request.headers:
+            if target is None:
                 return await handle_app(request)
             assert isinstance(request, web.Request)  # the application's request factory
             return await app[WRITES].handle(request, target)
@@ -81,11 +81,12 @@ def write_front(app: web.Application) -> Front:
 @web.middleware
 async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Route `/to/...` on the raw target, before the router normalises dot segments
-    (writes served by `GatewayRunner(front=write_front(app))` arrive here only
-    with an `Expect` header)."""
+    (for an app served without `write_front`). The router's expect handler has
+    answered an `Expect` header already."""
     target = parse_target(request.raw_path)
     if target is not None:
-        return await request.app[WRITES].handle(request, target)
+        continued = hdrs.EXPECT in request.headers
+        return await request.app[WRITES].handle(request, target, continued=continued)
     try:
         return await handler(request)
     except web.HTTPException as exc:

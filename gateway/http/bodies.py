@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 
 from gateway.errors import Rejection
 from leases.reasons import Reason
@@ -50,6 +50,27 @@ async def read_body(
             Reason.REQUEST_TIMEOUT, f"the body did not arrive within {deadline_s:g} s", **members
         ) from None
     return b"".join(chunks)
+
+
+async def continue_if_expected(request: web.Request, limit: int, **members: Any) -> None:
+    """Answer `Expect: 100-continue` (RFC 9110 10.1.1) once the request may send its
+    body: a body announced over `limit` is refused first, so the client never sends
+    it. Any other expectation is a 417 (`invalid_request`)."""
+    expect = request.headers.get(hdrs.EXPECT)
+    if expect is None:
+        return
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit, members)
+    if expect.lower() != "100-continue":
+        raise Rejection(
+            Reason.INVALID_REQUEST,
+            "the only expectation understood is 100-continue",
+            status=417,
+            **members,
+        )
+    if request.version >= HttpVersion11:  # an HTTP/1.0 client does not wait for it
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started
 
 
 def _too_large(limit: int, members: dict[str, Any]) -> Rejection:

@@ -183,14 +183,16 @@ def instrument_writes(writes: Any) -> None:
 
     handle = writes.handle
 
-    async def traced_handle(request: web.Request, target: Any) -> web.StreamResponse:
+    async def traced_handle(
+        request: web.Request, target: Any, *, continued: bool = False
+    ) -> web.StreamResponse:
         parent = propagate.extract(request.headers)  # the worker's traceparent/tracestate
         with tracer.start_as_current_span(
             "sinkgate.write", context=parent, kind=SpanKind.SERVER
         ) as span:
             if span.is_recording():  # attributes only for a sampled write
                 span.set_attributes(_server_attributes(request, "/to/{destination}/{path}"))
-            response: web.StreamResponse = await handle(request, target)
+            response: web.StreamResponse = await handle(request, target, continued=continued)
             _end_server_span(span, response)
             return response
 

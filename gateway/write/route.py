@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import bearer_matches
-from gateway.http.bodies import read_body
+from gateway.http.bodies import continue_if_expected, read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
@@ -84,7 +84,12 @@ class WriteGateway:
             return  # there at 0 all the same: the child is made
         gauge.set_function(lambda: in_flight[name])
 
-    async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, target: Target, *, continued: bool = False
+    ) -> web.StreamResponse:
+        """The write's answer. `continued`: an `Expect: 100-continue` was already
+        answered (by the application's router); otherwise it is answered here, only
+        once steps 1-4 passed, so that a refused write's body is never sent."""
         started = time.perf_counter()
         facts: WriteFacts | None = None
         fields: dict[str, Any] = {
@@ -99,7 +104,7 @@ class WriteGateway:
             if unsendable is not None:  # a malformed request, as the parser's refusals
                 raise invalid_request(f"the value of header {unsendable} is not UTF-8")
             destination = self._destination(request, target)
-            body = await self._read_body(request, destination)
+            body = await self._read_body(request, destination, continued)
             body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log
             context = WriteContext(
                 remote=request.remote, body_sha256=body_digest.hex(), body_bytes=len(body)
@@ -174,8 +179,12 @@ class WriteGateway:
         await self._record(request, rejection, destination.name, None)
         raise rejection
 
-    async def _read_body(self, request: web.Request, destination: DestinationConfig) -> bytes:
+    async def _read_body(
+        self, request: web.Request, destination: DestinationConfig, continued: bool
+    ) -> bytes:
         await self._authorize(request, destination)
+        if not continued:
+            await continue_if_expected(request, destination.max_body, destination=destination.name)
         return await read_body(request, destination.max_body, destination=destination.name)
 
     # --- steps 6-8 ----------------------------------------------------------------------

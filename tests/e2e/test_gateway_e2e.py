@@ -345,8 +345,7 @@ async def test_quoted_key_is_the_same_key_unquoted(
 async def test_a_write_sent_with_expect_100_continue_gets_its_continue_and_one_forward(
     gw: Gateway, upstream: RecordingUpstream
 ) -> None:
-    """The listener's fast way in leaves such a write to the application, whose
-    router answers `100 Continue`: the client sends its body only after it."""
+    """The write route answers `100 Continue`: the client sends its body only after it."""
     await gw.claim("job-1")
     expect = {"Expect": "100-continue"}
     first = await asyncio.wait_for(gw.write("/to/pay/x", headers=expect), 10)
@@ -356,6 +355,71 @@ async def test_a_write_sent_with_expect_100_continue_gets_its_continue_and_one_f
     assert len(upstream.received) == 1
     assert upstream.received[0].body == b'{"amount": 100}'
     assert "Expect" not in upstream.received[0].headers
+
+
+async def expect_continue(gw: Gateway, head: bytes) -> tuple[bytes, bytes]:
+    """Send `head` (a request's head with `Expect: 100-continue`, no body) and read
+    what comes back before the body is sent: (the first status line, the rest)."""
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head + b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    status, _, rest = answer.partition(b"\r\n")
+    return status, rest
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "status", "reason"),
+    [
+        ("/to/small/x", b"Content-Length: 17\r\n", b"413", b"body_too_large"),
+        ("/to/secure/x", b"Content-Length: 2\r\n", b"401", b"unauthorized"),
+        ("/to/nope/x", b"Content-Length: 2\r\n", b"404", b"unknown_destination"),
+    ],
+)
+async def test_a_write_refused_before_its_body_gets_no_100_continue(
+    gw: Gateway,
+    upstream: RecordingUpstream,
+    path: str,
+    headers: bytes,
+    status: bytes,
+    reason: bytes,
+) -> None:
+    """RFC 9110 10.1.1: a server that will refuse the request answers at once, so
+    the client does not send a body only to have it refused (an oversized body
+    was uploaded in full before its 413)."""
+    await gw.claim("job-1")
+    first, rest = await expect_continue(
+        gw,
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\n".encode()
+        + b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-e\r\n"
+        + headers,
+    )
+    assert first.startswith(b"HTTP/1.1 " + status), (first, rest)
+    assert b"Sinkgate-Rejected: " + reason in rest and b"100 Continue" not in rest
+    assert upstream.received == []
+
+
+async def test_an_unknown_expectation_is_a_417_problem(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    await gw.claim("job-1")
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
+        b"Idempotency-Key: k-e\r\nExpect: 200-ok\r\nContent-Length: 2\r\n"
+        b"Connection: close\r\n\r\n{}"
+    )
+    head, _, body = (await asyncio.wait_for(reader.read(65536), 10)).partition(b"\r\n\r\n")
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 417 "), head
+    assert b"Sinkgate-Rejected: invalid_request" in head
+    assert problem(body)["status"] == 417
+    assert upstream.received == []
+    assert await gw.store.key_record("pay", "k-e") is None
 
 
 # --- step 6: the fence --------------------------------------------------------------------
