@@ -112,7 +112,6 @@ def _add_rejections(commands: Any) -> None:
     rejections.add_argument(
         "--admin",
         metavar="URL",
-        default=os.environ.get("SINKGATE_ADMIN_URL", "http://127.0.0.1:8481"),
         help="admin listener (default: $SINKGATE_ADMIN_URL or http://127.0.0.1:8481); "
         "the token is read from $SINKGATE_ADMIN_TOKEN",
     )

@@ -40,7 +40,7 @@ class CliError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `sinkgate rejections`, for the command line module to reuse."""
-    parser.add_argument("--admin", default=admin_url_default(), help="admin listener URL")
+    parser.add_argument("--admin", help="admin listener URL (default: $SINKGATE_ADMIN_URL)")
     parser.add_argument("--reason", help="only this reason, e.g. stale_generation")
     parser.add_argument("--job", help="only this job id")
     parser.add_argument("--destination", help="only this destination")
@@ -151,15 +151,18 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
 
 
 def admin_base(args: argparse.Namespace) -> str:
-    """The admin listener's base URL from `--admin` (or its default), checked."""
-    base = str(getattr(args, "admin", None) or admin_url_default()).rstrip("/")
+    """The admin listener's base URL from `--admin` (or its default), checked; an
+    error names where the URL came from."""
+    given = getattr(args, "admin", None)
+    source = "--admin" if given else ADMIN_URL_ENV
+    base = str(given or admin_url_default()).rstrip("/")
     try:
         parts = urlsplit(base)
         parts.port  # noqa: B018 - raises ValueError for a port out of range
     except ValueError as exc:
-        raise CliError(f"--admin {base!r} is not a valid URL: {exc}") from exc
+        raise CliError(f"{source} {base!r} is not a valid URL: {exc}") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CliError(f"--admin must be an http:// or https:// URL, not {base!r}")
+        raise CliError(f"{source} must be an http:// or https:// URL, not {base!r}")
     return base
 
 

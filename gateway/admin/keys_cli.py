@@ -20,7 +20,6 @@ from gateway.admin.cli import (
     CliError,
     admin_base,
     admin_request,
-    admin_url_default,
     format_rows,
     to_rfc3339,
 )
@@ -62,7 +61,6 @@ def _add_admin(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin",
         metavar="URL",
-        default=admin_url_default(),
         help="admin listener (default: $SINKGATE_ADMIN_URL or http://127.0.0.1:8481); "
         "the token is read from $SINKGATE_ADMIN_TOKEN",
     )

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from gateway.admin.api import create_admin_app
-from gateway.admin.cli import _more_hint, add_arguments, main, to_rfc3339
+from gateway.admin.cli import _more_hint, add_arguments, admin_base, main, to_rfc3339
 from gateway.http.server import GatewayRunner
 from gateway.store.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore
@@ -188,6 +188,22 @@ def test_bad_admin_url_is_one_line(url, message):
     out, err = io.StringIO(), io.StringIO()
     assert main(args(url), stdout=out, stderr=err) == 1
     assert message in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def test_a_bad_admin_url_from_the_environment_is_named_as_such(monkeypatch):
+    monkeypatch.setenv("SINKGATE_ADMIN_URL", "ftp://x")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    assert main(parser.parse_args([]), stdout=out, stderr=err) == 1
+    assert "SINKGATE_ADMIN_URL must be an http:// or https:// URL, not 'ftp://x'" in err.getvalue()
+
+
+def test_an_empty_admin_url_variable_is_unset(monkeypatch):
+    monkeypatch.setenv("SINKGATE_ADMIN_URL", "")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert admin_base(parser.parse_args([])) == "http://127.0.0.1:8481"
 
 
 def test_a_token_no_header_can_carry_is_refused_here(monkeypatch):
