@@ -96,6 +96,8 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
         return refusal
     except Rejection as rejection:
         return problem_response(rejection)
+    except ConnectionError:
+        raise  # the client went away: aiohttp's connection handler logs one line
     except Exception:
         log.exception("unhandled_error", path=request.path, method=request.method)
         return problem_response(Rejection(Reason.INTERNAL_ERROR, "unexpected error", status=500))

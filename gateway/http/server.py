@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
@@ -46,6 +47,8 @@ _ERROR_NAMES: tuple[tuple[type[HttpProcessingError], str], ...] = (
 )
 
 _DETAIL_LIMIT = 200
+
+log = structlog.get_logger("gateway.http")
 
 
 def parse_error_rejection(status: int, exc: HttpProcessingError) -> Rejection:
@@ -83,15 +86,34 @@ class _ProblemRequestHandler(web.RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         """aiohttp calls this with the parser's exception and a 4xx for a request
-        it could not parse, and with 500/504 for a handler that failed. Its own
-        answer is built first for its logging and its already-sent check; a parse
-        error's is then replaced, closing the connection as aiohttp's does."""
-        answer = super().handle_error(request, status, exc, message)
-        if status >= 500 or not isinstance(exc, HttpProcessingError):
+        it could not parse, and with 500/504 for a handler that failed.
+
+        A parse error is answered as a problem, and logged as one line without
+        the parser's message or traceback: both quote the request's bytes, which
+        may hold a worker's or the admin's token. A client that went away
+        mid-request (its body cut short) is not a fault of the gateway's: one
+        line, no traceback. Anything else is aiohttp's: logged with its traceback."""
+        if isinstance(exc, HttpProcessingError) and status < 500:
+            log.info(
+                "request_unparsable", remote=request.remote, status=status, error=_error_name(exc)
+            )
+            _not_started(request)
+            problem = problem_response(parse_error_rejection(status, exc))
+            problem.force_close()
+            return problem
+        if isinstance(exc, ConnectionError):
+            log.info("client_disconnected", remote=request.remote, method=request.method)
+            _not_started(request)
+            answer = web.Response(status=status)
+            answer.force_close()
             return answer
-        problem = problem_response(parse_error_rejection(answer.status, exc))
-        problem.force_close()
-        return problem
+        return super().handle_error(request, status, exc, message)
+
+
+def _not_started(request: web.BaseRequest) -> None:
+    """aiohttp's own check: an answer already on its way cannot be replaced."""
+    if request.writer.output_size > 0:
+        raise ConnectionError("an answer was already being sent")
 
 
 class _ProblemServer(web.Server):

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from yarl import URL
 from gateway.admin import api as admin
 from gateway.admin.api import create_admin_app
 from gateway.app import SERVER_LIMITS, create_app
-from gateway.http import bodies
+from gateway.http import bodies, server
 from gateway.http.appkeys import CONFIG, METRICS
 from gateway.http.server import GatewayRunner, parse_error_rejection
 from gateway.store.records import RejectionQuery
@@ -192,20 +193,89 @@ def assert_parser_refusal(response: bytes, status: int) -> None:
     assert LEAK not in response
 
 
+@contextmanager
+def log_records() -> Iterator[list[logging.LogRecord]]:
+    """Every standard-library log record made meanwhile, at any level (aiohttp's
+    server logs through it)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    root, handler = logging.getLogger(), Keep(logging.DEBUG)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def assert_quiet(records: list[logging.LogRecord]) -> None:
+    """No error-level line, no traceback and none of the request's bytes (`LEAK`
+    stands for a token it carried) in what was logged."""
+    texts = [logging.Formatter().format(record) for record in records]
+    assert not [r for r in records if r.levelno >= logging.ERROR], texts
+    assert not [t for t in texts if LEAK.decode() in t or "Traceback" in t], texts
+
+
 async def refused_by_the_parser(base_url: str, data: bytes) -> None:
     """Send `data`, which aiohttp's parser refuses: a 400 `invalid_request`
-    problem, and the connection closed after it as aiohttp closes it."""
+    problem, and the connection closed after it as aiohttp closes it. Nothing
+    of the request is logged: the parser's message quotes the offending bytes,
+    a token among them."""
     url = URL(base_url)
-    reader, writer = await asyncio.open_connection(url.host, url.port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        response = await asyncio.wait_for(read_response(reader), 10)
-        rest = await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
+    with log_records() as records:
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        try:
+            writer.write(data)
+            await writer.drain()
+            response = await asyncio.wait_for(read_response(reader), 10)
+            rest = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
     assert_parser_refusal(response, 400)
     assert rest == b"", "the connection stayed open after a parse error"
+    assert_quiet(records)
+
+
+@pytest.mark.parametrize("path", ["/to/pay/x", "/leases/job-1/claim"])
+async def test_a_client_gone_mid_body_is_one_quiet_line_not_a_traceback(
+    gw: Gateway, upstream: RecordingUpstream, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that hangs up with its body cut short is no fault of the gateway's:
+    it must not fill the error log (every client could)."""
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Lines:
+        def info(self, event: str, **fields: Any) -> None:
+            lines.append((event, fields))
+
+    monkeypatch.setattr(server, "log", Lines())
+    url = URL(gw.url)
+    with log_records() as records:
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\n".encode()
+            + b"Fencing-Token: 1\r\nIdempotency-Key: k-gone\r\n"
+            + b"Content-Type: application/json\r\nContent-Length: 100\r\n"
+            + b"Expect: 100-continue\r\n\r\n"
+        )
+        # The continue says the head was read and the body is awaited.
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        )
+        writer.write(b"0123456789")
+        await writer.drain()
+        writer.transport.abort()
+        await eventually(lambda: lines, what="the connection handler's line")
+    assert [event for event, _ in lines] == ["client_disconnected"]
+    assert_quiet(records)
+    assert upstream.received == []
+    assert sum((await table_counts(gw.store)).values()) == 0
 
 
 # --- slow clients ---------------------------------------------------------------------------
