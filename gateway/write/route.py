@@ -299,7 +299,7 @@ class WriteGateway:
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
         metrics.child(metrics.upstream_outcomes, destination.name, outcome.kind).inc()
         fields.update(upstream_ms=round(upstream_s * 1000, 3), outcome=outcome.kind)
-        await self._record_outcome(facts, attempt, outcome)
+        fields["outcome_recorded"] = await self._record_outcome(facts, attempt, outcome)
         if rejection is not None:
             fields["reason"] = rejection.reason
             return problem_response(rejection)
@@ -309,7 +309,9 @@ class WriteGateway:
             return answer
         return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
-    async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> None:
+    async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
+        """Whether `outcome` is now the key's (False: the store failed, or another
+        attempt holds the reservation)."""
         try:
             held = await self.store.record_outcome(facts, attempt, outcome)
         except StoreUnavailable as exc:
@@ -317,7 +319,7 @@ class WriteGateway:
             # `unknown`: safe, never a second forward.
             self.metrics.store_errors.labels("record").inc()
             log.error("outcome_not_recorded", job_id=facts.job_id, key=facts.key, error=str(exc))
-            return
+            return False
         if not held:
             log.warning(
                 "reservation_taken_over",
@@ -326,6 +328,7 @@ class WriteGateway:
                 attempt=attempt,
                 outcome=outcome.kind,
             )
+        return held
 
     async def _record(
         self,
@@ -353,6 +356,7 @@ class WriteGateway:
         try:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
+            self.metrics.store_errors.labels("record_rejection").inc()
             raise Rejection(
                 Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, destination=destination
             ) from exc

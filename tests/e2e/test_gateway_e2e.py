@@ -12,9 +12,12 @@ import pytest
 import structlog
 from multidict import CIMultiDict
 
+from gateway.app import WRITES
+from gateway.http.appkeys import METRICS
 from gateway.store.records import RejectionQuery
 from gateway.write import decision as decision_module
 from gateway.write.decision import Fencing
+from leases.errors import StoreUnavailable
 from tests.harness import (
     Gateway,
     RecordingUpstream,
@@ -745,6 +748,47 @@ async def test_store_unavailable_fails_closed(gw: Gateway, upstream: RecordingUp
     result = await gw.write("/to/pay/x")
     assert_rejected(result, 503, "store_unavailable")
     assert result[1]["Retry-After"] == "1"  # the same write may succeed later
+    assert upstream.received == []
+
+
+def store_errors(gw: Gateway, op: str) -> float:
+    return gw.app[METRICS].store_errors.labels(op)._value.get()
+
+
+async def test_an_outcome_the_store_cannot_take_says_so_on_the_decisions_line(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker still gets the upstream's answer (the effect happened) and the
+    key stays in flight, to read `unknown` after its deadline; the line must not
+    say the outcome was stored."""
+    await gw.claim("job-1")
+    with structlog.testing.capture_logs() as logs:
+        assert (await gw.write("/to/pay/x", key="k-ok"))[0] == 201
+
+        async def failing(*args: object) -> bool:
+            raise StoreUnavailable("disk gone")
+
+        monkeypatch.setattr(gw.app[WRITES].store, "record_outcome", failing)
+        assert (await gw.write("/to/pay/x", key="k-lost"))[0] == 201
+    lines = [e for e in logs if e["event"] == "write_decision"]
+    assert [(e["key"], e["outcome"], e["outcome_recorded"]) for e in lines] == [
+        ("k-ok", "completed", True),
+        ("k-lost", "completed", False),
+    ]
+    assert store_errors(gw, "record") == 1
+    record = await gw.store.key_record("pay", "k-lost")
+    assert record is not None and record.state.value == "in_flight"
+
+
+async def test_a_rejection_the_store_cannot_log_is_a_503_and_counted(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def failing(*args: object) -> int:
+        raise StoreUnavailable("disk gone")
+
+    monkeypatch.setattr(gw.app[WRITES].store, "record_rejection", failing)
+    assert_rejected(await gw.write("/to/pay/x", generation=None), 503, "store_unavailable")
+    assert store_errors(gw, "record_rejection") == 1
     assert upstream.received == []
 
 
