@@ -120,6 +120,10 @@ class WriteGateway:
             if facts is None:  # refused before its facts: what of the headers is valid
                 job_id, generation, _, key = valid_fencing(request.headers)
                 fields.update(job_id=job_id, generation=generation, key=key)
+                # SPEC 2: the members "where known", as the rejection-log row has them
+                for name, value in (("job_id", job_id), ("generation", generation)):
+                    if value is not None:
+                        rejection.members.setdefault(name, value)
             response = problem_response(rejection)
             fields.update(
                 decision="rejected",

@@ -109,6 +109,19 @@ async def test_worker_token_missing_or_wrong_is_401_and_recorded(
     assert upstream.received == []
     logged = await gw.store.list_rejections(RejectionQuery(reason="unauthorized"))
     assert len(logged) == 2 and logged[0].id == doc["rejection_id"]
+    # the members the rejection-log row has are the problem's too (SPEC 2 "where known")
+    assert (doc["destination"], doc["job_id"], doc["generation"]) == ("secure", "job-1", 1)
+    assert (logged[0].record.job_id, logged[0].record.generation) == ("job-1", 1)
+
+
+async def test_a_refusal_of_the_headers_names_the_valid_ones(gw: Gateway) -> None:
+    await gw.claim("job-1")
+    doc = assert_rejected(
+        await gw.write("/to/pay/x", headers={"Fencing-Owner": "a b"}), 400, "invalid_fencing_token"
+    )
+    assert (doc["job_id"], doc["generation"]) == ("job-1", 1)
+    doc = assert_rejected(await gw.write("/to/pay/x", job="a b"), 400, "invalid_fencing_token")
+    assert "job_id" not in doc and doc["generation"] == 1
 
 
 async def test_right_worker_token_forwards_without_the_workers_authorization(
