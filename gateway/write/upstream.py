@@ -267,7 +267,9 @@ class Upstreams:
                 pool.stream_until = loop.time() + destination.timeout + 1
             return answer
         except aiohttp.ConnectionTimeoutError as exc:
-            raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout: {exc}") from exc
+            # aiohttp's message quotes the whole URL, query included: the host only
+            where = f"{url.host}:{url.explicit_port or url.port}"
+            raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout to {where}") from exc
         except aiohttp.ClientConnectorError as exc:
             raise ForwardFailed(SendFailure.UNREACHABLE, f"cannot connect: {exc}") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -615,6 +616,38 @@ async def test_unreachable_upstream_releases_the_key(gw: Gateway) -> None:
     assert_rejected(await gw.write("/to/down/x"), 502, "upstream_unreachable")
     assert await gw.store.key_record("down", "key-1") is None
     assert_rejected(await gw.write("/to/down/x"), 502, "upstream_unreachable")
+
+
+async def test_a_connect_timeout_names_the_upstreams_host_not_its_url(
+    tmp_path: Path, store_url: str
+) -> None:
+    """A listener whose accept queue is full never completes a handshake: the
+    connect times out. aiohttp's message quotes the URL with the write's query;
+    the worker's problem (and the log) get the host and port only."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):  # past the queue's length, handshakes stall
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+                fillers.append(filler)
+            config = make_config(
+                tmp_path,
+                destination("hang", f"http://127.0.0.1:{port}/api", connect_timeout=0.2),
+            )
+            async with running_gateway(config, backend=store_url) as gw:
+                await gw.claim("job-1")
+                doc = assert_rejected(
+                    await gw.write("/to/hang/x?card=4111"), 502, "upstream_unreachable"
+                )
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert doc["detail"] == f"connect timeout to 127.0.0.1:{port}"
 
 
 async def test_retryable_status_is_relayed_and_not_stored(
