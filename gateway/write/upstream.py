@@ -247,6 +247,13 @@ class Upstreams:
             response = await pool.session.request(
                 method, url, headers=headers, data=body, allow_redirects=False
             )
+            if response.status < 200:
+                # A final 1xx (101 to a request that asked for no upgrade) cannot
+                # be relayed as an answer; whether the write took effect is unknown.
+                response.close()
+                raise ForwardFailed(
+                    SendFailure.DISCONNECTED, f"the upstream answered {response.status}"
+                )
             try:
                 payload = await _read_up_to(response, buffer_limit + 1)
             except BaseException:

@@ -1010,3 +1010,33 @@ async def test_a_replay_of_a_compressed_answer_keeps_its_content_encoding(
             assert "content-encoding" not in {name.lower() for name in headers}
     finally:
         server.close()
+
+
+async def test_an_upstream_switching_protocols_unasked_is_502_and_unknown(
+    tmp_path: Path,
+) -> None:
+    """A 101 cannot be relayed as an answer (the worker's connection hung on it, and
+    the key was stored as completed with status 101, replayed as such); the
+    request was sent, so the outcome is unknown."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+        )
+        await writer.drain()
+        await reader.read()  # holds the connection, as a server that switched would
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = make_config(tmp_path, destination("pay", f"http://127.0.0.1:{port}/api"))
+    try:
+        async with running_gateway(config) as gw:
+            await gw.claim("job-1")
+            first = await asyncio.wait_for(gw.write("/to/pay/x", key="up-1"), 10)
+            assert_rejected(first, 502, "upstream_disconnected")
+            again = await asyncio.wait_for(gw.write("/to/pay/x", key="up-1"), 10)
+            assert_rejected(again, 409, "outcome_unknown")
+    finally:
+        server.close()
