@@ -7,6 +7,7 @@ import gzip
 import json
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -937,25 +938,38 @@ async def test_main_listener_health_and_readiness_follow_the_store(gw: Gateway) 
         assert resp.headers["Sinkgate-Rejected"] == "store_unavailable"
 
 
+@asynccontextmanager
+async def canned_upstream(answer: bytes, *, hold: bool = False) -> AsyncIterator[str]:
+    """An upstream that reads a request's head and writes `answer` as it is, then
+    closes (or, with `hold`, keeps the connection until the gateway closes it);
+    yields its base URL."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        if hold:
+            await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
 async def test_an_answer_header_that_is_not_utf8_is_relayed_stored_and_replayed(
     tmp_path: Path,
 ) -> None:
     """Such bytes failed the outcome's record and the relay: the worker got a 500
     and the key stayed in flight, then unknown. They now go on read as ISO-8859-1."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b'HTTP/1.1 201 Created\r\nContent-Length: 2\r\nETag: "\xe9"\r\nX-Odd: \xe9t\xe9\r\n'
-            b"Connection: close\r\n\r\n{}"
-        )
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    config = make_config(tmp_path, destination("pay", f"http://127.0.0.1:{port}/api"))
-    try:
+    answer = (
+        b'HTTP/1.1 201 Created\r\nContent-Length: 2\r\nETag: "\xe9"\r\nX-Odd: \xe9t\xe9\r\n'
+        b"Connection: close\r\n\r\n{}"
+    )
+    async with canned_upstream(answer) as url:
+        config = make_config(tmp_path, destination("pay", f"{url}/api"))
         async with running_gateway(config) as gw:
             await gw.claim("job-1")
             status, headers, body = await gw.write("/to/pay/x", key="odd-1")
@@ -967,8 +981,6 @@ async def test_an_answer_header_that_is_not_utf8_is_relayed_stored_and_replayed(
             status, headers, _ = await gw.write("/to/pay/x", key="odd-1")
             lower = {name.lower(): value for name, value in headers.items()}
             assert (status, lower["etag"], lower["idempotent-replayed"]) == (201, '"é"', "true")
-    finally:
-        server.close()
 
 
 async def test_a_replay_of_a_compressed_answer_keeps_its_content_encoding(
@@ -977,25 +989,19 @@ async def test_a_replay_of_a_compressed_answer_keeps_its_content_encoding(
     """The stored body is the answer's bytes as sent; replayed without their
     Content-Encoding (not among the default replay_headers) they were unreadable."""
     packed = gzip.compress(b'{"charged": 100}')
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
-            b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % len(packed)
-            + packed
-        )
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    upstream = f"http://127.0.0.1:{port}/api"
-    config = make_config(
-        tmp_path, destination("pay", upstream), destination("tiny", upstream, max_replay_body=8)
+    answer = (
+        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % len(packed)
+        + packed
     )
-    try:
+    async with canned_upstream(answer) as url:
+        upstream = f"{url}/api"
+        config = make_config(
+            tmp_path,
+            destination("pay", upstream),
+            destination("tiny", upstream, max_replay_body=8),
+        )
         async with running_gateway(config) as gw:
             await gw.claim("job-1")
             for _ in range(2):  # the answer, then its replay: the client inflates both
@@ -1008,8 +1014,6 @@ async def test_a_replay_of_a_compressed_answer_keeps_its_content_encoding(
             status, headers, body = await gw.write("/to/tiny/x", key="gz-b")
             assert (status, body, headers["Sinkgate-Replay-Body"]) == (201, b"", "omitted")
             assert "content-encoding" not in {name.lower() for name in headers}
-    finally:
-        server.close()
 
 
 async def test_an_upstream_switching_protocols_unasked_is_502_and_unknown(
@@ -1018,25 +1022,12 @@ async def test_an_upstream_switching_protocols_unasked_is_502_and_unknown(
     """A 101 cannot be relayed as an answer (the worker's connection hung on it, and
     the key was stored as completed with status 101, replayed as such); the
     request was sent, so the outcome is unknown."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
-        )
-        await writer.drain()
-        await reader.read()  # holds the connection, as a server that switched would
-        writer.close()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    config = make_config(tmp_path, destination("pay", f"http://127.0.0.1:{port}/api"))
-    try:
+    answer = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    async with canned_upstream(answer, hold=True) as url:
+        config = make_config(tmp_path, destination("pay", f"{url}/api"))
         async with running_gateway(config) as gw:
             await gw.claim("job-1")
             first = await asyncio.wait_for(gw.write("/to/pay/x", key="up-1"), 10)
             assert_rejected(first, 502, "upstream_disconnected")
             again = await asyncio.wait_for(gw.write("/to/pay/x", key="up-1"), 10)
             assert_rejected(again, 409, "outcome_unknown")
-    finally:
-        server.close()
