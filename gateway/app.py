@@ -149,6 +149,36 @@ async def _not_a_write(request: web.Request) -> web.StreamResponse:
     raise web.HTTPNotFound()
 
 
+async def _stop(runner: GatewayRunner, grace: float) -> None:
+    """Stop the main listener within `grace` in all: aiohttp's `cleanup` closes the
+    listener and idle connections and waits for the handlers; forwards still under
+    way when `grace` has passed are cancelled (their keys read `unknown` after the
+    reservation deadline), which ends their handlers.
+
+    Left to itself, aiohttp gives each handler its shutdown timeout twice (it
+    waits, cancels only the request's body, waits again), and a handler never
+    gives up on its forward, which `_drain` would then give a third `grace`."""
+    writes = runner.app.get(WRITES)
+    if writes is None:  # the app never started
+        await runner.cleanup()
+        return
+    if writes.forwards:
+        log.info("draining_forwards", count=len(writes.forwards), grace_s=grace)
+    timer = asyncio.get_running_loop().call_later(grace, _abandon, writes)
+    try:
+        await runner.cleanup()
+    finally:
+        timer.cancel()
+
+
+def _abandon(writes: WriteGateway) -> None:
+    late = [task for task in writes.forwards if not task.done()]
+    for task in late:
+        task.cancel()
+    if late:
+        log.warning("forwards_abandoned", count=len(late))
+
+
 async def _drain(writes: WriteGateway, grace: float) -> None:
     """Let forwards already under way reach their upstream answer and record it."""
     pending = set(writes.forwards)
@@ -201,7 +231,8 @@ async def serve(
     runner = GatewayRunner(
         app,
         front=write_front(app),
-        shutdown_timeout=config.shutdown_grace,
+        # aiohttp reads a shutdown timeout of 0 as none at all
+        shutdown_timeout=max(config.shutdown_grace, 0.001),
         access_log=None,
         **SERVER_LIMITS,
     )
@@ -228,7 +259,7 @@ async def serve(
             await asyncio.gather(janitor, return_exceptions=True)
         if admin_runner is not None:
             await admin_runner.cleanup()
-        await runner.cleanup()
+        await _stop(runner, config.shutdown_grace)
         log.info("stopped")
 
 

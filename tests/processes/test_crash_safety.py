@@ -75,12 +75,12 @@ def upstream_server() -> AbstractAsyncContextManager[Upstream]:
 # --- the gateway process ------------------------------------------------------------------
 
 
-def write_config(root: Path, upstream: str, timeout: str) -> tuple[Path, int]:
+def write_config(root: Path, upstream: str, timeout: str, grace: str = "30s") -> tuple[Path, int]:
     port, admin_port = free_port(), free_port()
     (root / "destinations").mkdir(parents=True, exist_ok=True)
     (root / "gateway.toml").write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\nadmin_listen = "127.0.0.1:{admin_port}"\n'
-        'shutdown_grace = "30s"\n\n[store]\nurl = "sqlite:///sinkgate.db"\n\n'
+        f'shutdown_grace = "{grace}"\n\n[store]\nurl = "sqlite:///sinkgate.db"\n\n'
         '[destinations]\ndir = "destinations"\n'
     )
     (root / "destinations" / "pay.toml").write_text(
@@ -326,3 +326,43 @@ async def test_sigterm_lets_in_flight_forwards_finish_records_them_and_exits_0(
             assert gateway.proc.wait(timeout=15) == 0
     stored = read_keys(tmp_path / "sinkgate.db")
     assert {k: stored[k][:2] for k in keys} == {k: ("completed", 201) for k in keys}
+
+
+@pytest.mark.parametrize("grace", [0.0, 4.0])
+async def test_sigterm_stops_within_the_grace_when_forwards_outlast_it(
+    tmp_path: Path, grace: float
+) -> None:
+    """`shutdown_grace` bounds the whole stop. aiohttp's cleanup gave each handler
+    its shutdown timeout twice, and the forwards a third grace after that: a
+    forward outlasting the grace kept the process up three times as long (so
+    systemd's stop timeout, set a little above the grace, killed it). And aiohttp
+    reads a timeout of 0 as none: with no grace, the stop waited for the upstream."""
+    async with upstream_server() as upstream, aiohttp.ClientSession() as session:
+        config, port = write_config(tmp_path, upstream.url, "60s", grace=f"{grace:g}s")
+        with gateway_process(config, port) as gateway:
+            await gateway.start(session)
+            keys = [f"late-{i}" for i in range(3)]
+
+            async def write(key: str) -> int | str:
+                try:
+                    async with session.post(
+                        f"{gateway.url}/to/pay/hold/{key}", data=b"{}", headers=write_headers(key)
+                    ) as resp:
+                        await resp.read()
+                        return resp.status
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+
+            writes = [asyncio.create_task(write(k)) for k in keys]
+            await eventually(lambda: len(upstream.keys) == len(keys), what="all three forwarded")
+            assert gateway.proc is not None
+            gateway.proc.send_signal(signal.SIGTERM)
+            # The grace, and 4 s for a loaded machine: not three graces, nor the
+            # upstream's 30 s.
+            assert await asyncio.to_thread(gateway.proc.wait, grace + 4) == 0
+            answers = await asyncio.wait_for(asyncio.gather(*writes), 10)
+            upstream.release.set()
+    assert all(isinstance(a, str) for a in answers), answers  # no answer: outcome unknown
+    stored = read_keys(tmp_path / "sinkgate.db")
+    assert {k: stored[k][0] for k in keys} == dict.fromkeys(keys, "in_flight")
+    assert "forwards_abandoned" in gateway.log.read_text()
