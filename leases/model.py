@@ -107,7 +107,10 @@ def validate_ttl(value: object) -> float:
     """A ttl in seconds: a real number from 0.05 to 86400."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"ttl must be a number of seconds, not {type(value).__name__}")
-    ttl = float(value)
+    try:
+        ttl = float(value)
+    except OverflowError:  # an int past the floats' range: out of range all the same
+        ttl = math.inf
     if not math.isfinite(ttl) or not TTL_MIN <= ttl <= TTL_MAX:
         raise ValueError(f"ttl must be between {TTL_MIN} and {TTL_MAX:g} seconds")
     return ttl

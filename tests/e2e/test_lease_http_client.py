@@ -222,6 +222,7 @@ async def test_held_verbs_raise_lease_lost_like_the_sqlite_store(
         ("claim", ("j",), {"owner": "", "ttl": 10}),
         ("claim", ("j",), {"owner": "a", "ttl": 0.04}),
         ("claim", ("j",), {"owner": "a", "ttl": 86401}),
+        ("claim", ("j",), {"owner": "a", "ttl": 10**400}),
         ("claim", ("j",), {"owner": "a", "ttl": True}),
         ("claim", ("j",), {"owner": "a", "ttl": "10"}),
         ("renew", (_lease("j", "a", 1),), {"ttl": float("nan")}),
