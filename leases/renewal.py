@@ -117,10 +117,13 @@ class Renewer:
 
     async def run(self) -> None:
         state, now = self.state, self.monotonic
+        # The deadline passing after a failed renewal is the store's fault, not the
+        # worker's: the loss then says `store_unavailable`.
+        unreachable = False
         while True:
             await self.sleep(self.schedule.wait(now(), state.deadline))
             if now() >= state.deadline:
-                return self.lose(Reason.LEASE_EXPIRED)
+                return self.lose(Reason.STORE_UNAVAILABLE if unreachable else Reason.LEASE_EXPIRED)
             sent = now()
             try:
                 async with asyncio.timeout(max(0.0, state.deadline - sent)):
@@ -130,5 +133,7 @@ class Renewer:
             except (StoreUnavailable, TimeoutError):
                 if now() >= state.deadline:
                     return self.lose(Reason.STORE_UNAVAILABLE)
+                unreachable = True
                 continue  # transient: try again until the local deadline
+            unreachable = False
             state.deadline = self.schedule.deadline(sent)
