@@ -29,7 +29,7 @@ from gateway.admin.ops_views import (
 )
 from gateway.admin.views import key_model, parse_rejection_query
 from gateway.errors import Rejection, StoreUnavailable
-from gateway.http.bodies import read_body
+from gateway.http.bodies import read_uncoded_body
 from gateway.http.problem import invalid_request
 from gateway.http.schema import to_json
 from gateway.store.admin_records import Resolution, ResolveRefused
@@ -73,7 +73,7 @@ class OpsApi:
             raise invalid_request("this route takes no query parameters")
         if request.content_type != "application/json":
             raise invalid_request("the body must be application/json")
-        raw = await read_body(request, RESOLVE_REQUEST_MAX)
+        raw = await read_uncoded_body(request, RESOLVE_REQUEST_MAX)
         destination, key = request.match_info["destination"], request.match_info["key"]
         return parse_resolution(raw, destination, key, request.remote)
 

@@ -37,7 +37,7 @@ from gateway.admin.page import Safe, html_response
 from gateway.admin.session import SESSION_COOKIE
 from gateway.admin.views import job_view, key_view, parse_time
 from gateway.errors import Rejection
-from gateway.http.bodies import read_body
+from gateway.http.bodies import read_uncoded_body
 from gateway.store.admin_records import summary_fits
 from gateway.write.decision import KeyState
 from leases.model import IDENT
@@ -165,7 +165,7 @@ class OpsPage:
         )
 
     async def resolve(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, RESOLVE_REQUEST_MAX)
+        raw = await read_uncoded_body(request, RESOLVE_REQUEST_MAX)
         try:
             form = {k: v[0] for k, v in parse_qs(raw.decode(), max_num_fields=20).items()}
         except (ValueError, UnicodeDecodeError):

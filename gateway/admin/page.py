@@ -30,7 +30,7 @@ from gateway.admin.views import (
     rfc3339,
 )
 from gateway.errors import Rejection
-from gateway.http.bodies import read_body
+from gateway.http.bodies import read_uncoded_body
 from gateway.store.protocol import AdminOpsStore
 from gateway.store.records import StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
@@ -136,7 +136,7 @@ class Page:
     async def login(self, request: web.Request) -> web.Response:
         # Bounded in size and time like every body the gateway reads: a sign-in
         # form trickling in must not hold the connection open.
-        raw = await read_body(request, LOGIN_FORM_MAX)
+        raw = await read_uncoded_body(request, LOGIN_FORM_MAX)
         try:
             form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=10)
         except ValueError:

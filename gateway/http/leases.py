@@ -22,7 +22,7 @@ from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
 from gateway.http.auth import bearer_matches
-from gateway.http.bodies import read_body
+from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
 from gateway.http.schema import field_names, required_names, to_json
@@ -279,7 +279,7 @@ def _job_id(request: web.Request) -> str:
 
 
 async def _body(request: web.Request, op: str) -> LeaseRequest:
-    raw = await read_body(request, MAX_BODY)
+    raw = await read_uncoded_body(request, MAX_BODY)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):

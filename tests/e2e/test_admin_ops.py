@@ -237,6 +237,16 @@ async def test_resolve_wants_json(client, store):
     assert await store.key_record("payments", "k-1") is not None
 
 
+async def test_a_resolve_body_in_a_content_coding_is_refused(client, store):
+    attempt = await unknown(store, "k-1")
+    body = json.dumps({"outcome": "not_applied", "attempt": attempt, "note": "x"})
+    response = await post_resolve(client, "k-1", body, headers={"Content-Encoding": "gzip"})
+    assert response.status == 400
+    assert "content coding" in (await response.json())["detail"]
+    assert await store.key_record("payments", "k-1") is not None
+    assert await store.list_audit(AuditQuery()) == []
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [

@@ -331,14 +331,37 @@ async def test_a_header_that_is_not_utf8_is_a_400_not_a_500(
     assert await gw.store.key_record("pay", "k-8") is None
 
 
-async def test_a_lease_body_in_a_content_coding_is_a_400(gw: Gateway) -> None:
+@pytest.mark.parametrize(
+    ("coding", "body"),
+    [
+        ("gzip", b"not gzip"),
+        ("gzip", b'{"owner": "a", "ttl": 10}'),  # labelled gzip, sent plain: as sent
+        ("br", b'{"owner": "a", "ttl": 10}'),
+        ("gzip", gzip.compress(b'{"owner": "a", "ttl": 10}')),
+    ],
+)
+async def test_a_lease_body_in_a_content_coding_is_a_400(
+    gw: Gateway, coding: str, body: bytes
+) -> None:
+    """The lease API reads bodies as sent (the listener does not inflate them): a
+    body said to be in a coding is refused whatever its bytes, not read as JSON."""
     async with gw.session.post(
         f"{gw.url}/leases/job-9/claim",
-        data=b"not gzip",
-        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        data=body,
+        headers={"Content-Type": "application/json", "Content-Encoding": coding},
     ) as resp:
         assert (resp.status, resp.headers["Sinkgate-Rejected"]) == (400, "invalid_request")
+        assert "content coding" in (await resp.json(content_type=None))["detail"]
     assert (await gw.store.get("job-9")) is None
+
+
+async def test_a_lease_body_said_to_be_identity_is_read(gw: Gateway) -> None:
+    async with gw.session.post(
+        f"{gw.url}/leases/job-9/claim",
+        data=b'{"owner": "a", "ttl": 10}',
+        headers={"Content-Type": "application/json", "Content-Encoding": "identity"},
+    ) as resp:
+        assert resp.status == 200
 
 
 async def test_a_destination_without_required_keys_forwards_keyless_writes(
