@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -261,16 +262,21 @@ def _finish(
 # --- parsing ---------------------------------------------------------------------------
 
 
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
 def _job_id(request: web.Request) -> str:
     job_id = request.match_info["job_id"]
     # aiohttp leaves an escape that is not UTF-8 (%FF) undecoded; refuse it instead of
     # reading "%FF" as a job id of its own.
+    # A `%` that starts no escape (`x%zz`) is kept as it is by both, which would
+    # make `x%zz` and `x%25zz` one job: refused too.
     raw = request.rel_url.raw_parts[2] if len(request.rel_url.raw_parts) > 2 else job_id
     try:
         strict = unquote(raw, errors="strict")
     except UnicodeDecodeError:
         strict = None
-    if strict != job_id:
+    if strict != job_id or _BAD_ESCAPE.search(raw):
         raise invalid_request("job_id in the path is not valid percent-encoded UTF-8")
     try:
         return model.validate_ident(job_id, "job_id")

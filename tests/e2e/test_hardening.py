@@ -473,7 +473,7 @@ async def test_bad_bytes_in_the_idempotency_key_are_400(
 
 @pytest.mark.parametrize(
     "raw_job",
-    ["%FF", "a%00b", "a%0Ab", "a%7Fb", "%C3%A9", "a%20b", "j" * 257],
+    ["%FF", "a%00b", "a%0Ab", "a%7Fb", "%C3%A9", "a%20b", "j" * 257, "x%zz", "x%2", "x%"],
 )
 async def test_bad_job_ids_in_lease_paths_are_400_and_claim_nothing(
     gw: Gateway, raw_job: str
