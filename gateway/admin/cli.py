@@ -97,8 +97,8 @@ def main(
 def _more_hint(shown: int) -> str:
     narrow = "narrow them with --reason, --job, --destination, --since or --until"
     if shown < PAGE_MAX:
-        return f"raise --limit (up to {PAGE_MAX}) or {narrow}"
-    return narrow
+        return f"raise --limit (up to {PAGE_MAX}), show them all with --all, or {narrow}"
+    return f"show them all with --all, or {narrow}"
 
 
 def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]], bool]:

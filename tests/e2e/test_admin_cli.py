@@ -131,12 +131,13 @@ async def test_limit_says_when_more_matched(admin_url, token):
     code, out, _ = await run(args(admin_url, "--limit", "1"))
     assert code == 0
     assert len([line for line in out.splitlines() if "lease_expired" in line]) == 1
-    assert "more rejections match: raise --limit (up to 1000) or narrow them" in out
+    assert "more rejections match: raise --limit (up to 1000), show them all with --all" in out
 
 
 def test_at_the_largest_limit_the_hint_is_to_narrow_not_to_raise_it():
     assert _more_hint(1000) == (
-        "narrow them with --reason, --job, --destination, --since or --until"
+        "show them all with --all, or narrow them with --reason, --job, --destination, "
+        "--since or --until"
     )
 
 
