@@ -127,6 +127,7 @@ def create_app(
         try:
             yield
         finally:
+            await app[RELOADER].close()
             await _drain(writes, config.shutdown_grace)
             await upstreams.close()
             if owned:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from gateway.write.route import WriteGateway
 
 log = structlog.get_logger("gateway.reload")
+
+# How often a reload the store could not audit is tried again, until it is.
+AUDIT_RETRY_S = 5.0
 
 # The store's `record_audit` verb, as the reloader calls it.
 Audit = Callable[..., Awaitable[int]]
@@ -76,6 +80,12 @@ class Reloader:
         self._audit: Audit | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Applied reloads whose audit row the store did not take yet, oldest first,
+        # and the task writing them once it does.
+        self._unaudited: list[dict[str, Any]] = []
+        self._audit_lock = asyncio.Lock()
+        self._auditing: asyncio.Task[None] | None = None
+        self.audit_retry_s = AUDIT_RETRY_S
 
     def attach(self, writes: WriteGateway, audit: Audit | None = None) -> None:
         """The write route whose destinations and pools a reload swaps, and the
@@ -150,13 +160,45 @@ class Reloader:
             )
             if names
         )
-        try:
-            await self._audit(
-                action="reload", note=f"{trigger}: {note or 'no change'}", remote=remote
-            )
-        except StoreUnavailable as exc:
-            # Applied all the same: the files are what they are; the log line stays.
-            log.error("reload_not_audited", trigger=trigger, error=str(exc))
+        entry = {"action": "reload", "note": f"{trigger}: {note or 'no change'}", "remote": remote}
+        self._unaudited.append(entry)
+        if await self._write_unaudited():
+            return
+        # Applied all the same (the files are what they are): the row is written once
+        # the store takes it, saying when the reload was applied.
+        applied = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        entry["note"] += f" (applied {applied}, recorded once the store was back)"
+        if self._auditing is None or self._auditing.done():
+            self._auditing = asyncio.get_running_loop().create_task(self._retry_audit())
+
+    async def _write_unaudited(self) -> bool:
+        """Write the audit rows not written yet, oldest first; False if the store
+        still refuses (they are kept for the next try)."""
+        assert self._audit is not None
+        async with self._audit_lock:
+            while self._unaudited:
+                try:
+                    await self._audit(**self._unaudited[0])
+                except StoreUnavailable as exc:
+                    log.error("reload_not_audited", error=str(exc), pending=len(self._unaudited))
+                    return False
+                self._unaudited.pop(0)
+            return True
+
+    async def _retry_audit(self) -> None:
+        while True:
+            await asyncio.sleep(self.audit_retry_s)
+            if await self._write_unaudited():
+                log.info("reload_audited_late")
+                return
+
+    async def close(self) -> None:
+        """Stop trying to audit; what is still unwritten is said in the log."""
+        if self._auditing is not None:
+            self._auditing.cancel()
+            await asyncio.gather(self._auditing, return_exceptions=True)
+        if self._unaudited:
+            log.error("reloads_never_audited", notes=[e["note"] for e in self._unaudited])
 
     def on_signal(self) -> None:
         """SIGHUP: reload in the background (errors are logged by `reload`)."""

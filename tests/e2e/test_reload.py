@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from gateway.app import RELOADER, WRITES
 from gateway.config.model import load_config
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, StoreUnavailable
 from gateway.store.admin_records import AuditQuery
 from tests.harness import (
     Gateway,
@@ -210,6 +210,59 @@ async def test_a_retention_change_is_in_the_reloads_audit_note(
         await gw.app[RELOADER].reload("test")
         (entry,) = await gw.store.list_audit(AuditQuery())
     assert entry.note == "test: retention idempotency_ttl 1d -> 2d, rejections_ttl 7d -> 90m"
+
+
+async def test_a_reload_the_store_cannot_audit_is_audited_once_it_can(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    """SPEC 5: each applied reload is in the audit log. One applied while the store
+    was down used to be only logged; its row is now written when the store is back."""
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        reloader = gw.app[RELOADER]
+        refusals = 2
+
+        async def flaky(**entry: object) -> int:
+            nonlocal refusals
+            if refusals:
+                refusals -= 1
+                raise StoreUnavailable("database is locked")
+            return await gw.store.record_audit(**entry)  # type: ignore[arg-type]
+
+        reloader.attach(gw.app[WRITES], audit=flaky)
+        reloader.audit_retry_s = 0.01
+        write_files(tmp_path, a=to(one), b=to(one))
+        with capture_logs() as logs:
+            result = await reloader.reload("test")
+            assert result.added == ("b",)  # applied, audited or not
+            entries = await eventually(lambda: gw.store.list_audit(AuditQuery()), what="the row")
+        (entry,) = entries
+    assert entry.note.startswith("test: added b (applied ")
+    assert entry.note.endswith(", recorded once the store was back)")
+    events = [e["event"] for e in logs if e["event"].startswith("reload_")]
+    assert events == [
+        "reload_applied",
+        "reload_not_audited",
+        "reload_not_audited",
+        "reload_audited_late",
+    ]
+
+
+async def test_a_reload_never_audited_is_named_in_the_log_at_shutdown(
+    tmp_path: Path, one: RecordingUpstream
+) -> None:
+    path = write_files(tmp_path, a=to(one))
+
+    async def refusing(**entry: object) -> int:
+        raise StoreUnavailable("database is locked")
+
+    with capture_logs() as logs:
+        async with running_gateway(load_config(path, {})) as gw:
+            gw.app[RELOADER].attach(gw.app[WRITES], audit=refusing)
+            write_files(tmp_path, a=to(one), b=to(one))
+            await gw.app[RELOADER].reload("test")
+    (line,) = [e for e in logs if e["event"] == "reloads_never_audited"]
+    assert [note.split(" (")[0] for note in line["notes"]] == ["test: added b"]
 
 
 # --- through the real triggers ------------------------------------------------------
