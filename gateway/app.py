@@ -96,9 +96,9 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
         return refusal
     except Rejection as rejection:
         return problem_response(rejection)
-    except ConnectionError:
-        raise  # the client went away: aiohttp's connection handler logs one line
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and request.transport is None:
+            raise  # the client went away: aiohttp's connection handler logs one line
         log.exception("unhandled_error", path=request.path, method=request.method)
         return problem_response(Rejection(Reason.INTERNAL_ERROR, "unexpected error", status=500))
 

@@ -101,7 +101,7 @@ class _ProblemRequestHandler(web.RequestHandler):
             problem = problem_response(parse_error_rejection(status, exc))
             problem.force_close()
             return problem
-        if isinstance(exc, ConnectionError):
+        if isinstance(exc, ConnectionError) and request.transport is None:
             log.info("client_disconnected", remote=request.remote, method=request.method)
             _not_started(request)
             answer = web.Response(status=status)

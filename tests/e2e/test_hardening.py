@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import http_exceptions, web
+from structlog.testing import capture_logs
 from yarl import URL
 
 from gateway.admin import api as admin
@@ -240,6 +241,24 @@ async def refused_by_the_parser(base_url: str, data: bytes) -> None:
     assert_parser_refusal(response, 400)
     assert rest == b"", "the connection stayed open after a parse error"
     assert_quiet(records)
+
+
+async def test_a_connection_error_of_the_gateways_own_is_still_a_500_problem(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the client's own connection going away is a quiet line: a
+    ConnectionError from anywhere else is a bug to see, with its traceback."""
+
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise ConnectionRefusedError("not the client's")
+
+    monkeypatch.setattr(gw.store, "claim", refused)
+    with capture_logs() as logs:
+        async with gw.session.post(
+            f"{gw.url}/leases/job-1/claim", json={"owner": "a", "ttl": 10}
+        ) as resp:
+            assert (resp.status, resp.headers["Sinkgate-Rejected"]) == (500, "internal_error")
+    assert [e["event"] for e in logs if e.get("exc_info")] == ["unhandled_error"]
 
 
 @pytest.mark.parametrize("path", ["/to/pay/x", "/leases/job-1/claim"])
