@@ -447,6 +447,9 @@ async def test_metrics_count_every_workers_writes_whichever_worker_is_scraped(
         assert await scraped(admin, "sinkgate_in_flight_writes", destination="pay") == 0
     with pytest.raises((asyncio.IncompleteReadError, ConnectionError, AssertionError)):
         await slow  # its connection died with the worker
+    # A new connection to b: the first one may have sat idle past the listener's
+    # keep-alive timeout (15 s) while a was restarted on a loaded machine.
+    b = await gw.pin(b.pid)
     answer = await b.write("/to/pay/charge", job="job-m", generation=1, key="m-after")
     assert answer.status == 201
     assert await scraped(fresh, "sinkgate_writes_total", **forwarded) == 6
