@@ -33,7 +33,11 @@ async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gatew
 
 
 @pytest.mark.parametrize(
-    "path", ["/\\host/x", "/\\\\host", "/\\/host", "//host", "/http://host/x", "/https:\\\\h"]
+    "path",
+    [
+        *("/\\host/x", "/\\\\host", "/\\/host", "//host", "/http://host/x", "/https:\\\\h"),
+        *("/x/..//host/steal", "/.//host/steal", "/..;/x"),
+    ],
 )
 async def test_a_path_naming_another_host_is_400_and_not_forwarded(
     gw: Gateway, upstream: RecordingUpstream, path: str

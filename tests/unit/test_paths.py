@@ -21,6 +21,12 @@ from gateway.write.paths import climbs_above_base, names_another_host, path_esca
         "/git+ssh://host",
         "/http:\\\\host",
         "/http:/\\host",
+        # ... once the dot segments are removed, as a normalising server would
+        "/x/..//host/steal",
+        "/.//host/steal",
+        "/%2e//host",
+        "/./http://host",
+        "/a/b/../..//host",
     ],
 )
 def test_a_path_that_names_another_host_is_refused(path: str) -> None:
@@ -42,6 +48,11 @@ def test_a_path_that_names_another_host_is_refused(path: str) -> None:
         "/http:/host",
         "/1http://host",
         "/a%2f..%2fb",
+        "/a/./b",
+        "/a/b/../c",
+        "/x/../y//z",
+        "/a;b/c",
+        "/a/b/..;/c",
     ],
 )
 def test_a_path_that_names_no_host_passes(path: str) -> None:
@@ -49,7 +60,12 @@ def test_a_path_that_names_no_host_passes(path: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/..", "/../x", "/a/../../x", "/%2e%2e", "/.%2e/x", "/a/..%2f..%2fx", "/a/..%5c..%5cx"]
+    "path",
+    [
+        *("/..", "/../x", "/a/../../x", "/%2e%2e", "/.%2e/x", "/a/..%2f..%2fx", "/a/..%5c..%5cx"),
+        # path parameters: `..;x` is `..` to Tomcat and the like
+        *("/..;/x", "/a/..;/..;/internal", "/%2e%2e;x/", "/a/..;jsessionid=1/../x"),
+    ],
 )
 def test_a_climb_above_the_base_is_refused(path: str) -> None:
     assert climbs_above_base(path) and path_escapes(path)
