@@ -328,7 +328,7 @@ def summary(config: Config) -> str:
         f"lease API     {_lease_api_access(config)}",
         f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "
         f"rejections {format_duration(config.rejections_ttl)}",
-        f"limits        {config.max_in_flight} requests in flight, "
+        f"limits        {config.max_in_flight} writes in flight, "
         f"shutdown grace {format_duration(config.shutdown_grace)}",
     ]
     if config.workers > 1:  # one process: the summary as it always was

@@ -262,6 +262,26 @@ def test_secrets_never_appear_in_repr_or_str(tmp_path: Path) -> None:
     assert redact_url(config.store_url) == "postgresql://u:***@h/db"
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:pw@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u@h:5432/db?password=qpw", "postgresql://u@h:5432/db?password=***"),
+        (
+            "postgresql://h/db?sslmode=require&sslpassword=x",
+            "postgresql://h/db?sslmode=require&sslpassword=***",
+        ),
+        # passwords a URL parser reads wrongly (`#`: a fragment) or refuses (`[`)
+        ("postgresql://u:HASH#pw@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:BR[pw@127.0.0.1/db", "postgresql://u:***@127.0.0.1/db"),
+        ("postgresql://u@h/db", "postgresql://u@h/db"),
+        ("sqlite:///data/x.db", "sqlite:///data/x.db"),
+    ],
+)
+def test_redact_url_hides_every_password_and_never_raises(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
 # --- parse helpers ----------------------------------------------------------------
 
 
