@@ -54,6 +54,7 @@ class Rejection(GatewayError):
         status: int | None = None,
         retry_after: int | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
         **members: Any,
     ) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -62,6 +63,7 @@ class Rejection(GatewayError):
         self.status = status if status is not None else STATUS_BY_REASON[reason]
         self.retry_after = retry_after
         self.headers = headers or {}  # ones HTTP requires with the status (Allow, ...)
+        self.close = close  # the answer closes the connection (a body left unread)
         self.members = {k: v for k, v in members.items() if v is not None}
 
     def problem(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ RESTART_ONLY: tuple[tuple[str, str], ...] = (
     ("listen", "server.listen"),
     ("admin_listen", "server.admin_listen"),
     ("max_in_flight", "server.max_in_flight"),
+    ("max_body_buffer", "server.max_body_buffer"),
     ("shutdown_grace", "server.shutdown_grace"),
     ("lease_tokens", "server.lease_tokens_env"),
     ("tls_cert", "server.tls_cert"),
@@ -160,14 +161,15 @@ class Reloader:
             )
             if names
         )
-        entry = {"action": "reload", "note": f"{trigger}: {note or 'no change'}", "remote": remote}
+        text = f"{trigger}: {note or 'no change'}"
+        entry: dict[str, Any] = {"action": "reload", "note": text, "remote": remote}
         self._unaudited.append(entry)
         if await self._write_unaudited():
             return
         # Applied all the same (the files are what they are): the row is written once
         # the store takes it, saying when the reload was applied.
         applied = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        entry["note"] += f" (applied {applied}, recorded once the store was back)"
+        entry["note"] = f"{text} (applied {applied}, recorded once the store was back)"
         if self._auditing is None or self._auditing.done():
             self._auditing = asyncio.get_running_loop().create_task(self._retry_audit())
 

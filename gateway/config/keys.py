@@ -292,6 +292,7 @@ SERVER = Section(
     Key("listen", parsed(parse_listen), ("127.0.0.1", 8480), "writes, the lease API, /healthz"),
     Key("admin_listen", parsed(parse_listen), ("127.0.0.1", 8481), "/admin and /metrics"),
     Key("max_in_flight", integer(1), 4096, "writes in flight at once, all destinations"),
+    Key("max_body_buffer", size(), 64 * MiB, "request bodies still arriving, all writes"),
     Key("shutdown_grace", duration(allow_zero=True), 30.0, "time in-flight writes get on stop"),
     Key("lease_tokens_env", tokens, None, "variable with the lease API's bearer tokens"),
     Key("tls_cert", pem_file, None, "PEM certificate chain: both listeners serve HTTPS only"),

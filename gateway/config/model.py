@@ -142,6 +142,7 @@ class Config:
         default_factory=lambda: MappingProxyType({})
     )
     max_in_flight: int = _SERVER["max_in_flight"]
+    max_body_buffer: int = _SERVER["max_body_buffer"]
     shutdown_grace: float = _SERVER["shutdown_grace"]
     # None: open lease API
     lease_tokens: tuple[str, ...] | None = field(default=_SERVER["lease_tokens_env"], repr=False)
@@ -200,6 +201,7 @@ def load_config(
         rejections_ttl=ret["rejections_ttl"],
         destinations=MappingProxyType(destinations),
         max_in_flight=srv["max_in_flight"],
+        max_body_buffer=srv["max_body_buffer"],
         shutdown_grace=srv["shutdown_grace"],
         lease_tokens=srv["lease_tokens_env"],
         tls_cert=srv["tls_cert"],

@@ -17,14 +17,38 @@ BODY_READ_TIMEOUT_S = 30.0
 _READ_CHUNK = 64 * 1024
 
 
+class BodyBudget:
+    """The bytes that request bodies still arriving may hold at once: each such
+    read takes its `Content-Length` (or its limit, when chunked) until it is
+    done, so that many slow bodies cannot grow the process without bound. One
+    read is let through alone whatever its size, so a body the limit allows is
+    never refused for good."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used and self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
+
+
 async def read_body(
     request: web.Request,
     limit: int,
     *,
     deadline_s: float | None = None,
+    budget: BodyBudget | None = None,
     **members: Any,
 ) -> bytes:
-    """The whole body, or `Rejection` body_too_large (413) / request_timeout (408)."""
+    """The whole body, or `Rejection` body_too_large (413) / request_timeout (408),
+    or overloaded (503, the connection closed) when `budget` has no room for a
+    body still arriving."""
     deadline_s = BODY_READ_TIMEOUT_S if deadline_s is None else deadline_s
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit, members)
@@ -36,6 +60,25 @@ async def read_body(
         if len(body) > limit:
             raise _too_large(limit, members)
         return body
+    need = limit if request.content_length is None else request.content_length
+    if budget is not None and not budget.take(need):
+        raise Rejection(
+            Reason.OVERLOADED,
+            "too many request bodies are arriving at once",
+            retry_after=1,
+            close=True,  # the body is not read: the connection cannot be kept
+            **members,
+        )
+    try:
+        return await _read_chunks(content, limit, deadline_s, members)
+    finally:
+        if budget is not None:
+            budget.give(need)
+
+
+async def _read_chunks(
+    content: Any, limit: int, deadline_s: float, members: dict[str, Any]
+) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:

@@ -24,7 +24,7 @@ def problem_response(rejection: Rejection) -> web.Response:
         content_type=PROBLEM_JSON,
         headers=headers,
     )
-    if rejection.reason == Reason.REQUEST_TIMEOUT:
+    if rejection.close or rejection.reason == Reason.REQUEST_TIMEOUT:
         response.force_close()  # the rest of the body is never read: `Connection: close`
     return response
 

@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import bearer_matches
-from gateway.http.bodies import continue_if_expected, read_body
+from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import WriteStore
 from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
@@ -67,6 +67,7 @@ class WriteGateway:
         # `_release` move it. Otherwise it reads `in_flight` when scraped.
         self._shared_gauge = metrics.shared_directory is not None
         self.forwards: set[asyncio.Task[Any]] = set()
+        self.body_budget = BodyBudget(config.max_body_buffer)
         for name in config.destinations:
             self.track(name)
         traces.instrument_writes(self)  # spans around handle, store and upstreams, if on
@@ -189,7 +190,9 @@ class WriteGateway:
         await self._authorize(request, destination)
         if not continued:
             await continue_if_expected(request, destination.max_body, destination=destination.name)
-        return await read_body(request, destination.max_body, destination=destination.name)
+        return await read_body(
+            request, destination.max_body, budget=self.body_budget, destination=destination.name
+        )
 
     # --- steps 6-8 ----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from yarl import URL
 
 from gateway.admin import api as admin
 from gateway.admin.api import create_admin_app
-from gateway.app import SERVER_LIMITS, create_app
+from gateway.app import SERVER_LIMITS, WRITES, create_app
 from gateway.http import bodies, server
 from gateway.http.appkeys import CONFIG, METRICS
 from gateway.http.server import GatewayRunner, parse_error_rejection
@@ -44,6 +44,7 @@ from tests.harness import (
     destination,
     eventually,
     make_config,
+    running_gateway,
 )
 from tests.harness import recording_upstream as _recording_upstream
 
@@ -259,6 +260,51 @@ async def test_a_connection_error_of_the_gateways_own_is_still_a_500_problem(
         ) as resp:
             assert (resp.status, resp.headers["Sinkgate-Rejected"]) == (500, "internal_error")
     assert [e["event"] for e in logs if e.get("exc_info")] == ["unhandled_error"]
+
+
+async def test_bodies_still_arriving_are_held_within_max_body_buffer(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """Many slow bodies grew the gateway without bound (2000 connections each
+    announcing 1 MiB and stalling: 2.8 GB). Past `max_body_buffer` a body still to
+    arrive is refused at once, 503 overloaded with the connection closed; the
+    ones already taken finish, and their room is given back."""
+    config = make_config(
+        tmp_path,
+        destination("pay", upstream.url + "/api", max_body=1000),
+        max_body_buffer=1500,
+    )
+    async with running_gateway(config) as gw:
+        await gw.claim("job-1")
+        url = URL(gw.url)
+        budget = gw.app[WRITES].body_budget
+
+        async def started(key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(url.host, url.port)
+            writer.write(
+                b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\n"
+                + f"Fencing-Token: 1\r\nIdempotency-Key: {key}\r\n".encode()
+                + b"Content-Length: 1000\r\n\r\n"
+                + b"x" * 10
+            )
+            await writer.drain()
+            return reader, writer
+
+        first = await started("k-first")
+        await eventually(lambda: budget.used == 1000, what="the first body's room taken")
+        second = await started("k-second")  # 1000 more would pass 1500
+        refusal = await asyncio.wait_for(read_response(second[0]), 10)
+        assert status_of(refusal) == 503, refusal
+        assert b"Sinkgate-Rejected: overloaded" in refusal
+        assert b"Retry-After: 1" in refusal and b"Connection: close" in refusal
+        second[1].close()
+        first[1].write(b"x" * 990)  # the first body completes
+        answer = await asyncio.wait_for(read_response(first[0]), 10)
+        first[1].close()
+        assert status_of(answer) == 201, answer
+        assert budget.used == 0
+        assert await gw.store.key_record("pay", "k-second") is None
+        assert [r.headers["Idempotency-Key"] for r in upstream.received] == ["k-first"]
 
 
 @pytest.mark.parametrize("path", ["/to/pay/x", "/leases/job-1/claim"])
