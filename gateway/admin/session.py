@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -127,6 +128,17 @@ class SessionAuth:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         guarded = path == "/admin" or path.startswith("/admin/")
+        if guarded and self._token is None and not loopback_host(request.host):
+            # No token: the listener is on loopback only, and a page whose name a
+            # DNS rebinding points at 127.0.0.1 must not be served as if it were us.
+            log.warning("admin_host_refused", path=path, remote=request.remote)
+            return problem_response(
+                Rejection(
+                    Reason.UNAUTHORIZED,
+                    "without an admin token only a loopback host name is served",
+                    status=403,
+                )
+            )
         if guarded and cross_site(request):
             log.warning("admin_cross_site_refused", path=path, remote=request.remote)
             return problem_response(
@@ -146,3 +158,19 @@ class SessionAuth:
         )
         response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
         return response
+
+
+def loopback_host(host: str) -> bool:
+    """Whether a `Host` header names this machine's loopback: `localhost` (or a name
+    below it), a 127.0.0.0/8 address or `[::1]`, with any port."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    else:
+        name = name.rpartition(":")[0] if name.count(":") == 1 else name
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -456,6 +456,34 @@ async def test_without_a_token_admin_is_open(store, metrics, mixed):
 
 
 @pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("evil.example:8481", 403),  # a page whose name was rebound to 127.0.0.1
+        ("10.0.0.5:8481", 403),
+        ("127.0.0.1:8481", 200),
+        ("localhost:8481", 200),
+        ("[::1]:8481", 200),
+    ],
+)
+async def test_without_a_token_only_a_loopback_host_name_is_served(
+    store, metrics, mixed, host, status
+):
+    """DNS rebinding: a browser on this machine sends a hostile page's own name as
+    Host to the loopback listener; without a token nothing else would stop it (its
+    requests are same-origin to the browser)."""
+    async with TestClient(TestServer(create_admin_app(store, metrics, token=None))) as c:
+        response = await c.get("/admin/rejections", headers={"Host": host})
+        assert response.status == status
+        response = await c.post("/admin/reload", headers={"Host": host})
+        assert (response.status == 403) == (status == 403)
+    async with TestClient(TestServer(create_admin_app(store, metrics, token="t"))) as c:
+        response = await c.get(
+            "/admin/rejections", headers={"Host": host, "Authorization": "Bearer t"}
+        )
+        assert response.status == 200  # with a token the name does not matter
+
+
+@pytest.mark.parametrize(
     ("host", "token", "allowed"),
     [
         ("127.0.0.1", None, True),
