@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.admin.views import DECIMAL_ID
 from gateway.errors import Rejection
+from gateway.http.auth import authorization
 from gateway.http.problem import problem_response
 from leases.reasons import Reason
 
@@ -104,7 +105,7 @@ class SessionAuth:
     def authenticated(self, request: web.Request) -> bool:
         if self._token is None:
             return True
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, credentials = authorization(request.headers).partition(" ")
         if scheme.lower() == "bearer" and credentials.strip():
             return self.check_token(credentials.strip())
         return self._valid_session(request.cookies.get(SESSION_COOKIE, ""))

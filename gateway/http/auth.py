@@ -5,6 +5,15 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
+from multidict import CIMultiDictProxy
+
+
+def authorization(headers: CIMultiDictProxy[str]) -> str:
+    """The request's one `Authorization` value; "" when it has none or several
+    (RFC 9110 allows one: which of two a check reads must not matter)."""
+    values = headers.getall("Authorization", [])
+    return values[0] if len(values) == 1 else ""
+
 
 def bearer_matches(authorization: str, tokens: Iterable[str]) -> bool:
     """Whether `Authorization: Bearer <token>` names one of `tokens`.

@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
-from gateway.http.auth import bearer_matches
+from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
@@ -95,7 +95,7 @@ def lease_json(lease: Lease, now: float) -> dict[str, Any]:
 
 def _authorize(request: web.Request) -> None:
     tokens = request.app.get(LEASE_TOKENS)
-    if tokens and not bearer_matches(request.headers.get("Authorization", ""), tokens):
+    if tokens and not bearer_matches(authorization(request.headers), tokens):
         raise Rejection(
             Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
         )

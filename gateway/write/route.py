@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
-from gateway.http.auth import bearer_matches
+from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.store.protocol import WriteStore
@@ -173,7 +173,7 @@ class WriteGateway:
         tokens = destination.worker_tokens
         if tokens is None:
             return
-        if bearer_matches(request.headers.get("Authorization", ""), tokens):
+        if bearer_matches(authorization(request.headers), tokens):
             return
         rejection = Rejection(
             Reason.UNAUTHORIZED,

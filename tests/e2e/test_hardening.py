@@ -262,6 +262,27 @@ async def test_a_connection_error_of_the_gateways_own_is_still_a_500_problem(
     assert [e["event"] for e in logs if e.get("exc_info")] == ["unhandled_error"]
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        (b"Bearer " + WORKER_TOKEN.encode(), b"Bearer wrong"),
+        (b"Bearer wrong", b"Bearer " + WORKER_TOKEN.encode()),
+        (b"Bearer " + WORKER_TOKEN.encode(), b"Bearer " + WORKER_TOKEN.encode()),
+    ],
+    ids=["right-first", "right-second", "both-right"],
+)
+async def test_two_authorization_headers_are_refused_whichever_is_right(
+    gw: Gateway, upstream: RecordingUpstream, headers: tuple[bytes, bytes]
+) -> None:
+    """A request carries one Authorization (RFC 9110): the first of two was read, so
+    the answer hung on their order; two duplicate fencing headers are refused too."""
+    await gw.claim("job-1")
+    extra = b"".join(b"Authorization: " + value + b"\r\n" for value in headers)
+    response = await raw_request(gw, write_head("/to/secure/x", b"job-1", extra=extra))
+    assert_problem(response, 401, "unauthorized")
+    assert upstream.received == []
+
+
 async def test_bodies_still_arriving_are_held_within_max_body_buffer(
     tmp_path: Path, upstream: RecordingUpstream
 ) -> None:
