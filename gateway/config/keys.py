@@ -224,7 +224,9 @@ def methods(t: Table, name: str) -> frozenset[str]:
     if not given:
         raise t.error(name, "expected at least one method")
     for method in given:
-        if not _TOKEN.fullmatch(method) or method.upper() == "CONNECT":
+        # CONNECT asks for a tunnel; TRACE echoes the request back, with the
+        # secrets of [upstream_headers] the gateway added to it.
+        if not _TOKEN.fullmatch(method) or method.upper() in ("CONNECT", "TRACE"):
             raise t.error(name, f"not a method that can be forwarded: {show(method)}")
     return frozenset(m.upper() for m in given)
 

@@ -553,6 +553,14 @@ def test_the_connect_timeout_default_never_exceeds_a_shorter_timeout(
             'methods: not a method that can be forwarded: "PO ST"',
         ),
         (
+            UPSTREAM + 'methods = ["POST", "trace"]\n',  # echoes the added credentials
+            'methods: not a method that can be forwarded: "trace"',
+        ),
+        (
+            UPSTREAM + 'methods = ["CONNECT"]\n',
+            'methods: not a method that can be forwarded: "CONNECT"',
+        ),
+        (
             UPSTREAM + "retryable_statuses = [600]\n",
             "retryable_statuses: expected status codes 100..599, got 600",
         ),
