@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
@@ -104,6 +104,11 @@ class WriteGateway:
             unsendable = header_not_utf8(request.headers)
             if unsendable is not None:  # a malformed request, as the parser's refusals
                 raise invalid_request(f"the value of header {unsendable} is not UTF-8")
+            coding = request.headers.get(hdrs.TRANSFER_ENCODING)
+            if coding is not None and coding.strip().lower() != "chunked":
+                # RFC 9112 6.1: a transfer coding not understood is a 501. The
+                # body is read de-chunked only, and would go on still coded.
+                raise invalid_request("only the chunked transfer coding is understood", status=501)
             destination = self._destination(request, target)
             body = await self._read_body(request, destination, continued)
             body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log

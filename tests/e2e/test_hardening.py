@@ -262,6 +262,25 @@ async def test_a_connection_error_of_the_gateways_own_is_still_a_500_problem(
     assert [e["event"] for e in logs if e.get("exc_info")] == ["unhandled_error"]
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate, chunked"])
+async def test_a_transfer_coding_other_than_chunked_is_501(
+    gw: Gateway, upstream: RecordingUpstream, coding: bytes
+) -> None:
+    """Its body would reach the upstream still coded, with nothing saying so."""
+    await gw.claim("job-1")
+    body = b"2\r\n{}\r\n0\r\n\r\n"
+    request = (
+        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-te\r\n"
+        b"Transfer-Encoding: " + coding + b"\r\n\r\n" + body
+    )
+    response = await raw_request(gw, request)
+    assert status_of(response) == 501, response[:300]
+    assert b"Sinkgate-Rejected: invalid_request" in response
+    assert upstream.received == []
+    assert await gw.store.key_record("pay", "k-te") is None
+
+
 @pytest.mark.parametrize(
     "headers",
     [
