@@ -269,9 +269,15 @@ def _destinations(section: Table, base: Path, shown_dir: str) -> dict[str, Desti
         if "dir" in section.data:
             section.report("dir", f"no such directory {show(given)} next to this file")
         return {}
+    try:  # glob would read a directory it may not list as empty: no destinations
+        names = os.listdir(directory)
+    except OSError as exc:
+        section.report("dir", f"cannot read {show(given)}: {exc.strerror or exc}")
+        return {}
     destinations: dict[str, DestinationConfig] = {}
     # Dot files are skipped: editors leave lock files like `.#payments.toml`.
-    for path in sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".")):
+    files = (directory / n for n in names if n.endswith(".toml") and not n.startswith("."))
+    for path in sorted(files):
         display = os.path.join(shown_dir, _relative(path, base))
         destination = _destination(path, section.env, display, section.problems)
         if destination is not None:

@@ -4,11 +4,13 @@ name the file and the dotted key (SPEC 5)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from types import MappingProxyType
 
 import pytest
 
+from gateway.config import model
 from gateway.config.model import (
     Config,
     DestinationConfig,
@@ -496,6 +498,26 @@ def test_parse_upstream_refuses(text: str) -> None:
 def test_gateway_file_errors_name_file_and_key(tmp_path: Path, gateway: str, message: str) -> None:
     message = "gateway.toml: " + message
     assert config_error(write_config(tmp_path, gateway)).startswith(message)
+
+
+def test_a_destinations_dir_that_cannot_be_listed_is_an_error_not_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read as empty (glob hides the error), it made a reload remove every
+    destination. Listing is refused by mode bits for anyone but root, so the
+    refusal is what `os.listdir` raises for them."""
+    path = write_config(tmp_path, pay=UPSTREAM)
+    real = os.listdir
+
+    def refused(target: object) -> list[str]:
+        if Path(str(target)) == tmp_path / "destinations":
+            raise PermissionError(13, "Permission denied")
+        return real(target)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model.os, "listdir", refused)
+    assert config_error(path) == (
+        'gateway.toml: destinations.dir: cannot read "destinations": Permission denied'
+    )
 
 
 @pytest.mark.parametrize(("timeout", "expected"), [("1s", 1.0), ("1500ms", 1.5), ("10s", 2.0)])
