@@ -189,6 +189,10 @@ def store_url(t: Table, name: str) -> str:
         raise t.error(
             name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
         )
+    if url == "sqlite:///:memory:":
+        # Each connection would have a database of its own (the reads would find
+        # no tables), each process too, and nothing would outlive a restart.
+        raise t.error(name, "an in-memory SQLite database cannot be the store: name a file")
     return url
 
 

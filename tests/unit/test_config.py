@@ -207,7 +207,6 @@ dir = "dests"
         ("sqlite:///data/x.db", "sqlite:///{dir}/data/x.db"),
         ("sqlite:///../x.db", "sqlite:///{parent}/x.db"),
         ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
-        ("sqlite:///:memory:", "sqlite:///:memory:"),
         ("postgres://h/db", "postgres://h/db"),
         # the forms asyncpg takes pass the port check: several hosts, IPv6, a socket
         ("postgresql://u@h1:5432,h2:5433/db", "postgresql://u@h1:5432,h2:5433/db"),
@@ -451,6 +450,10 @@ def test_parse_upstream_refuses(text: str) -> None:
         (
             '[store]\nurl = "sqlite://x.db"\n',
             "store.url: expected sqlite:///relative/path",
+        ),
+        (  # every connection its own empty database: reads found no tables
+            '[store]\nurl = "sqlite:///:memory:"\n',
+            "store.url: an in-memory SQLite database cannot be the store: name a file",
         ),
         (  # a bare path: not echoed (lower-cased, as a scheme it was)
             '[store]\nurl = "/Var/Lib/Sinkgate.db"\n',
