@@ -406,10 +406,12 @@ def _replay(decision: Replay) -> web.Response:
 
 @functools.lru_cache(maxsize=256)
 def _stored_names(replay_headers: tuple[str, ...], body_kept: bool) -> frozenset[str]:
-    """The answer headers kept for replays: `replay_headers`, and with a stored
-    body always its `Content-Encoding`, without which a gzip body cannot be read
-    (an omitted body is replayed empty, so without it)."""
-    names = frozenset(name.lower() for name in replay_headers)
+    """The answer headers kept for replays: `replay_headers`, always the
+    `Content-Type` (SPEC 2: a replay has the answer's content type, whatever the
+    destination lists), and with a stored body its `Content-Encoding`, without
+    which a gzip body cannot be read (an omitted body is replayed empty, so
+    without it)."""
+    names = frozenset(name.lower() for name in replay_headers) | {"content-type"}
     return (names | {"content-encoding"}) if body_kept else (names - {"content-encoding"})
 
 

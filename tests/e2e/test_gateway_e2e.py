@@ -1054,3 +1054,22 @@ async def test_an_upstream_switching_protocols_unasked_is_502_and_unknown(
             assert_rejected(first, 502, "upstream_disconnected")
             again = await asyncio.wait_for(gw.write("/to/pay/x", key="up-1"), 10)
             assert_rejected(again, 409, "outcome_unknown")
+
+
+async def test_a_replay_keeps_the_content_type_whatever_replay_headers_lists(
+    tmp_path: Path,
+) -> None:
+    """SPEC 2 step 7: a replay has the same status, body and content type. A
+    destination listing other headers only was replayed as octet-stream."""
+    answer = (
+        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nX-Up: 1\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+    )
+    async with canned_upstream(answer) as url:
+        config = make_config(tmp_path, destination("pay", f"{url}/api", replay_headers=("X-Up",)))
+        async with running_gateway(config) as gw:
+            await gw.claim("job-1")
+            first = await gw.write("/to/pay/x", key="ct-1")
+            again = await gw.write("/to/pay/x", key="ct-1")
+    assert first[1]["Content-Type"] == again[1]["Content-Type"] == "application/json"
+    assert again[1]["Idempotent-Replayed"] == "true" and again[1]["X-Up"] == "1"
