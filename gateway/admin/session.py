@@ -13,6 +13,7 @@ import hmac
 import ipaddress
 import re
 import secrets
+import socket
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -161,16 +162,20 @@ class SessionAuth:
         return response
 
 
+_HOSTNAME = socket.gethostname().lower()
+
+
 def loopback_host(host: str) -> bool:
     """Whether a `Host` header names this machine's loopback: `localhost` (or a name
-    below it), a 127.0.0.0/8 address or `[::1]`, with any port."""
+    below it), the machine's own name, a 127.0.0.0/8 address or `[::1]`, with any
+    port. Not a name resolved: a rebound name resolves to loopback too."""
     name = host.strip().lower()
     if name.startswith("["):
         name = name[1:].partition("]")[0]
     else:
         name = name.rpartition(":")[0] if name.count(":") == 1 else name
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
+    if name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
+        return True  # the machine's own name: its /etc/hosts points it at loopback
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
