@@ -19,7 +19,7 @@ from aiohttp import hdrs, web
 from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
 from gateway.config.tls import server_context
-from gateway.errors import GatewayError, Rejection
+from gateway.errors import ConfigError, GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
 from gateway.http.openapi import add_openapi_route
@@ -238,6 +238,10 @@ async def serve(
         **SERVER_LIMITS,
     )
     await runner.setup()
+    if slot is not None and slot.reload_at_start:
+        # Started again after the others reloaded: the files as they applied them.
+        with contextlib.suppress(ConfigError):  # logged; the start-up config stays
+            await app[RELOADER].reload("restart")
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
     try:

@@ -16,7 +16,8 @@ signals it handles and takes them one at a time with `sigtimedwait`.
 - SIGUSR1 from a worker: that worker applied `POST /admin/reload`; the parent
   sends SIGHUP to every other one.
 - SIGCHLD: a worker that died is logged (exit code or signal) and started
-  again; one that dies within `STEADY_S` of its start waits before the next
+  again (after a reload, it reloads the files before it serves, as the others
+  did); one that dies within `STEADY_S` of its start waits before the next
   try, twice as long each time up to `BACKOFF_MAX_S`, so a broken store or
   config does not spin.
 
@@ -57,6 +58,9 @@ class Slot:
     listen: tuple[str, int]
     admin_listen: tuple[str, int]
     ready_fd: int | None = None
+    # Started again after the others reloaded: it reloads too before it serves,
+    # or it would serve the config the parent started with.
+    reload_at_start: bool = False
 
     def ready(self, info: object = None) -> None:
         """The `started` callback of `serve` (called once): tells the parent."""
@@ -128,6 +132,7 @@ class Supervisor:
     due: dict[int, tuple[float, int]] = field(default_factory=dict)  # index -> (when, failures)
     stopping: bool = False
     failed_stop: bool = False
+    reloaded: bool = False  # a reload was passed on since the start
 
     def main(self) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
@@ -169,7 +174,8 @@ class Supervisor:
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(parent, Slot(index, self.listen, self.admin_listen, ready_fd), self.run)
+            slot = Slot(index, self.listen, self.admin_listen, ready_fd, self.reloaded)
+            _child(parent, slot, self.run)
         if ready_fd is not None:
             os.close(ready_fd)
         self.workers[pid] = _Worker(index, self.clock(), failures)
@@ -185,8 +191,10 @@ class Supervisor:
             self.due.clear()
             self._send(signum)
         elif signum == signal.SIGHUP:
+            self.reloaded = True
             self._send(signal.SIGHUP)
         elif signum == RELOAD_ALL and info.si_pid in self.workers:
+            self.reloaded = True
             self._send(signal.SIGHUP, but=info.si_pid)
 
     def _send(self, signum: int, *, but: int | None = None) -> None:

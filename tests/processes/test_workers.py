@@ -108,7 +108,7 @@ class Pinned:
     async def request(
         self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None
     ) -> Answer:
-        lines = [f"{method} {path} HTTP/1.1", "Host: gateway", f"Content-Length: {len(body)}"]
+        lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
         self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
         status_line = await self.reader.readline()
@@ -327,6 +327,24 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: G
     applied = await eventually(lambda: (e := gw.events("reload_applied")) and len(e) == 2 and e)
     assert sorted(e["trigger"] for e in applied) == ["admin", "sighup"]
     assert await routable_everywhere(pinned, "payouts")
+
+
+async def test_a_worker_restarted_after_a_reload_serves_the_reloaded_files(
+    sqlite_gateway: Gateway,
+) -> None:
+    """It was started with the config the parent started with: a destination the
+    others had taken on by a reload was unknown to it."""
+    gw = sqlite_gateway
+    await add_destination(gw, "refunds")
+    gw.process.send_signal(signal.SIGHUP)
+    await eventually(lambda: len(gw.events("reload_applied")) == 2, within=10)
+    a, b = await gw.pin_each()
+    os.kill(a.pid, signal.SIGKILL)
+    restarted = await eventually(lambda: gw.events("worker_restarted"), within=30)
+    fresh = await gw.pin(restarted[0]["pid"])
+    assert await routable_everywhere([fresh, await gw.pin(b.pid)], "refunds")
+    (applied,) = [e for e in gw.events("reload_applied") if e["trigger"] == "restart"]
+    assert applied["added"] == ["refunds"]
 
 
 async def test_sigterm_drains_every_worker_and_exits_0(sqlite_gateway: Gateway) -> None:
