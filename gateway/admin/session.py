@@ -133,22 +133,16 @@ class SessionAuth:
         if guarded and self._token is None and not loopback_host(request.host):
             # No token: the listener is on loopback only, and a page whose name a
             # DNS rebinding points at 127.0.0.1 must not be served as if it were us.
-            log.warning("admin_host_refused", path=path, remote=request.remote)
-            return problem_response(
-                Rejection(
-                    Reason.UNAUTHORIZED,
-                    "without an admin token only a loopback host name is served",
-                    status=403,
-                )
+            return _forbidden(
+                "admin_host_refused",
+                request,
+                "without an admin token only a loopback host name is served",
             )
         if guarded and cross_site(request):
-            log.warning("admin_cross_site_refused", path=path, remote=request.remote)
-            return problem_response(
-                Rejection(
-                    Reason.UNAUTHORIZED,
-                    "a browser request from another site may not change anything here",
-                    status=403,
-                )
+            return _forbidden(
+                "admin_cross_site_refused",
+                request,
+                "a browser request from another site may not change anything here",
             )
         if not guarded or path == "/admin/login" or self.authenticated(request):
             return await handler(request)
@@ -160,6 +154,11 @@ class SessionAuth:
         )
         response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
         return response
+
+
+def _forbidden(event: str, request: web.Request, detail: str) -> web.Response:
+    log.warning(event, path=request.path, remote=request.remote)
+    return problem_response(Rejection(Reason.UNAUTHORIZED, detail, status=403))
 
 
 _HOSTNAME = socket.gethostname().lower()
