@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import re
 import secrets
 import socket
@@ -20,6 +19,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.views import DECIMAL_ID
+from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
 from gateway.http.auth import authorization
 from gateway.http.problem import problem_response
@@ -173,9 +173,6 @@ def loopback_host(host: str) -> bool:
         name = name[1:].partition("]")[0]
     else:
         name = name.rpartition(":")[0] if name.count(":") == 1 else name
-    if name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
+    if name.endswith(".localhost") or name == _HOSTNAME:
         return True  # the machine's own name: its /etc/hosts points it at loopback
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(name)
