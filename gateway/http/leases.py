@@ -182,9 +182,9 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
         try:
             lease = await verb(store, job_id, body)
         finally:
-            request.app[METRICS].store_latency.labels(op=f"lease_{op}").observe(
-                time.perf_counter() - started
-            )
+            elapsed = time.perf_counter() - started
+            request.app[METRICS].store_latency.labels(op=f"lease_{op}").observe(elapsed)
+            facts["store_ms"] = round(elapsed * 1000, 3)
     except (Rejection, ValueError, LeaseHeld, JobCompleted, LeaseLost, StoreUnavailable) as exc:
         if isinstance(exc, StoreUnavailable):
             request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
@@ -252,6 +252,9 @@ def _finish(
         "key": None,
         "decision": "ok" if ok else "rejected",
         "reason": None if ok else result,
+        # how long the store took (null: refused before the store was asked), as a
+        # write's line has it: a store slowing down shows here before it fails
+        "store_ms": facts.get("store_ms"),
     }
     if traces.TRACER is not None:
         traces.annotate_lease(fields)

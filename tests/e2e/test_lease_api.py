@@ -530,6 +530,12 @@ async def test_one_log_line_per_lease_decision(api: Api) -> None:
         ("rejected", "lease_held"),
         ("rejected", "unknown_generation"),
     ]
+    # The store's time on every call that reached it; none on one refused before.
+    assert all(isinstance(e["store_ms"], float) and e["store_ms"] >= 0 for e in decisions)
+    with capture_logs() as logs:
+        await api.post("j", "claim", {"owner": "b", "ttl": "x"})
+    (refused,) = [e for e in logs if e["event"] == "lease_decision"]
+    assert refused["reason"] == "invalid_request" and refused["store_ms"] is None
 
 
 async def test_lease_ops_are_counted_by_op_and_result(
