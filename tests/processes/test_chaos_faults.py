@@ -21,6 +21,7 @@ from gateway.tools.chaos import faults, proxy
 from gateway.tools.chaos import run as chaos
 from gateway.tools.chaos.processes import GatewayProcess
 from gateway.tools.chaos.records import check_records
+from gateway.tools.chaos.worker import LeaseBackoff
 from tests.harness import run_chaos
 from tests.pg import PG_ADMIN_URL, fresh_database, pg_skip_reason, skip_or_fail
 
@@ -301,3 +302,12 @@ async def _drop_database(url: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+def test_a_worker_backs_off_after_failed_lease_calls_and_starts_over_when_answered() -> None:
+    backoff = LeaseBackoff(random.Random(3))
+    waits = [backoff.failed() for _ in range(7)]
+    caps = [0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0]
+    assert all(cap * 0.5 <= wait <= cap for wait, cap in zip(waits, caps, strict=True))
+    backoff.answered()
+    assert backoff.failed() <= 0.2

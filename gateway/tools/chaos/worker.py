@@ -54,13 +54,36 @@ async def run_worker(ctx: RunContext, index: int) -> None:
     clock = SkewedClock(rate)
     store = WorkerLeaseStore(ctx.lease_stores, start=index)
     owner = f"chaos-worker-{index:02d}"
+    backoff = LeaseBackoff(rng)
     loop = asyncio.get_running_loop()
     while loop.time() < ctx.deadline:
         pending = ctx.pending()
         if not pending:
             return
         job = rng.choice(pending)
-        await _one_job(ctx, rng, store, clock, owner, job, index)
+        await _one_job(ctx, rng, store, clock, owner, job, index, backoff)
+
+
+class LeaseBackoff:
+    """How long a worker waits after its lease calls fail: doubling from 0.2 s up
+    to 2 s, with jitter, and back to the start once a claim is answered. Without
+    it, the workers idle at the tail of a run retry a faulted store several times
+    a second each, and their abandoned calls keep its connections busy."""
+
+    FIRST_S = 0.2
+    MOST_S = 2.0
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._failures = 0
+
+    def answered(self) -> None:
+        self._failures = 0
+
+    def failed(self) -> float:
+        wait: float = min(self.MOST_S, self.FIRST_S * 2.0**self._failures)
+        self._failures += 1
+        return wait * self._rng.uniform(0.5, 1.0)
 
 
 async def _one_job(
@@ -71,18 +94,23 @@ async def _one_job(
     owner: str,
     job: str,
     index: int,
+    backoff: LeaseBackoff,
 ) -> None:
     tally = ctx.tally
     freeze = _freeze_plan(ctx, rng)
     lease: Lease | None = None
     try:
         async with hold(store, job, owner, ctx.ttl, on_exit="complete", monotonic=clock) as lease:
+            backoff.answered()
             await _work_job(ctx, rng, store, lease, freeze, index)
         tally.completions.setdefault(job, []).append(lease.generation)
         ctx.done.add(job)
-    except LeaseHeld:
+    except LeaseHeld as exc:
+        # Try again about when the holder's lease could run out, as a worker
+        # reading the answer's `expires_in` would (not sooner than 0.2 s).
+        backoff.answered()
         tally.claim_conflicts += 1
-        await asyncio.sleep(rng.uniform(0.2, 0.5))
+        await asyncio.sleep(min(max(exc.expires_in, 0.2), ctx.ttl) * rng.uniform(1.0, 1.5))
     except JobCompleted:
         tally.claims_of_completed += 1
         ctx.done.add(job)
@@ -99,7 +127,7 @@ async def _one_job(
     except StoreUnavailable:
         tally.lease_calls_failed += 1
         await _confirm_completion(ctx, store, lease)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(backoff.failed())
     except GatewayRejected as exc:
         tally.unexpected.append(f"{job}: {exc!r}")
     finally:
