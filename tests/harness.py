@@ -12,7 +12,6 @@ import inspect
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +32,7 @@ from gateway.http.server import GatewayRunner
 from gateway.store.postgres import PostgresStore
 from gateway.store.protocol import Store
 from gateway.store.sqlite import SQLiteStore
+from gateway.tools.chaos.processes import free_port
 from gateway.write.decision import Fencing
 
 
@@ -218,12 +218,6 @@ async def wait_until_ok(
             pass
         await asyncio.sleep(0.05)
     pytest.fail(f"{url} did not answer 200 within {within:g} s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def destination(name: str, upstream: str, **overrides: Any) -> DestinationConfig:

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -49,8 +50,37 @@ class ProcessFailed(Exception):
     """A chaos process did not start or did not become healthy."""
 
 
+# Where the kernel picks the local ports of outgoing connections (Linux's default
+# where the setting cannot be read).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_EPHEMERAL_LOW_DEFAULT = 32768
+_BELOW_EPHEMERAL = 16384  # how many ports under that range free_port draws from
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW_DEFAULT
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, for a process that binds it a moment later (and
+    again after each restart). Drawn below the ephemeral range: a port the kernel
+    hands out (`bind(0)`) is one it may give next to any outgoing connection (the
+    store's, a proxy's, a worker's), which then takes it before the gateway binds."""
+    low = ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - _BELOW_EPHEMERAL), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # the range below is full: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
