@@ -22,6 +22,16 @@ PgBouncer 1.21+ configured with `max_prepared_statements`; behind an older
 PgBouncer open the store with `statement_cache_size=0`, which makes asyncpg
 re-parse every statement instead of relying on named prepared statements.
 
+Bounds: an operation waits at most `acquire_timeout` seconds for a pooled
+connection and each of its statements at most `statement_timeout` seconds for
+its answer (asyncpg's `command_timeout`), both 10 s by default; past either it
+fails with `StoreUnavailable`, as when the server is down. A connection whose
+statement timed out (a server host gone, a firewall dropping the connection's
+state: no reset ever arrives) is closed, not put back in the pool, where the
+next operation would wait on it again; its transaction is left to the server to
+roll back. The schema is created and migrated on a connection of its own without
+a statement bound: a migration of a large table may take longer.
+
 Durability: every write transaction raises `synchronous_commit` to `on` when the
 server or role has it `off` (and leaves stronger settings such as
 `remote_apply` alone), so a lease change is flushed to the WAL before the call
@@ -31,8 +41,8 @@ returns, whatever the server's configuration.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -46,6 +56,10 @@ T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
 
 LEASES_SCHEMA_VERSION = 1
+# How long an operation waits for a pooled connection, and each of its statements
+# for the answer, before the store counts as unavailable (see the module doc).
+ACQUIRE_TIMEOUT_S = 10.0
+STATEMENT_TIMEOUT_S = 10.0
 # "sinkgate" in ASCII: the one advisory lock every sinkgate component takes
 # around its DDL, so that processes starting at once against an empty database
 # do not race each other's CREATE TABLE IF NOT EXISTS (which is not atomic).
@@ -100,6 +114,8 @@ def driver_errors(what: str) -> Iterator[None]:
         yield
     except asyncpg.ClientConfigurationError:
         raise
+    except TimeoutError as exc:  # a pooled connection, or a statement's answer
+        raise StoreUnavailable(f"{what}: PostgreSQL did not answer in time") from exc
     except (
         asyncpg.PostgresError,
         asyncpg.InterfaceError,
@@ -110,6 +126,50 @@ def driver_errors(what: str) -> Iterator[None]:
         OSError,
     ) as exc:
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+@asynccontextmanager
+async def connection(pool: Any, wait: float | None) -> AsyncIterator[Conn]:
+    """A pooled connection for one operation, waited for at most `wait` seconds
+    (None: as long as it takes). One whose statement timed out is closed rather
+    than put back (see the module doc)."""
+    async with pool.acquire(timeout=wait) as conn:
+        try:
+            yield conn
+        except TimeoutError:
+            conn.terminate()
+            raise
+
+
+@asynccontextmanager
+async def transaction(pool: Any, wait: float | None, **options: Any) -> AsyncIterator[Conn]:
+    """`connection` in one transaction (`options` as asyncpg's `transaction`).
+    After a timeout no ROLLBACK is sent, as it would wait on the same silent
+    connection: `connection` closes it, which ends the transaction on the server."""
+    async with connection(pool, wait) as conn:
+        tx = conn.transaction(**options)
+        await tx.start()
+        try:
+            yield conn
+        except TimeoutError:
+            raise
+        except BaseException:
+            if not conn.is_closed():  # a connection lost ended its transaction already
+                await tx.rollback()
+            raise
+        await tx.commit()
+
+
+@asynccontextmanager
+async def schema_connection(url: str, connect_timeout: float) -> AsyncIterator[Conn]:
+    """A connection of its own, without a statement bound, to create and migrate
+    the schema on: DDL may wait for another process's migration (the schema lock)
+    and a migration of a large table may take longer than `STATEMENT_TIMEOUT_S`."""
+    conn = await asyncpg.connect(url, timeout=connect_timeout, statement_cache_size=0)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 async def db_now(conn: Conn, clock_offset: float) -> float:
@@ -265,6 +325,7 @@ class PostgresLeaseStore(Closing):
 
     def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
         self._pool = pool
+        self._wait: float | None = ACQUIRE_TIMEOUT_S  # for a pooled connection (open's)
         self._closed = False
         self.clock_offset = clock_offset
 
@@ -278,11 +339,20 @@ class PostgresLeaseStore(Closing):
         max_size: int = 10,
         statement_cache_size: int = 100,
         connect_timeout: float = 10.0,
+        acquire_timeout: float | None = ACQUIRE_TIMEOUT_S,
+        statement_timeout: float | None = STATEMENT_TIMEOUT_S,
     ) -> PostgresLeaseStore:
-        """Open a pool on `url` (postgresql://...) and create or check the schema."""
+        """Open a pool on `url` (postgresql://...) and create or check the schema.
+        `acquire_timeout` and `statement_timeout` bound each operation (None: no
+        bound); see the module doc."""
         _validate_open(url, clock_offset, min_size, max_size, statement_cache_size)
-        if not _is_number(connect_timeout) or not 0 < connect_timeout < math.inf:
-            raise ValueError("connect_timeout must be a positive number of seconds")
+        _validate_seconds("connect_timeout", connect_timeout)
+        for name, bound in (
+            ("acquire_timeout", acquire_timeout),
+            ("statement_timeout", statement_timeout),
+        ):
+            if bound is not None:
+                _validate_seconds(name, bound)
         with driver_errors("cannot open the PostgreSQL lease store"):
             pool = await asyncpg.create_pool(
                 url,
@@ -290,12 +360,14 @@ class PostgresLeaseStore(Closing):
                 max_size=max_size,
                 statement_cache_size=statement_cache_size,
                 timeout=connect_timeout,
+                command_timeout=statement_timeout,
                 reset=_no_reset,
             )
         store = cls(pool, clock_offset=float(clock_offset))
+        store._wait = acquire_timeout
         try:
             with driver_errors("cannot create the PostgreSQL lease schema"):
-                async with pool.acquire() as conn:
+                async with schema_connection(url, connect_timeout) as conn:
                     await ensure_schema(conn)
         except BaseException:
             await store.close()
@@ -314,7 +386,7 @@ class PostgresLeaseStore(Closing):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL lease read failed"):
-            async with self._pool.acquire() as conn:
+            async with connection(self._pool, self._wait) as conn:
                 record = await conn.fetchrow(_GET_SQL, job_id, offset)
         if record["job_id"] is None:
             return None
@@ -336,7 +408,7 @@ class PostgresLeaseStore(Closing):
         """Run `fn` in one durable READ COMMITTED transaction on a pooled connection."""
         self._check_open()
         with driver_errors("PostgreSQL lease write failed"):
-            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+            async with transaction(self._pool, self._wait, isolation="read_committed") as conn:
                 await require_durable_commit(conn)
                 return await fn(conn)
 
@@ -349,6 +421,11 @@ class PostgresLeaseStore(Closing):
         if not _is_number(offset) or not math.isfinite(offset):
             raise ValueError("clock_offset must be a finite number of seconds")
         return float(offset)
+
+
+def _validate_seconds(name: str, value: object) -> None:
+    if not _is_number(value) or not 0 < value < math.inf:  # type: ignore[operator]
+        raise ValueError(f"{name} must be a positive number of seconds")
 
 
 def _is_number(value: object) -> bool:

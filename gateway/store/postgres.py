@@ -52,11 +52,16 @@ from gateway.store.records import (
 from gateway.write.decision import WriteFacts
 from leases.errors import StoreUnavailable
 from leases.postgres import (
+    ACQUIRE_TIMEOUT_S,
+    STATEMENT_TIMEOUT_S,
     Conn,
     PostgresLeaseStore,
+    connection,
     db_now,
     driver_errors,
     require_durable_commit,
+    schema_connection,
+    transaction,
 )
 
 T = TypeVar("T")
@@ -108,8 +113,11 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         max_size: int = 10,
         statement_cache_size: int = 100,
         connect_timeout: float = 10.0,
+        acquire_timeout: float | None = ACQUIRE_TIMEOUT_S,
+        statement_timeout: float | None = STATEMENT_TIMEOUT_S,
     ) -> PostgresStore:
-        """Open a pool on `url`, create or check the lease and gateway schema."""
+        """Open a pool on `url`, create or check the lease and gateway schema;
+        the timeouts as `PostgresLeaseStore.open`'s."""
         store = cast(
             PostgresStore,
             await super().open(
@@ -119,11 +127,13 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 max_size=max_size,
                 statement_cache_size=statement_cache_size,
                 connect_timeout=connect_timeout,
+                acquire_timeout=acquire_timeout,
+                statement_timeout=statement_timeout,
             ),
         )
         try:
             with driver_errors("cannot create the PostgreSQL gateway schema"):
-                async with store._pool.acquire() as conn:
+                async with schema_connection(url, connect_timeout) as conn:
                     await init_schema(conn)
                     before = time.time()
                     server = await db_now(conn, 0.0)
@@ -168,7 +178,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL write decision failed"):
-            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+            async with transaction(self._pool, self._wait, isolation="read_committed") as conn:
                 answers, now = await decide_batch(conn, batch, offset)
         self._observed(now, offset)
         return list(answers)
@@ -180,7 +190,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL gateway write failed"):
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with transaction(self._pool, self._wait) as conn:
                 await conn.execute(CUSTOM_PLANS_SQL)
                 return list(await record_outcomes(conn, batch, offset))
 
@@ -214,7 +224,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         """`fn(conn)` in one durable READ COMMITTED transaction (as the lease verbs)."""
         self._check_open()
         with driver_errors("PostgreSQL gateway write failed"):
-            async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
+            async with transaction(self._pool, self._wait, isolation="read_committed") as conn:
                 await require_durable_commit(conn)
                 return await fn(conn)
 
@@ -222,10 +232,9 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         """Run `fn` in one read-only REPEATABLE READ transaction: a consistent view."""
         self._check_open()
         with driver_errors("PostgreSQL read failed"):
-            async with (
-                self._pool.acquire() as conn,
-                conn.transaction(isolation="repeatable_read", readonly=True),
-            ):
+            async with transaction(
+                self._pool, self._wait, isolation="repeatable_read", readonly=True
+            ) as conn:
                 return await fn(conn)
 
     async def ping(self) -> None:
@@ -234,7 +243,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     async def _read(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         self._check_open()
         with driver_errors("PostgreSQL read failed"):
-            async with self._pool.acquire() as conn:
+            async with connection(self._pool, self._wait) as conn:
                 return await fn(conn)
 
 
