@@ -13,10 +13,13 @@ names the server (an admin URL allowed to CREATE and DROP DATABASE).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
@@ -100,3 +103,76 @@ def _redacted(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --- a connection that goes silent ----------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Link:
+    client: asyncio.StreamWriter  # towards the store
+    server: asyncio.StreamWriter  # towards PostgreSQL
+    frozen: bool = False
+    closed_by_client: bool = False
+
+
+class FreezingRelay:
+    """A TCP relay to the PostgreSQL server whose open connections can be frozen."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._server: asyncio.Server | None = None
+        self._links: list[_Link] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def freeze(self) -> None:
+        """Nothing more crosses the connections open now; they stay open."""
+        for link in self._links:
+            link.frozen = link.frozen or not link.closed_by_client
+
+    @property
+    def frozen_closed_by_client(self) -> int:
+        """Frozen connections whose client (the store) has closed its end."""
+        return sum(1 for link in self._links if link.frozen and link.closed_by_client)
+
+    async def stop(self) -> None:
+        """Reset every connection and stop listening."""
+        if self._server is not None:
+            self._server.close()
+        for link in self._links:
+            link.client.transport.abort()
+            link.server.transport.abort()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        link = _Link(writer, up_writer)
+        self._links.append(link)
+        for source, sink, from_client in ((reader, up_writer, True), (up_reader, writer, False)):
+            task = asyncio.create_task(self._pump(link, source, sink, from_client))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self,
+        link: _Link,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        from_client: bool,
+    ) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while chunk := await source.read(65536):
+                if link.frozen:
+                    continue  # swallowed: never passed on
+                sink.write(chunk)
+                await sink.drain()
+        if from_client:
+            link.closed_by_client = True
+        if not link.frozen:
+            link.client.close()
+            link.server.close()

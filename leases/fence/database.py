@@ -81,8 +81,16 @@ class FenceDatabase:
     async def _open_postgres(self) -> Any:
         import asyncpg  # type: ignore[import-untyped]
 
+        from ..postgres import STATEMENT_TIMEOUT_S
+
+        # Each statement bounded as in the lease store: a silent connection fails
+        # the check (503) instead of holding the request for minutes.
         pool = await asyncpg.create_pool(
-            self.url, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT_S
+            self.url,
+            min_size=1,
+            max_size=4,
+            timeout=CONNECT_TIMEOUT_S,
+            command_timeout=STATEMENT_TIMEOUT_S,
         )
         try:
             async with pool.acquire() as conn:
@@ -106,7 +114,9 @@ class FenceDatabase:
                     raise
                 await conn.execute_fetchall("COMMIT")
             return
-        async with conn.acquire() as pg, pg.transaction():
+        from ..postgres import ACQUIRE_TIMEOUT_S, transaction
+
+        async with transaction(conn, ACQUIRE_TIMEOUT_S) as pg:
             await self.fence.check(pg, job_id, token)
 
     async def close(self) -> None:

@@ -5,100 +5,32 @@ sends no reset: without a bound, a statement waits for its answer until TCP
 gives up (many minutes), and every caller queued for the pool waits behind it.
 Each test puts a relay between the store and the server that can freeze the
 connections open at that moment (they stay open, nothing more crosses them),
-while new connections pass as usual. The last test is the protection switched
-off: the same silence, no bound, and the call is still waiting.
+while new connections pass as usual. `test_without_the_bounds_the_same_silence_hangs`
+is the protection switched off: the same silence, no bound, and the call is
+still waiting (the fence's test shows it too, when its bound is taken out).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+import leases.postgres as leases_postgres
 from gateway.store.postgres import PostgresStore
 from leases.errors import StoreUnavailable
+from leases.fence import Fence, StaleToken
+from leases.fence.database import FenceDatabase
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
 from tests.harness import eventually
-from tests.pg import fresh_database
+from tests.pg import FreezingRelay, fresh_database
 
 pytestmark = pytest.mark.postgres
 
 BOUND_S = 0.5  # the store's bounds in these tests
 HANG_CHECK_S = 10.0  # a call still waiting this long counts as hung
-
-
-@dataclass(eq=False)
-class _Link:
-    client: asyncio.StreamWriter  # towards the store
-    server: asyncio.StreamWriter  # towards PostgreSQL
-    frozen: bool = False
-    closed_by_client: bool = False
-
-
-class FreezingRelay:
-    """A TCP relay to the PostgreSQL server whose open connections can be frozen."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._server: asyncio.Server | None = None
-        self._links: list[_Link] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    def freeze(self) -> None:
-        """Nothing more crosses the connections open now; they stay open."""
-        for link in self._links:
-            link.frozen = link.frozen or not link.closed_by_client
-
-    @property
-    def frozen_closed_by_client(self) -> int:
-        """Frozen connections whose client (the store) has closed its end."""
-        return sum(1 for link in self._links if link.frozen and link.closed_by_client)
-
-    async def stop(self) -> None:
-        """Reset every connection and stop listening."""
-        if self._server is not None:
-            self._server.close()
-        for link in self._links:
-            link.client.transport.abort()
-            link.server.transport.abort()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self._target)
-        link = _Link(writer, up_writer)
-        self._links.append(link)
-        for source, sink, from_client in ((reader, up_writer, True), (up_reader, writer, False)):
-            task = asyncio.create_task(self._pump(link, source, sink, from_client))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _pump(
-        self,
-        link: _Link,
-        source: asyncio.StreamReader,
-        sink: asyncio.StreamWriter,
-        from_client: bool,
-    ) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while chunk := await source.read(65536):
-                if link.frozen:
-                    continue  # swallowed: never passed on
-                sink.write(chunk)
-                await sink.drain()
-        if from_client:
-            link.closed_by_client = True
-        if not link.frozen:
-            link.client.close()
-            link.server.close()
 
 
 @pytest.fixture
@@ -131,7 +63,8 @@ async def test_a_silent_connection_fails_the_call_and_is_not_used_again(
         relay.freeze()
         with pytest.raises(StoreUnavailable, match="did not answer in time"):
             await asyncio.wait_for(store.claim("job-b", owner="w", ttl=30), HANG_CHECK_S)
-        # closed, not put back in the pool
+        # Closed, not put back in the pool (asyncpg would close it too, but only
+        # after a ROLLBACK on it had timed out in turn: a second wait).
         await eventually(lambda: relay.frozen_closed_by_client == 1, what="the connection closed")
         # The next calls get a new connection: the store works on.
         lease = await asyncio.wait_for(store.claim("job-b", owner="w", ttl=30), HANG_CHECK_S)
@@ -139,6 +72,7 @@ async def test_a_silent_connection_fails_the_call_and_is_not_used_again(
         verdict = await asyncio.wait_for(store.decide_write(write(), CONTEXT), HANG_CHECK_S)
         assert verdict.attempt is not None
     finally:
+        await relay.stop()  # a silent connection left would hold up close()
         await store.close()
 
 
@@ -164,6 +98,7 @@ async def test_a_write_decision_and_its_outcome_are_bounded_too(
             await asyncio.wait_for(store.decide_write(write(key="key-3"), CONTEXT), HANG_CHECK_S)
         await eventually(lambda: relay.frozen_closed_by_client == 2, what="both closed")
     finally:
+        await relay.stop()  # a silent connection left would hold up close()
         await store.close()
 
 
@@ -186,6 +121,7 @@ async def test_a_wait_for_a_pooled_connection_is_bounded(
         with pytest.raises(StoreUnavailable):
             await stuck
     finally:
+        await relay.stop()  # a silent connection left would hold up close()
         await store.close()
 
 
@@ -205,5 +141,29 @@ async def test_without_the_bounds_the_same_silence_hangs(
         with pytest.raises(StoreUnavailable):
             await call
     finally:
+        await relay.stop()  # a silent connection left would hold up close()
         await store.close()
 
+
+async def test_the_fence_of_the_middlewares_is_bounded_too(
+    relayed: tuple[str, FreezingRelay], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`leases.fence.aiohttp_middleware`'s database: a silent connection fails the
+    check as an unreachable database (the middleware's 503), and the next check
+    runs on a new connection."""
+    monkeypatch.setattr(leases_postgres, "STATEMENT_TIMEOUT_S", BOUND_S)
+    url, relay = relayed
+    database = FenceDatabase(Fence(), url)
+    try:
+        await database.check("job-1", 2)
+        relay.freeze()
+        call = asyncio.create_task(database.check("job-1", 3))
+        done, _ = await asyncio.wait({call}, timeout=HANG_CHECK_S)
+        assert done, "the check still waits on the silent connection"
+        assert isinstance(call.exception(), TimeoutError)  # the middleware's 503
+        await database.check("job-1", 3)  # a new connection: the fence works on
+        with pytest.raises(StaleToken):
+            await database.check("job-1", 2)
+    finally:
+        await relay.stop()
+        await database.close()
