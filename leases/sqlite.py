@@ -12,6 +12,7 @@ decide-write function atomic also against other processes sharing the file.
 from __future__ import annotations
 
 import asyncio
+import math
 import sqlite3
 import time
 from collections.abc import Callable
@@ -30,7 +31,13 @@ Clock = Callable[[], float]
 TxFn = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 256
+# How long an operation may wait for another process's write lock (SQLite's busy
+# timeout), counted from when it was queued: a batch whose operations already
+# waited for the batch before it (which may itself have waited out the lock) gets
+# only what is left of its oldest one's, so no operation waits two timeouts; the
+# others of a batch that timed out go again. Timeouts are whole BUSY_STEP_S.
 BUSY_TIMEOUT_S = 10.0
+BUSY_STEP_S = 0.1
 
 LEASES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sinkgate_schema (
@@ -80,7 +87,8 @@ class SQLiteExecutor:
     def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
         self._writer = writer
         self._reader = reader
-        self._pending: list[tuple[TxFn, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[TxFn, asyncio.Future[Any], float]] = []  # + when queued
+        self._busy_ms = round(BUSY_TIMEOUT_S * 1000)  # the write connection's busy timeout
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
         self.batches = 0
@@ -120,8 +128,9 @@ class SQLiteExecutor:
         """
         if self._closed:
             raise StoreUnavailable("store is closed")
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((fn, future))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._pending.append((fn, future, loop.time()))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="sqlite-group-commit")
         # No shield needed: a caller cancelled here cancels only `future`; `fn` is
@@ -140,17 +149,28 @@ class SQLiteExecutor:
         return result
 
     async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            fns = [fn for fn, _ in batch]
+            fns = [fn for fn, _, _ in batch]
+            busy_ms = busy_budget_ms(loop.time() - batch[0][2])
+            change = None if busy_ms == self._busy_ms else busy_ms
+            self._busy_ms = busy_ms
             try:
                 # aiosqlite runs each queued call in its own thread; handing it the
                 # whole batch costs one thread hop instead of one per statement.
-                outcomes = await in_thread(self._writer, _write_batch, fns)
+                outcomes = await in_thread(self._writer, _write_batch, fns, change)
             except BaseException as exc:
+                failed = batch
+                if _locked(exc):
+                    # Nothing of the batch was applied: those that have not waited
+                    # their whole timeout yet go again, with what is left of it.
+                    waited = loop.time() - BUSY_TIMEOUT_S + BUSY_STEP_S
+                    self._pending[:0] = [op for op in batch if op[2] > waited]
+                    failed = [op for op in batch if op[2] <= waited]
                 err = StoreUnavailable(f"SQLite write failed: {exc}")
                 err.__cause__ = exc
-                for _, future in batch:
+                for _, future, _ in failed:
                     if not future.done():
                         future.set_exception(err)
                 if isinstance(exc, asyncio.CancelledError):
@@ -158,7 +178,7 @@ class SQLiteExecutor:
                 continue
             self.batches += 1
             self.operations += len(batch)
-            for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
+            for (_, future, _), (ok, value) in zip(batch, outcomes, strict=True):
                 if future.done():
                     continue
                 if ok:
@@ -225,8 +245,29 @@ async def in_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any
     return result
 
 
-def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, Any]]:
+def busy_budget_ms(waited: float) -> int:
+    """The busy timeout for a batch whose oldest operation was queued `waited`
+    seconds ago: what is left of `BUSY_TIMEOUT_S`, rounded up to `BUSY_STEP_S`
+    (so that the milliseconds a batch waits for the one before it change nothing)."""
+    steps = math.ceil((BUSY_TIMEOUT_S - waited) / BUSY_STEP_S)
+    return max(0, round(steps * BUSY_STEP_S * 1000))
+
+
+def _locked(exc: BaseException) -> bool:
+    """Whether `exc` is SQLite's "database is locked": the busy timeout ran out."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (
+        isinstance(exc, sqlite3.OperationalError)
+        and code is not None
+        and (code & 0xFF) == sqlite3.SQLITE_BUSY
+    )
+
+
+def _write_batch(
+    conn: sqlite3.Connection, fns: list[TxFn], busy_ms: int | None = None
+) -> list[tuple[bool, Any]]:
     """Run `fns` in ONE transaction; each fn's exception undoes only its own changes.
+    `busy_ms`: first set the connection's busy timeout to it.
 
     The common case pays no savepoints: a function that raises before it has
     changed a row (every refusal here decides before it writes) needs nothing
@@ -234,6 +275,8 @@ def _write_batch(conn: sqlite3.Connection, fns: list[TxFn]) -> list[tuple[bool, 
     is the whole batch rolled back and run again with a savepoint around each
     function. Nothing is answered before COMMIT, so the first run leaves no trace.
     """
+    if busy_ms is not None:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     conn.execute("BEGIN IMMEDIATE")
     try:
         outcomes: list[tuple[bool, Any]] = []

@@ -11,6 +11,8 @@ from pathlib import Path
 import aiosqlite
 import pytest
 
+import leases.sqlite as leases_sqlite
+from leases.errors import StoreUnavailable
 from leases.fence import Fence, StaleToken
 from leases.fence.database import FenceDatabase
 from leases.sqlite import SQLiteExecutor, enable_wal, in_thread
@@ -157,3 +159,67 @@ async def test_the_fence_database_waits_for_the_lock_too(tmp_path: Path) -> None
     finally:
         await database.close()
         holder.close()
+
+
+# --- another process holding the write lock ---------------------------------------------
+
+LOCK_WAIT_S = 2.0  # the busy timeout in these tests
+
+
+async def _waits_while_locked(tmp_path: Path, submit_at: list[float]) -> list[float]:
+    """Each operation's wait, from when it was queued to its failure, while another
+    connection holds the write lock throughout; they are queued at `submit_at`."""
+    ex = await SQLiteExecutor.open(tmp_path / "locked.db")
+    await in_thread(ex._writer, lambda c: c.execute("CREATE TABLE t (k TEXT PRIMARY KEY)"))
+    other = sqlite3.connect(tmp_path / "locked.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(key: str, at: float) -> float:
+        await asyncio.sleep(max(0.0, start + at - loop.time()))
+        queued = loop.time()
+        with pytest.raises(StoreUnavailable, match="locked"):
+            await ex.run(insert(key))
+        return loop.time() - queued
+
+    try:
+        return list(await asyncio.gather(*(one(f"k{i}", at) for i, at in enumerate(submit_at))))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        assert await ex.run(insert("after")) == "after"  # the lock gone, writes go on
+        await ex.close()
+
+
+async def test_no_operation_waits_for_the_lock_longer_than_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second operation queues behind the first one's batch, which waits out the
+    whole timeout; its own batch then gets only what is left of its timeout. The
+    third, queued later in that same batch, is not cut short by it: it goes again."""
+    monkeypatch.setattr(leases_sqlite, "BUSY_TIMEOUT_S", LOCK_WAIT_S)
+    first, second, third = await _waits_while_locked(tmp_path, [0.0, 0.3, 1.0])
+    for wait in (first, second, third):
+        assert LOCK_WAIT_S - 0.1 <= wait < LOCK_WAIT_S + 0.9
+
+
+async def test_without_the_budget_the_second_operation_waits_two_timeouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protection switched off: every batch gets the whole timeout."""
+    monkeypatch.setattr(leases_sqlite, "BUSY_TIMEOUT_S", LOCK_WAIT_S)
+    monkeypatch.setattr(leases_sqlite, "busy_budget_ms", lambda waited: round(LOCK_WAIT_S * 1000))
+    _, second = await _waits_while_locked(tmp_path, [0.0, 0.3])
+    assert second >= 2 * LOCK_WAIT_S - 0.3 - 0.1
+
+
+async def test_without_going_again_a_later_operation_is_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other protection switched off: the third operation fails with the second's
+    batch, long before its own timeout."""
+    monkeypatch.setattr(leases_sqlite, "BUSY_TIMEOUT_S", LOCK_WAIT_S)
+    monkeypatch.setattr(leases_sqlite, "_locked", lambda exc: False)
+    _, _, third = await _waits_while_locked(tmp_path, [0.0, 0.3, 1.0])
+    assert third < LOCK_WAIT_S - 0.5
