@@ -140,7 +140,9 @@ def parse_upstream(value: object) -> str:
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(expected)
     if "?" in value or "#" in value:
-        raise ValueError(f"must not have a query or fragment, got {show(value)}")
+        # Named without them: a query is where an API key would be put.
+        bare = value.split("?", 1)[0].split("#", 1)[0]
+        raise ValueError(f"must not have a query or fragment, got {show(bare)} with one")
     if any(seg in (".", "..") for seg in parts.path.split("/")):
         raise ValueError(f"must not contain . or .. path segments, got {show(value)}")
     return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))

@@ -644,6 +644,18 @@ def test_destination_file_errors_name_file_and_key(
     assert config_error(path, {"V": "v"}).startswith(message)
 
 
+def test_an_upstream_with_a_query_is_named_without_it(tmp_path: Path) -> None:
+    """A query is where an upstream's API key would be put: the error (which goes
+    to the terminal and the logs) names the URL without it."""
+    path = write_config(tmp_path, payments='upstream = "https://h/api?api_key=sk-secret#f"\n')
+    message = config_error(path)
+    assert message == (
+        "destinations/payments.toml: upstream: must not have a query or fragment, "
+        'got "https://h/api" with one'
+    )
+    assert "sk-secret" not in message
+
+
 def test_unset_upstream_header_variable_is_an_error(tmp_path: Path) -> None:
     path = write_config(
         tmp_path,
