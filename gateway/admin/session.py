@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.admin.views import DECIMAL_ID
 from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
-from gateway.http.auth import authorization
+from gateway.http.auth import authorization, cross_site
 from gateway.http.problem import problem_response
 from leases.reasons import Reason
 
@@ -39,32 +39,6 @@ def wants_html(request: web.Request) -> bool:
     return request.path in ("/admin", "/admin/", "/admin/queue") or (
         request.query.get("format") == "html"
     )
-
-
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-def cross_site(request: web.Request) -> bool:
-    """A state-changing request a browser sent from another page's origin (CSRF).
-
-    Browsers tell: `Sec-Fetch-Site` (anything but `same-origin`, or `none` for
-    what the user typed) and, before it, `Origin` on a cross-origin POST, which
-    must then name this listener. The session cookie's `SameSite=Strict` does not
-    cover a page on another port of the same host, which counts as the same site,
-    nor a listener without a token, which needs no cookie at all. Programs (the
-    CLI, curl) send neither header and are not affected."""
-    if request.method in _SAFE_METHODS:
-        return False
-    fetch_site = request.headers.get("Sec-Fetch-Site")
-    if fetch_site is not None:
-        return fetch_site not in ("same-origin", "none")
-    # An older browser: only `Origin`. "null" is what the page's own forms send
-    # under its `Referrer-Policy: no-referrer`, so only another named origin counts.
-    origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
-        return False
-    scheme, _, rest = origin.partition("://")
-    return rest.lower() != request.host.lower() or scheme.lower() != request.scheme
 
 
 class SessionAuth:

@@ -1,10 +1,11 @@
-"""Bearer tokens, compared in constant time."""
+"""Bearer tokens, compared in constant time; browser requests from another site."""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
 
+from aiohttp import web
 from multidict import CIMultiDictProxy
 
 
@@ -27,3 +28,29 @@ def bearer_matches(authorization: str, tokens: Iterable[str]) -> bool:
     for token in tokens:
         matched |= hmac.compare_digest(given, token.encode())
     return scheme.lower() == "bearer" and bool(given) and matched
+
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site(request: web.Request) -> bool:
+    """A state-changing request a browser sent from another page's origin (CSRF).
+
+    Browsers tell: `Sec-Fetch-Site` (anything but `same-origin`, or `none` for
+    what the user typed) and, before it, `Origin` on a cross-origin POST, which
+    must then name this listener. The session cookie's `SameSite=Strict` does not
+    cover a page on another port of the same host, which counts as the same site,
+    nor a listener without a token, which needs no cookie at all. Programs (the
+    CLI, curl) send neither header and are not affected."""
+    if request.method in _SAFE_METHODS:
+        return False
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None:
+        return fetch_site not in ("same-origin", "none")
+    # An older browser: only `Origin`. "null" is what the page's own forms send
+    # under its `Referrer-Policy: no-referrer`, so only another named origin counts.
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return False
+    scheme, _, rest = origin.partition("://")
+    return rest.lower() != request.host.lower() or scheme.lower() != request.scheme
