@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
-from gateway.http.auth import authorization, bearer_matches
+from gateway.http.auth import authorization, bearer_matches, cross_site
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
@@ -98,6 +98,15 @@ def _authorize(request: web.Request) -> None:
     if tokens and not bearer_matches(authorization(request.headers), tokens):
         raise Rejection(
             Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
+        )
+    if cross_site(request):
+        # A page in a browser can POST a JSON text as text/plain without asking
+        # first: without tokens it could claim (or complete) a job. Workers are
+        # programs, which send neither Sec-Fetch-Site nor Origin.
+        raise Rejection(
+            Reason.UNAUTHORIZED,
+            "a browser request from another site may not call the lease API",
+            status=403,
         )
 
 

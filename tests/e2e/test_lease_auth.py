@@ -37,6 +37,36 @@ async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path)
                     await anonymous.get("job-1")
 
 
+@pytest.mark.parametrize(
+    "browser",
+    [
+        {"Sec-Fetch-Site": "cross-site", "Origin": "https://evil.example"},
+        {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"},
+        {"Origin": "https://evil.example"},  # an older browser: Origin only
+    ],
+)
+async def test_a_browser_on_another_site_cannot_call_the_lease_api(
+    tmp_path: Path, browser: dict[str, str]
+) -> None:
+    """Without tokens, a page could POST a claim as text/plain (no preflight); the
+    browser says where it came from, and the call is refused, changing nothing."""
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("pay", upstream.url))
+        async with running_gateway(config) as gw:
+            url = f"{gw.url}/leases/job-1/claim"
+            text = {**browser, "Content-Type": "text/plain"}
+            async with gw.session.post(url, data='{"owner": "a", "ttl": 5}', headers=text) as resp:
+                assert resp.status == 403
+                assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+            assert await gw.store.get("job-1") is None  # nothing claimed
+            # The same call from a program, and from the gateway's own origin, goes on.
+            same = {"Sec-Fetch-Site": "same-origin", "Origin": gw.url}
+            async with gw.session.post(url, json={"owner": "a", "ttl": 5}, headers=same) as resp:
+                assert resp.status == 200
+            async with gw.session.get(f"{gw.url}/leases/job-1", headers=browser) as resp:
+                assert resp.status == 200  # reading changes nothing: not refused
+
+
 def _write(tmp_path: Path, server: str) -> Path:
     (tmp_path / "gateway.toml").write_text(f"[server]\n{server}\n", encoding="utf-8")
     return tmp_path / "gateway.toml"
