@@ -88,7 +88,8 @@ class SQLiteExecutor:
         self._writer = writer
         self._reader = reader
         self._pending: list[tuple[TxFn, asyncio.Future[Any], float]] = []  # + when queued
-        self._busy_ms = round(BUSY_TIMEOUT_S * 1000)  # the write connection's busy timeout
+        # The write connection's busy timeout in ms (None: not known, set it again).
+        self._busy_ms: int | None = round(BUSY_TIMEOUT_S * 1000)
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
         self.batches = 0
@@ -155,19 +156,20 @@ class SQLiteExecutor:
             fns = [fn for fn, _, _ in batch]
             busy_ms = busy_budget_ms(loop.time() - batch[0][2])
             change = None if busy_ms == self._busy_ms else busy_ms
-            self._busy_ms = busy_ms
+            self._busy_ms = None  # unknown until the batch has set it
             try:
                 # aiosqlite runs each queued call in its own thread; handing it the
                 # whole batch costs one thread hop instead of one per statement.
                 outcomes = await in_thread(self._writer, _write_batch, fns, change)
             except BaseException as exc:
                 failed = batch
-                if _locked(exc):
+                if _locked(exc):  # BEGIN IMMEDIATE waited, with the timeout set
+                    self._busy_ms = busy_ms
                     # Nothing of the batch was applied: those that have not waited
                     # their whole timeout yet go again, with what is left of it.
-                    waited = loop.time() - BUSY_TIMEOUT_S + BUSY_STEP_S
-                    self._pending[:0] = [op for op in batch if op[2] > waited]
-                    failed = [op for op in batch if op[2] <= waited]
+                    cutoff = loop.time() - BUSY_TIMEOUT_S + BUSY_STEP_S  # queued before: done
+                    self._pending[:0] = [op for op in batch if op[2] > cutoff]
+                    failed = [op for op in batch if op[2] <= cutoff]
                 err = StoreUnavailable(f"SQLite write failed: {exc}")
                 err.__cause__ = exc
                 for _, future, _ in failed:
@@ -176,6 +178,7 @@ class SQLiteExecutor:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
+            self._busy_ms = busy_ms
             self.batches += 1
             self.operations += len(batch)
             for (_, future, _), (ok, value) in zip(batch, outcomes, strict=True):
