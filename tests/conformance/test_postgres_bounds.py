@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -47,18 +48,28 @@ async def relayed() -> AsyncIterator[tuple[str, FreezingRelay]]:
             await relay.stop()
 
 
-async def _open(url: str, **bounds: float | None) -> PostgresStore:
+@asynccontextmanager
+async def _store(
+    url: str, relay: FreezingRelay, **bounds: float | None
+) -> AsyncIterator[PostgresStore]:
+    """A store of one pooled connection through `relay`, bounded by `BOUND_S` unless
+    told otherwise; at the end the relay resets what is left silent (a silent
+    connection would hold up `close()`)."""
     options: dict[str, float | None] = {"acquire_timeout": BOUND_S, "statement_timeout": BOUND_S}
     options.update(bounds)
-    return await PostgresStore.open(url, min_size=1, max_size=1, **options)  # type: ignore[arg-type]
+    store = await PostgresStore.open(url, min_size=1, max_size=1, **options)  # type: ignore[arg-type]
+    try:
+        yield store
+    finally:
+        await relay.stop()
+        await store.close()
 
 
 async def test_a_silent_connection_fails_the_call_and_is_not_used_again(
     relayed: tuple[str, FreezingRelay],
 ) -> None:
     url, relay = relayed
-    store = await _open(url)
-    try:
+    async with _store(url, relay) as store:
         await store.claim("job-a", owner="w", ttl=30)  # the pool's one connection is open
         relay.freeze()
         with pytest.raises(StoreUnavailable, match="did not answer in time"):
@@ -71,17 +82,13 @@ async def test_a_silent_connection_fails_the_call_and_is_not_used_again(
         assert lease.generation == 1
         verdict = await asyncio.wait_for(store.decide_write(write(), CONTEXT), HANG_CHECK_S)
         assert verdict.attempt is not None
-    finally:
-        await relay.stop()  # a silent connection left would hold up close()
-        await store.close()
 
 
 async def test_a_write_decision_and_its_outcome_are_bounded_too(
     relayed: tuple[str, FreezingRelay],
 ) -> None:
     url, relay = relayed
-    store = await _open(url)
-    try:
+    async with _store(url, relay) as store:
         verdict = await store.decide_write(write(key="key-1"), CONTEXT)
         assert verdict.attempt is not None
         relay.freeze()
@@ -97,9 +104,6 @@ async def test_a_write_decision_and_its_outcome_are_bounded_too(
         with pytest.raises(StoreUnavailable, match="did not answer in time"):
             await asyncio.wait_for(store.decide_write(write(key="key-3"), CONTEXT), HANG_CHECK_S)
         await eventually(lambda: relay.frozen_closed_by_client == 2, what="both closed")
-    finally:
-        await relay.stop()  # a silent connection left would hold up close()
-        await store.close()
 
 
 async def test_a_wait_for_a_pooled_connection_is_bounded(
@@ -108,8 +112,7 @@ async def test_a_wait_for_a_pooled_connection_is_bounded(
     """The pool's one connection is stuck in a silent statement (for up to its
     bound, long here): a second call waits for a connection only `BOUND_S`."""
     url, relay = relayed
-    store = await _open(url, statement_timeout=HANG_CHECK_S)
-    try:
+    async with _store(url, relay, statement_timeout=HANG_CHECK_S) as store:
         await store.claim("job-a", owner="w", ttl=30)
         relay.freeze()
         stuck = asyncio.create_task(store.claim("job-b", owner="w", ttl=30))
@@ -120,9 +123,6 @@ async def test_a_wait_for_a_pooled_connection_is_bounded(
         await relay.stop()  # end the first: its connection is reset
         with pytest.raises(StoreUnavailable):
             await stuck
-    finally:
-        await relay.stop()  # a silent connection left would hold up close()
-        await store.close()
 
 
 async def test_without_the_bounds_the_same_silence_hangs(
@@ -130,8 +130,7 @@ async def test_without_the_bounds_the_same_silence_hangs(
 ) -> None:
     """The protection switched off: the call above would wait on and on."""
     url, relay = relayed
-    store = await _open(url, acquire_timeout=None, statement_timeout=None)
-    try:
+    async with _store(url, relay, acquire_timeout=None, statement_timeout=None) as store:
         await store.claim("job-a", owner="w", ttl=30)
         relay.freeze()
         call = asyncio.create_task(store.claim("job-b", owner="w", ttl=30))
@@ -140,9 +139,6 @@ async def test_without_the_bounds_the_same_silence_hangs(
         await relay.stop()  # reset the connection: only then does the call end
         with pytest.raises(StoreUnavailable):
             await call
-    finally:
-        await relay.stop()  # a silent connection left would hold up close()
-        await store.close()
 
 
 async def test_the_fence_of_the_middlewares_is_bounded_too(
