@@ -49,7 +49,7 @@ from gateway.config.reader import (
     redact_url,
     show,
 )
-from gateway.config.tls import check_destination_tls, check_server_tls
+from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
 from gateway.errors import ConfigError
 from gateway.write.decision import Fencing
 
@@ -115,6 +115,10 @@ class DestinationConfig:
     client_cert: Path | None = _D["client_cert"]
     client_key: Path | None = _D["client_key"]
     tls_verify: bool = _D["tls_verify"]
+    # The contents of ca_file, client_cert and client_key when loaded: a reload
+    # after a certificate was renewed in place sees the destination changed (and
+    # gives it a new connection pool, which reads the new files).
+    tls_digest: str = field(default="", repr=False)
     source: Path
 
     @property
@@ -339,4 +343,7 @@ def _destination(
     if len(problems) > found:
         return None
     values["worker_tokens"] = values.pop("worker_tokens_env")
+    values["tls_digest"] = tls_digest(
+        values["ca_file"], values["client_cert"], values["client_key"]
+    )
     return DestinationConfig(name=name, source=path.absolute(), **values)

@@ -4,6 +4,7 @@ the very SSL contexts the gateway then uses."""
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +59,22 @@ def destination_context(destination: UpstreamTLS) -> ssl.SSLContext | None:
         destination.client_key,
         destination.tls_verify,
     )
+
+
+def tls_digest(*files: Path | None) -> str:
+    """A digest of the PEM files' contents (those set), to tell a renewed one;
+    "" when none is set."""
+    if all(path is None for path in files):
+        return ""
+    digest = hashlib.sha256()
+    for path in files:
+        if path is not None:
+            try:
+                digest.update(path.read_bytes())
+            except OSError:
+                pass  # checked when the config loaded; a pool made now reports it
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def _pair(t: Table, values: dict[str, Any], cert: str, key: str) -> bool:

@@ -154,3 +154,33 @@ async def test_tls_verify_false_reaches_a_loopback_upstream_with_an_unknown_ca(
         await gw.claim("job-1")
         status, _, body = await gw.write("/to/pay/x", key="k-noverify")
         assert status == 201, body
+
+
+async def test_a_ca_file_renewed_in_place_is_used_after_a_reload(
+    tmp_path: Path, ca: trustme.CA
+) -> None:
+    """Certificates are renewed in place: the destination file does not change, its
+    `ca_file`'s contents do. A reload then gives the destination a new connection
+    pool, which trusts the new CA; without one it would go on refusing."""
+    from gateway.app import RELOADER
+    from gateway.config.model import load_config
+
+    (tmp_path / "destinations").mkdir()
+    (tmp_path / "gateway.toml").write_text(
+        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+    )
+    trust = ca_file(tmp_path, trustme.CA(), "trust")  # not the upstream's CA yet
+    async with https_upstream(tmp_path, ca) as up:
+        (tmp_path / "destinations" / "pay.toml").write_text(
+            f'upstream = "{up.url}/api"\nca_file = "../trust.pem"\n'
+        )
+        async with running_gateway(load_config(tmp_path / "gateway.toml", {})) as gw:
+            await gw.claim("job-1")
+            status, headers, _ = await gw.write("/to/pay/x", key="k-before")
+            assert status == 502 and headers["Sinkgate-Rejected"] == "upstream_unreachable"
+            ca.cert_pem.write_to_path(str(trust))  # renewed: now the upstream's CA
+            result = await gw.app[RELOADER].reload("test")
+            assert result.changed == ("pay",)
+            status, _, body = await gw.write("/to/pay/x", key="k-after")
+            assert status == 201, body
+        assert up.paths() == ["/api/x"]
