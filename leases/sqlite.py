@@ -214,8 +214,7 @@ async def enable_wal(conn: aiosqlite.Connection, max_wait: float = BUSY_TIMEOUT_
             await conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            busy = (exc.sqlite_errorcode & 0xFF) == sqlite3.SQLITE_BUSY  # extended codes too
-            if not busy or time.monotonic() >= deadline:
+            if not _locked(exc) or time.monotonic() >= deadline:
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.1)
@@ -257,7 +256,8 @@ def busy_budget_ms(waited: float) -> int:
 
 
 def _locked(exc: BaseException) -> bool:
-    """Whether `exc` is SQLite's "database is locked": the busy timeout ran out."""
+    """Whether `exc` is SQLite's "database is locked" (extended codes too): the
+    busy timeout ran out."""
     code = getattr(exc, "sqlite_errorcode", None)
     return (
         isinstance(exc, sqlite3.OperationalError)
