@@ -40,6 +40,7 @@ returns, whatever the server's configuration.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -128,15 +129,20 @@ def driver_errors(what: str) -> Iterator[None]:
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
+# How an operation can end with its connection's state unknown: a statement timed
+# out, or the caller was cancelled while one was on its way.
+_ABANDONED = (TimeoutError, asyncio.CancelledError)
+
+
 @asynccontextmanager
 async def connection(pool: Any, wait: float | None) -> AsyncIterator[Conn]:
     """A pooled connection for one operation, waited for at most `wait` seconds
-    (None: as long as it takes). One whose statement timed out is closed rather
-    than put back (see the module doc)."""
+    (None: as long as it takes). One whose statement timed out, or whose caller
+    was cancelled, is closed rather than put back (see the module doc)."""
     async with pool.acquire(timeout=wait) as conn:
         try:
             yield conn
-        except TimeoutError:
+        except _ABANDONED:
             conn.terminate()
             raise
 
@@ -144,14 +150,15 @@ async def connection(pool: Any, wait: float | None) -> AsyncIterator[Conn]:
 @asynccontextmanager
 async def transaction(pool: Any, wait: float | None, **options: Any) -> AsyncIterator[Conn]:
     """`connection` in one transaction (`options` as asyncpg's `transaction`).
-    After a timeout no ROLLBACK is sent, as it would wait on the same silent
-    connection: `connection` closes it, which ends the transaction on the server."""
+    After a timeout or a cancellation no ROLLBACK is sent, as it could wait on the
+    same silent connection (a cancelled caller must not wait at all): `connection`
+    closes it, which ends the transaction on the server."""
     async with connection(pool, wait) as conn:
         tx = conn.transaction(**options)
         await tx.start()
         try:
             yield conn
-        except TimeoutError:
+        except _ABANDONED:
             raise
         except BaseException:
             if not conn.is_closed():  # a connection lost ended its transaction already

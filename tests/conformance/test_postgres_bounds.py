@@ -125,6 +125,25 @@ async def test_a_wait_for_a_pooled_connection_is_bounded(
             await stuck
 
 
+async def test_a_call_cancelled_on_a_silent_connection_ends_at_once(
+    relayed: tuple[str, FreezingRelay],
+) -> None:
+    """`hold` cancels a renewal at the lease's local deadline: it must end then,
+    not after a ROLLBACK on the silent connection has waited out its own bound."""
+    url, relay = relayed
+    async with _store(url, relay, statement_timeout=HANG_CHECK_S) as store:
+        await store.claim("job-a", owner="w", ttl=30)
+        relay.freeze()
+        call = asyncio.create_task(store.claim("job-b", owner="w", ttl=30))
+        await asyncio.sleep(4 * BOUND_S)  # on its way, waiting for an answer
+        call.cancel()
+        done, _ = await asyncio.wait({call}, timeout=HANG_CHECK_S / 2)
+        assert done and call.cancelled()
+        await eventually(lambda: relay.frozen_closed_by_client == 1, what="the connection closed")
+        lease = await asyncio.wait_for(store.claim("job-c", owner="w", ttl=30), HANG_CHECK_S)
+        assert lease.generation == 1
+
+
 async def test_without_the_bounds_the_same_silence_hangs(
     relayed: tuple[str, FreezingRelay],
 ) -> None:
