@@ -27,10 +27,11 @@ connection and each of its statements at most `statement_timeout` seconds for
 its answer (asyncpg's `command_timeout`), both 10 s by default; past either it
 fails with `StoreUnavailable`, as when the server is down. A connection whose
 statement timed out (a server host gone, a firewall dropping the connection's
-state: no reset ever arrives) is closed, not put back in the pool, where the
-next operation would wait on it again; its transaction is left to the server to
-roll back. The schema is created and migrated on a connection of its own without
-a statement bound: a migration of a large table may take longer.
+state: no reset ever arrives), or whose caller was cancelled meanwhile, is
+closed, not put back in the pool, where the next operation would wait on it
+again; its transaction is left to the server to roll back. The schema is
+created and migrated on a connection of its own without a statement bound: a
+migration of a large table may take longer.
 
 Durability: every write transaction raises `synchronous_commit` to `on` when the
 server or role has it `off` (and leaves stronger settings such as
