@@ -331,9 +331,15 @@ class PostgresLeaseStore(Closing):
     assign it to move time.
     """
 
-    def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        clock_offset: float = 0.0,
+        acquire_timeout: float | None = ACQUIRE_TIMEOUT_S,
+    ) -> None:
         self._pool = pool
-        self._wait: float | None = ACQUIRE_TIMEOUT_S  # for a pooled connection (open's)
+        self._wait = acquire_timeout  # for a pooled connection
         self._closed = False
         self.clock_offset = clock_offset
 
@@ -371,8 +377,7 @@ class PostgresLeaseStore(Closing):
                 command_timeout=statement_timeout,
                 reset=_no_reset,
             )
-        store = cls(pool, clock_offset=float(clock_offset))
-        store._wait = acquire_timeout
+        store = cls(pool, clock_offset=float(clock_offset), acquire_timeout=acquire_timeout)
         try:
             with driver_errors("cannot create the PostgreSQL lease schema"):
                 async with schema_connection(url, connect_timeout) as conn:

@@ -86,8 +86,14 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     under the database's locks and by the database server's clock.
     """
 
-    def __init__(self, pool: Any, *, clock_offset: float = 0.0) -> None:
-        super().__init__(pool, clock_offset=clock_offset)
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        clock_offset: float = 0.0,
+        acquire_timeout: float | None = ACQUIRE_TIMEOUT_S,
+    ) -> None:
+        super().__init__(pool, clock_offset=clock_offset, acquire_timeout=acquire_timeout)
         self._skew = 0.0  # server clock minus local clock, seconds
         self.clock = self._clock
         self._decisions: GroupCommit[Operation] = GroupCommit(
