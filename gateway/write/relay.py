@@ -46,10 +46,11 @@ async def relay(
         rest.release()
         fields["relayed_bytes"] = relayed
     except aiohttp.ClientError as exc:  # the upstream broke off mid-body
-        fields.update(relayed_bytes=relayed, relay_error=f"upstream: {exc!r}")
+        # Fixed words: a client error's repr quotes the forwarded request's headers.
+        fields.update(relayed_bytes=relayed, relay_error=f"upstream: {type(exc).__name__}")
         _abort(request)
     except ConnectionError as exc:  # the worker went away: nothing more to send
-        fields.update(relayed_bytes=relayed, relay_error=f"worker: {exc!r}")
+        fields.update(relayed_bytes=relayed, relay_error=f"worker: {type(exc).__name__}")
         _abort(request)
     finally:
         rest.close()  # no-op after release(); else the connection is not reused

@@ -4,6 +4,7 @@ translation of client errors into the three outcomes of SPEC 2 step 8."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -274,16 +275,16 @@ class Upstreams:
                 pool.stream_until = loop.time() + destination.timeout + 1
             return answer
         except aiohttp.ConnectionTimeoutError as exc:
-            # aiohttp's message quotes the whole URL, query included: the host only
-            where = f"{url.host}:{url.explicit_port or url.port}"
-            raise ForwardFailed(SendFailure.UNREACHABLE, f"connect timeout to {where}") from exc
+            raise ForwardFailed(
+                SendFailure.UNREACHABLE, f"connect timeout to {_where(url)}"
+            ) from exc
         except aiohttp.ClientConnectorError as exc:
-            raise ForwardFailed(SendFailure.UNREACHABLE, f"cannot connect: {exc}") from exc
+            raise ForwardFailed(SendFailure.UNREACHABLE, cannot_connect(exc, url)) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise ForwardFailed(SendFailure.TIMEOUT, "no answer within the timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
             # Connection lost after (part of) the request may have been written.
-            raise ForwardFailed(SendFailure.DISCONNECTED, f"connection lost: {exc!r}") from exc
+            raise ForwardFailed(SendFailure.DISCONNECTED, connection_lost(exc, url)) from exc
         finally:
             pool.users -= 1
             if pool.retired and not pool.users:
@@ -295,6 +296,51 @@ class Upstreams:
             handle.cancel()
         pools = [*self._pools.values(), *self._retired]
         await asyncio.gather(*(pool.session.close() for pool in pools))
+
+
+# What a worker, a log line and a stored rejection may learn of a failed forward:
+# fixed words, the upstream's host and port, an errno's name, a limit. Never an
+# exception's str or repr: aiohttp's quote the request it was sending, headers
+# included, and with them the destination's `[upstream_headers]` secrets.
+_ANSWER_MALFORMED = (
+    "the upstream's answer could not be parsed (a bad status line, a header over "
+    "8190 bytes, or conflicting Content-Length and Transfer-Encoding)"
+)
+
+
+def _where(url: URL) -> str:
+    return f"{url.host}:{url.explicit_port or url.port}"
+
+
+def _errno_name(exc: BaseException) -> str | None:
+    number = getattr(exc, "errno", None)
+    return errno.errorcode.get(number) if isinstance(number, int) else None
+
+
+def cannot_connect(exc: aiohttp.ClientConnectorError, url: URL) -> str:
+    """Why no connection to the upstream was made, in fixed words."""
+    where = _where(url)
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"cannot connect to {where}: its TLS certificate was not accepted"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return f"cannot connect to {where}: the TLS handshake failed"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"cannot connect to {where}: the host name did not resolve"
+    name = _errno_name(exc.os_error)
+    return f"cannot connect to {where}" + (f": {name}" if name else "")
+
+
+def connection_lost(exc: BaseException, url: URL) -> str:
+    """What broke after the request may have been (partly) written, in fixed words."""
+    where = _where(url)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return f"{where} closed the connection before its answer was complete"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{where}: {_ANSWER_MALFORMED}"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return f"{where}: the upstream's answer body was malformed or cut short"
+    name = _errno_name(exc)
+    return f"connection to {where} lost" + (f": {name}" if name else "")
 
 
 async def _read_up_to(response: aiohttp.ClientResponse, limit: int) -> bytes:
