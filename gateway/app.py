@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from aiohttp import hdrs, web
 
-from gateway.admin.api import add_health_routes, admin_bind_allowed, create_admin_app
+from gateway.admin.app import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
 from gateway.config.tls import server_context
 from gateway.errors import ConfigError, GatewayError, Rejection

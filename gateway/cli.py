@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from gateway.admin.keys_cli import add_parser as add_keys_parser  # argparse only: cheap
+from gateway.admin.cli.keys import add_parser as add_keys_parser  # argparse only: cheap
 from gateway.config.keys import MAX_WORKERS
 from gateway.config.model import (
     CONFIG_ENV,
@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return _delegate("gateway.tools.demo", "demo", args)
     if args.command == "rejections":
-        return _delegate("gateway.admin.cli", "rejections", args)
+        return _delegate("gateway.admin.cli.rejections", "rejections", args)
     if args.command == "keys":
-        return _delegate("gateway.admin.keys_cli", "keys", args)
+        return _delegate("gateway.admin.cli.keys", "keys", args)
     if args.command == "init":
         return _delegate("gateway.config.init", "init", args)
     parser.print_help(sys.stderr)

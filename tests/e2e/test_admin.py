@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin.api import admin_bind_allowed, create_admin_app
+from gateway.admin.app import admin_bind_allowed, create_admin_app
 from gateway.admin.views import encode_cursor
 from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore

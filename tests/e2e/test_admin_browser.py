@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.http.server import GatewayRunner
 from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore

@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 import pytest
 from aiohttp import web
 
-from gateway.admin.api import create_admin_app
-from gateway.admin.cli import _more_hint, add_arguments, admin_base, main, to_rfc3339
+from gateway.admin.app import create_admin_app
+from gateway.admin.cli.rejections import _more_hint, add_arguments, admin_base, main, to_rfc3339
 from gateway.http.server import GatewayRunner
 from gateway.store.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore

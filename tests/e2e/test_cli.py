@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import structlog
 
-# Loaded before any test fakes `gateway.admin.cli`: the keys command's parser
+# Loaded before any test fakes `gateway.admin.cli.rejections`: the keys command's parser
 # imports its page limit from there, so a test run alone would find the fake.
-import gateway.admin.keys_cli  # noqa: F401
+import gateway.admin.cli.keys  # noqa: F401
 from gateway import cli
 from gateway.config.model import Config
 from gateway.telemetry.logs import configure_logging
@@ -150,7 +150,7 @@ def test_chaos_gets_every_argument_after_its_name(monkeypatch: pytest.MonkeyPatc
 
 
 def test_rejections_passes_its_parsed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "gateway.admin.cli")
+    calls = fake_module(monkeypatch, "gateway.admin.cli.rejections")
     monkeypatch.delenv("SINKGATE_ADMIN_URL", raising=False)
     argv = ["rejections", "--reason", "stale_generation", "--since", "1h", "--limit", "5"]
     assert cli.main(argv) == 7

@@ -26,8 +26,8 @@ from aiohttp import http_exceptions, web
 from structlog.testing import capture_logs
 from yarl import URL
 
-from gateway.admin import api as admin
-from gateway.admin.api import create_admin_app
+from gateway.admin import app as admin
+from gateway.admin.app import create_admin_app
 from gateway.app import SERVER_LIMITS, WRITES, create_app
 from gateway.http import bodies, server
 from gateway.http.appkeys import CONFIG, METRICS

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from gateway import cli as gateway_cli
-from gateway.admin import cli as rejections_cli
-from gateway.admin import keys_cli
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
+from gateway.admin.cli import keys as keys_cli
+from gateway.admin.cli import rejections as rejections_cli
 from gateway.http.server import GatewayRunner
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord

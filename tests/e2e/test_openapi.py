@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
 from schemathesis.checks import positive_data_acceptance
 
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.http.appkeys import METRICS
 from gateway.http.openapi import build_document
 from gateway.http.server import GatewayRunner

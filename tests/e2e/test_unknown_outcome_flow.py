@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin.api import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.http.appkeys import METRICS
 from tests.harness import Gateway, destination, make_config, running_gateway, served_upstream
 

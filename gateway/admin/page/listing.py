@@ -55,7 +55,9 @@ def render(template: str, **values: object) -> str:
 
 @functools.cache
 def _template(name: str) -> string.Template:
-    return string.Template(resources.files("gateway.admin").joinpath("templates", name).read_text())
+    return string.Template(
+        resources.files("gateway.admin.page").joinpath("templates", name).read_text()
+    )
 
 
 def html_response(

@@ -21,7 +21,6 @@ from urllib.parse import parse_qs, quote, urlencode
 
 from aiohttp import web
 
-from gateway.admin.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.ops_api import OpsApi
 from gateway.admin.ops_views import (
     PRESETS,
@@ -32,8 +31,9 @@ from gateway.admin.ops_views import (
     parse_key_query,
     parse_resolution,
 )
-from gateway.admin.page import _KIND as REASON_KIND
-from gateway.admin.page import Safe, html_response
+from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
+from gateway.admin.page.listing import _KIND as REASON_KIND
+from gateway.admin.page.listing import Safe, html_response
 from gateway.admin.session import SESSION_COOKIE
 from gateway.admin.views import job_view, key_view, parse_time
 from gateway.errors import Rejection

@@ -26,8 +26,8 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.ops_api import EXPORT_TYPES, OpsApi, add_ops_routes
-from gateway.admin.ops_page import OpsPage
-from gateway.admin.page import Page, login_page
+from gateway.admin.page.listing import Page, login_page
+from gateway.admin.page.operator import OpsPage
 from gateway.admin.session import SessionAuth
 from gateway.admin.views import (
     fetch_page,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote, urlencode
 
-from gateway.admin.cli import (
+from gateway.admin.cli.rejections import (
     PAGE_MAX,
     CliError,
     admin_base,
