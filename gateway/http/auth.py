@@ -33,7 +33,7 @@ def bearer_matches(authorization: str, tokens: Iterable[str]) -> bool:
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def cross_site(request: web.Request) -> bool:
+def cross_site(request: web.Request, *, null_origin_is_own: bool = True) -> bool:
     """A state-changing request a browser sent from another page's origin (CSRF).
 
     Browsers tell: `Sec-Fetch-Site` (anything but `same-origin`, or `none` for
@@ -41,16 +41,21 @@ def cross_site(request: web.Request) -> bool:
     must then name this listener. The session cookie's `SameSite=Strict` does not
     cover a page on another port of the same host, which counts as the same site,
     nor a listener without a token, which needs no cookie at all. Programs (the
-    CLI, curl) send neither header and are not affected."""
+    CLI, curl) send neither header and are not affected.
+
+    `Origin: null` is what the admin page's own forms send under its
+    `Referrer-Policy: no-referrer`; an API no page of ours calls passes
+    `null_origin_is_own=False`, since a sandboxed iframe sends `null` too."""
     if request.method in _SAFE_METHODS:
         return False
     fetch_site = request.headers.get("Sec-Fetch-Site")
     if fetch_site is not None:
         return fetch_site not in ("same-origin", "none")
-    # An older browser: only `Origin`. "null" is what the page's own forms send
-    # under its `Referrer-Policy: no-referrer`, so only another named origin counts.
+    # An older browser (or a plain-HTTP, non-loopback host): only `Origin`.
     origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
+    if origin is None:
         return False
+    if origin == "null":
+        return not null_origin_is_own
     scheme, _, rest = origin.partition("://")
     return rest.lower() != request.host.lower() or scheme.lower() != request.scheme

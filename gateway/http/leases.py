@@ -99,10 +99,11 @@ def _authorize(request: web.Request) -> None:
         raise Rejection(
             Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
         )
-    if cross_site(request):
+    if cross_site(request, null_origin_is_own=False):
         # A page in a browser can POST a JSON text as text/plain without asking
         # first: without tokens it could claim (or complete) a job. Workers are
-        # programs, which send neither Sec-Fetch-Site nor Origin.
+        # programs, which send neither Sec-Fetch-Site nor Origin; no page of ours
+        # calls this API, so `Origin: null` (a sandboxed iframe) is foreign too.
         raise Rejection(
             Reason.UNAUTHORIZED,
             "a browser request from another site may not call the lease API",

@@ -43,6 +43,8 @@ async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path)
         {"Sec-Fetch-Site": "cross-site", "Origin": "https://evil.example"},
         {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"},
         {"Origin": "https://evil.example"},  # an older browser: Origin only
+        # A sandboxed iframe on a plain-HTTP, non-loopback host: no Sec-Fetch-*.
+        {"Origin": "null"},
     ],
 )
 async def test_a_browser_on_another_site_cannot_call_the_lease_api(
