@@ -130,32 +130,44 @@ def main_thread_cpu_seconds(pid: int) -> float:
 
 
 def thread_switches(pgid: int | None) -> tuple[int, int]:
-    """(read- and write-family system calls, voluntary context switches) summed
-    over every thread of the group, from /proc/<pid>/task/<tid>/{io,status}.
-    A voluntary switch is a thread going to sleep: an event loop with nothing to
-    do, a thread waiting for the GIL, a lock or its queue; each one is a wake-up
-    that some other thread pays for too."""
+    """(read- and write-family system calls, voluntary context switches) of the group.
+
+    System calls come from /proc/<pid>/io, which keeps the counts of the
+    process's threads that have exited (a per-thread sum lost them, and its
+    difference could fall to zero). Switches are summed over the live threads
+    from /proc/<pid>/task/<tid>/status (the kernel keeps no per-process total):
+    a voluntary switch is a thread going to sleep, an event loop with nothing
+    to do, a thread waiting for the GIL, a lock or its queue; each one is a
+    wake-up that some other thread pays for too."""
     calls = switches = 0
     if pgid is None:
         return calls, switches
     for pid in group_pids(pgid):
+        calls += _process_syscalls(pid)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in tids:
             try:
-                with open(f"/proc/{pid}/task/{tid}/io") as f:
-                    io = dict(line.split(": ") for line in f.read().splitlines() if line)
                 with open(f"/proc/{pid}/task/{tid}/status") as f:
                     status = dict(
                         line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line
                     )
             except (OSError, ValueError):
-                continue  # a thread that ended meanwhile, or /proc without io (permissions)
-            calls += int(io.get("syscr", 0)) + int(io.get("syscw", 0))
+                continue  # a thread that ended meanwhile
             switches += int(status.get("voluntary_ctxt_switches", 0))
     return calls, switches
+
+
+def _process_syscalls(pid: int) -> int:
+    """Read- and write-family system calls of a process, its exited threads included."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            io = dict(line.split(": ") for line in f.read().splitlines() if line)
+    except (OSError, ValueError):
+        return 0  # a process that ended meanwhile, or /proc without io (permissions)
+    return int(io.get("syscr", 0)) + int(io.get("syscw", 0))
 
 
 def memory_mb(pgid: int) -> tuple[float, float]:
