@@ -76,7 +76,9 @@ def fenced_job(
                 )
                 if found.action == "retry":
                     raise Retry(defer=found.delay) from exc
-                return {"sinkgate": found.reason, "job_id": jid}
+                # The code's string, not the enum: arq pickles results, and the
+                # enum would reach whoever reads them, printed as its repr.
+                return {"sinkgate": str(found.reason), "job_id": jid}
 
         return job
 

@@ -9,7 +9,7 @@
 
 The task body gets a `SyncRun` (or a `TaskRun` when it is `async def`, run on the
 private loop of `leases.integrations.sync`). What ends a run becomes Celery's idiom:
-the job already completed returns `{"sinkgate": Reason.JOB_COMPLETED, ...}` (done,
+the job already completed returns `{"sinkgate": "job_completed", ...}` (done,
 nothing redone); a lease held by another live run retries after it would expire;
 a newer generation elsewhere raises `Ignore` (this run stops, the newer one
 answers for the job); a lease that ran out with nobody else on it retries.
@@ -90,7 +90,7 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
         reason=found.reason,
     )
     if found.action == "done":
-        return {"sinkgate": found.reason, "job_id": job_id}
+        return {"sinkgate": str(found.reason), "job_id": job_id}
     if found.action == "stop":
         raise Ignore()
     retries: dict[str, int] = {}
