@@ -29,9 +29,9 @@ def thread_cpu(tid: int) -> float:
 
 
 async def run(writes: int, concurrency: int) -> dict:
+    from gateway.policy.decision import Fencing, WriteFacts
     from gateway.store.records import Outcome, WriteContext
     from gateway.store.sqlite import SQLiteStore
-    from gateway.write.decision import Fencing, WriteFacts
 
     with tempfile.TemporaryDirectory() as tmp:
         store = await SQLiteStore.open(f"sqlite:///{tmp}/s.db")

@@ -22,9 +22,9 @@ from gateway.config.tls import server_context
 from gateway.errors import ConfigError, GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
-from gateway.http.openapi import add_openapi_route
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
+from gateway.openapi.document import add_openapi_route
 from gateway.reload import Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         return _delegate("gateway.admin.cli.keys", "keys", args)
     if args.command == "init":
-        return _delegate("gateway.config.init", "init", args)
+        return _delegate("gateway.config.starter", "init", args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -29,11 +29,11 @@ from yarl import URL
 from gateway.app import create_app, write_front
 from gateway.config.model import Config, DestinationConfig
 from gateway.http.server import GatewayRunner
+from gateway.policy.decision import Fencing
 from gateway.store.postgres import PostgresStore
 from gateway.store.protocol import Store
 from gateway.store.sqlite import SQLiteStore
 from gateway.tools.chaos.processes import free_port
-from gateway.write.decision import Fencing
 
 
 class FakeClock:

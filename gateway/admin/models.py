@@ -1,7 +1,7 @@
 """The JSON shapes of the admin API (SPEC 4), each declared once.
 
 `views` and `ops_views` build their answers from these models (the pages read
-the same dicts), and `gateway.http.openapi` documents them; the resolve route
+the same dicts), and `gateway.openapi.document` documents them; the resolve route
 takes the fields `ResolveRequest` declares.
 """
 
@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from gateway.http.models import IDENT_PATTERN, LeaseState, Seconds, Time
 from gateway.http.schema import Meta
+from gateway.policy.decision import KeyState
 from gateway.store.admin_records import AUDIT_ACTIONS, MAX_BUCKETS, RESOLVE_OUTCOMES
-from gateway.write.decision import KeyState
 
 NOTE_MAX = 1000
 CONTENT_TYPE = r"[\x21-\x7e][\x20-\x7e]{0,254}"  # a media type, as a header carries it

@@ -32,9 +32,9 @@ from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.problem import invalid_request
 from gateway.http.schema import to_json
+from gateway.policy.decision import KeyRecord
 from gateway.store.admin_records import Resolution, ResolveRefused
 from gateway.telemetry.unknown_keys import UnknownKeysGauge
-from gateway.write.decision import KeyRecord
 from leases.reasons import Reason
 
 log = structlog.get_logger("sinkgate.admin")

@@ -31,6 +31,7 @@ from gateway.admin.views import (
 )
 from gateway.http.problem import invalid_request
 from gateway.http.schema import field_names, to_json
+from gateway.policy.decision import KeyState
 from gateway.store.admin_records import (
     AuditEntry,
     AuditQuery,
@@ -40,7 +41,6 @@ from gateway.store.admin_records import (
     summary_fits,
 )
 from gateway.store.records import StoredRejection
-from gateway.write.decision import KeyState
 from leases.model import IDENT
 
 KEY_FILTERS = ("destination", "state", "job_id", "since", "until", "limit", "cursor")

@@ -24,9 +24,9 @@ from gateway.admin import models
 from gateway.errors import STATUS_BY_REASON, Rejection
 from gateway.http.problem import invalid_request
 from gateway.http.schema import to_json
+from gateway.policy.decision import KeyRecord
 from gateway.store.protocol import AdminStore
 from gateway.store.records import JobState, RejectionQuery, StoredRejection
-from gateway.write.decision import KeyRecord
 from leases.model import IDENT, MAX_GENERATION, expires_in
 from leases.reasons import Reason
 

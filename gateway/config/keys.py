@@ -27,7 +27,7 @@ from gateway.config.reader import (
     show,
 )
 from gateway.errors import ConfigError
-from gateway.write.decision import Fencing
+from gateway.policy.decision import Fencing
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

@@ -51,7 +51,7 @@ from gateway.config.reader import (
 )
 from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
 from gateway.errors import ConfigError
-from gateway.write.decision import Fencing
+from gateway.policy.decision import Fencing
 
 __all__ = [
     "CONFIG_ENV",

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.write.decision import KeyRecord, KeyState
+from gateway.policy.decision import KeyRecord, KeyState
 
 AUDIT_ACTIONS = ("resolve_applied", "resolve_not_applied", "reload")
 RESOLVE_OUTCOMES = ("applied", "not_applied")

@@ -38,6 +38,7 @@ from typing import Any, TypeVar, cast
 
 import asyncpg  # type: ignore[import-untyped]
 
+from gateway.policy.decision import WriteFacts
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
@@ -49,7 +50,6 @@ from gateway.store.records import (
     Verdict,
     WriteContext,
 )
-from gateway.write.decision import WriteFacts
 from leases.errors import StoreUnavailable
 from leases.postgres import (
     ACQUIRE_TIMEOUT_S,

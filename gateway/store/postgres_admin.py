@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import (
     AuditEntry,
     AuditQuery,
@@ -40,7 +41,6 @@ from gateway.store.records import (
     where_set,
 )
 from gateway.store.sqlite_admin import add_counts
-from gateway.write.decision import KeyRecord, KeyState
 from leases.model import LeaseRow, State
 from leases.postgres import STORE_NOW
 from leases.reasons import Reason

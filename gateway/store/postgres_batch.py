@@ -38,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.store import batch_plan
-from gateway.store.batch_plan import Barrier, BatchState, KeyId
-from gateway.store.plan import Reservation, WritePlan
+from gateway.policy import batch_plan
+from gateway.policy.batch_plan import Barrier, BatchState, KeyId
+from gateway.policy.decision import WriteFacts
+from gateway.policy.plan import Reservation, WritePlan
 from gateway.store.postgres_outcomes import CUSTOM_PLANS
 from gateway.store.records import (
     KEY_COLUMNS,
@@ -53,7 +54,6 @@ from gateway.store.records import (
     new_attempt_id,
     rejection_values,
 )
-from gateway.write.decision import WriteFacts
 from leases.model import LeaseRow, State
 from leases.postgres import DURABLE, STORE_NOW, Conn
 

@@ -20,8 +20,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.policy.decision import WriteFacts
 from gateway.store.records import Outcome
-from gateway.write.decision import WriteFacts
 from leases.postgres import DURABLE, STORE_NOW, Conn
 
 # Durability from within the statement: `set_config(..., is_local => true)`

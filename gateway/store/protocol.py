@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gateway.policy.decision import KeyRecord, WriteFacts
 from gateway.store.admin_records import OperatorStore
 from gateway.store.records import (
     Clock,
@@ -22,7 +23,6 @@ from gateway.store.records import (
     Verdict,
     WriteContext,
 )
-from gateway.write.decision import KeyRecord, WriteFacts
 from leases.model import Lease, LeaseRef
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.write.decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
+from gateway.policy.decision import Decision, KeyRecord, KeyState, Reject, Replay, WriteFacts
 from leases.model import LeaseRow
 from leases.reasons import Reason
 

@@ -14,8 +14,14 @@ from typing import Any
 
 import orjson
 
+from gateway.policy.decision import (
+    Fencing,
+    KeyRecord,
+    StoredState,
+    WriteFacts,
+)
+from gateway.policy.plan import Reservation, plan_write
 from gateway.store import sqlite_admin
-from gateway.store.plan import Reservation, plan_write
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -35,12 +41,6 @@ from gateway.store.records import (
     where_set,
 )
 from gateway.store.sqlite_schema import GATEWAY_SCHEMA_VERSION, init_schema
-from gateway.write.decision import (
-    Fencing,
-    KeyRecord,
-    StoredState,
-    WriteFacts,
-)
 from leases import sqlite as lease_sql
 from leases.errors import StoreUnavailable
 from leases.model import LeaseRow, State

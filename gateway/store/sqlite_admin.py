@@ -17,6 +17,7 @@ import json
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
+from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import (
     AuditEntry,
     AuditQuery,
@@ -28,7 +29,6 @@ from gateway.store.admin_records import (
     bucket_width,
 )
 from gateway.store.records import KEY_COLUMNS_SQL, key_record, new_attempt_id, where_set
-from gateway.write.decision import KeyRecord, KeyState
 from leases.reasons import Reason
 
 if TYPE_CHECKING:

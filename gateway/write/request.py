@@ -16,7 +16,7 @@ from multidict import CIMultiDictProxy
 
 from gateway.config.model import DestinationConfig
 from gateway.errors import Rejection
-from gateway.write.decision import WriteFacts, fingerprint
+from gateway.policy.decision import WriteFacts, fingerprint
 from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
 from leases.model import IDENT, MAX_GENERATION, VISIBLE
 from leases.reasons import Reason

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gateway.policy.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
 from gateway.store import postgres_admin, sqlite_admin
 from gateway.store.admin_records import (
     AuditQuery,
@@ -27,7 +28,6 @@ from gateway.store.postgres import PostgresStore
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
 from tests.backends import Backend
 from tests.conformance.test_store_conformance import CONTEXT, TIMEOUT, reason, write
 from tests.conftest import FakeClock

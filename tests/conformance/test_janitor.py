@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from gateway.errors import StoreUnavailable
+from gateway.policy.decision import Fencing, WriteFacts
 from gateway.store.janitor import purge_once, run_janitor
 from gateway.store.records import Outcome, RejectionQuery, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import Fencing, WriteFacts
 from tests.conftest import FakeClock
 
 HOUR = 3600.0

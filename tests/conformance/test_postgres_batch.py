@@ -15,14 +15,14 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.store import batch_plan, postgres_batch
+from gateway.policy import batch_plan, postgres_batch
+from gateway.policy.batch_plan import BatchState
+from gateway.policy.decision import Forward, WriteFacts
+from gateway.policy.plan import WritePlan, plan_write
 from gateway.store import postgres as postgres_store
-from gateway.store.batch_plan import BatchState
-from gateway.store.plan import WritePlan, plan_write
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_batch import Log
 from gateway.store.records import Outcome, RejectionQuery, RejectionRecord
-from gateway.write.decision import Forward, WriteFacts
 from leases.errors import StoreUnavailable
 from leases.postgres import DURABLE
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, reason, write

@@ -4,7 +4,7 @@ gateway allows satisfy the contract's invariants (SPEC 2 steps 6-8, SPEC 8).
 
 Two backends run the same sequences through the same checker:
 
-- `ModelBackend`: a small in-memory store that calls `gateway.write.decision.decide`
+- `ModelBackend`: a small in-memory store that calls `gateway.policy.decision.decide`
   and the `leases.model` transitions exactly as `SQLiteStore` does (read the
   state, decide, apply the verdict);
 - `SQLiteBackend`: the real `SQLiteStore` on a fresh file with a fake clock.
@@ -25,10 +25,7 @@ from typing import Any, Protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.store.plan import plan_write
-from gateway.store.records import Outcome, WriteContext
-from gateway.store.sqlite import SQLiteStore
-from gateway.write.decision import (
+from gateway.policy.decision import (
     Fencing,
     Forward,
     KeyRecord,
@@ -41,6 +38,9 @@ from gateway.write.decision import (
     fingerprint,
     reservation_deadline,
 )
+from gateway.policy.plan import plan_write
+from gateway.store.records import Outcome, WriteContext
+from gateway.store.sqlite import SQLiteStore
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost
 from leases.model import Lease, LeaseRow, State

@@ -10,9 +10,9 @@ from pathlib import Path
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from gateway.policy.decision import Forward, Reject
 from gateway.store.postgres import PostgresStore
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
-from gateway.write.decision import Forward, Reject
 from tests.conformance.test_store_conformance import CONTEXT, write
 from tests.pg import fresh_database
 

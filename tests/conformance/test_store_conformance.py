@@ -16,6 +16,15 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from gateway.policy.decision import (
+    RESERVATION_GRACE_S,
+    Fencing,
+    Forward,
+    KeyState,
+    Reject,
+    Replay,
+    WriteFacts,
+)
 from gateway.store import postgres as postgres_store
 from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
@@ -27,15 +36,6 @@ from gateway.store.records import (
     Verdict,
     WriteContext,
     new_attempt_id,
-)
-from gateway.write.decision import (
-    RESERVATION_GRACE_S,
-    Fencing,
-    Forward,
-    KeyState,
-    Reject,
-    Replay,
-    WriteFacts,
 )
 from leases.errors import StoreUnavailable
 from tests.backends import Backend

@@ -26,10 +26,10 @@ from aiohttp import web
 
 from gateway.admin.app import create_admin_app
 from gateway.http.server import GatewayRunner
+from gateway.policy.decision import Fencing, WriteFacts
 from gateway.store.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import Fencing, WriteFacts
 from tests.conftest import FakeClock
 
 TOKEN = "browser-test-token"

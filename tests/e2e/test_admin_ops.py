@@ -15,11 +15,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin.app import create_admin_app
+from gateway.policy.decision import RESERVATION_GRACE_S
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import RESERVATION_GRACE_S
 from tests.conftest import FakeClock
 from tests.e2e.test_admin import AUTH, CONTEXT, TOKEN, facts, get_json
 from tests.harness import eventually

@@ -11,11 +11,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admin.app import create_admin_app
+from gateway.policy.decision import KeyState
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import KeyState
 from tests.e2e.test_admin import CONTEXT, TOKEN, facts
 
 HOSTILE_KEY = '<script>alert("k")</script>'

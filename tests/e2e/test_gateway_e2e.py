@@ -16,9 +16,9 @@ from multidict import CIMultiDict
 
 from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
+from gateway.policy import decision as decision_module
+from gateway.policy.decision import Fencing
 from gateway.store.records import RejectionQuery
-from gateway.write import decision as decision_module
-from gateway.write.decision import Fencing
 from leases.errors import StoreUnavailable
 from tests.harness import (
     Gateway,

@@ -32,9 +32,9 @@ from gateway.app import SERVER_LIMITS, WRITES, create_app
 from gateway.http import bodies, server
 from gateway.http.appkeys import CONFIG, METRICS
 from gateway.http.server import GatewayRunner, parse_error_rejection
+from gateway.policy.decision import Fencing
 from gateway.store.records import RejectionQuery
 from gateway.store.sqlite import SQLiteStore
-from gateway.write.decision import Fencing
 from gateway.write.request import origin_form
 from leases.sqlite import sqlite_path
 from tests.harness import (

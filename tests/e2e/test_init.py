@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import keys
-from gateway.config.init import template
+from gateway.config.starter import template
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,11 +16,11 @@ from gateway.admin.app import create_admin_app
 from gateway.admin.cli import keys as keys_cli
 from gateway.admin.cli import rejections as rejections_cli
 from gateway.http.server import GatewayRunner
+from gateway.policy.decision import KeyState
 from gateway.store.admin_records import AuditQuery
 from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
-from gateway.write.decision import KeyState
 from tests.e2e.test_admin import CONTEXT, facts
 
 TOKEN = "keys-cli-token"

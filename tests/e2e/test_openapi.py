@@ -31,8 +31,8 @@ from schemathesis.checks import positive_data_acceptance
 
 from gateway.admin.app import create_admin_app
 from gateway.http.appkeys import METRICS
-from gateway.http.openapi import build_document
 from gateway.http.server import GatewayRunner
+from gateway.openapi.document import build_document
 from tests.harness import (
     destination,
     make_config,

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from gateway.write.decision import Fencing, KeyState
+from gateway.policy.decision import Fencing, KeyState
 from tests.harness import (
     catch_all,
     destination,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from gateway.policy import decision as decision_module
 from gateway.tools.demo import run_demo
-from gateway.write import decision as decision_module
 
 
 def test_demo_exits_0_and_prints_the_timeline() -> None:

@@ -24,10 +24,10 @@ WEAKNESSES = ("fail_open", "impatient", "forget_lost_answers")
 
 
 def _fail_open() -> None:
+    from gateway.policy.decision import Forward
     from gateway.store.postgres import PostgresStore
     from gateway.store.records import Verdict, new_attempt_id
     from gateway.store.sqlite import SQLiteStore
-    from gateway.write.decision import Forward
     from leases.errors import StoreUnavailable
 
     for cls in (PostgresStore, SQLiteStore):

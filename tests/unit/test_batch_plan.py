@@ -1,4 +1,4 @@
-"""gateway.store.batch_plan as plain tables: one batch decided as one after the other."""
+"""gateway.policy.batch_plan as plain tables: one batch decided as one after the other."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.store import batch_plan
-from gateway.store.batch_plan import Barrier, BatchState, plan_batch
-from gateway.write.decision import Fencing, Forward, KeyState, Reject, WriteFacts
+from gateway.policy import batch_plan
+from gateway.policy.batch_plan import Barrier, BatchState, plan_batch
+from gateway.policy.decision import Fencing, Forward, KeyState, Reject, WriteFacts
 from tests.unit.test_decision import ACTIVE, FACTS, NOW, record
 from tests.unit.test_plan import CONTEXT, _ids
 

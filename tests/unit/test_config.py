@@ -24,7 +24,7 @@ from gateway.config.model import (
     redact_url,
 )
 from gateway.errors import ConfigError
-from gateway.write.decision import Fencing
+from gateway.policy.decision import Fencing
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"

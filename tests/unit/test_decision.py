@@ -1,4 +1,4 @@
-"""gateway.write.decision.decide as plain tables: (facts, stored state, now) -> verdict."""
+"""gateway.policy.decision.decide as plain tables: (facts, stored state, now) -> verdict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.write.decision import (
+from gateway.policy.decision import (
     RESERVATION_GRACE_S,
     Fencing,
     Forward,

@@ -21,12 +21,12 @@ from gateway.admin.views import job_view, key_view, rejection_item, rejection_pa
 from gateway.errors import Rejection
 from gateway.http import models
 from gateway.http.leases import lease_json
-from gateway.http.openapi import build_document
 from gateway.http.schema import to_json
+from gateway.openapi.document import build_document
+from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import AuditEntry, Resolution, Summary
 from gateway.store.records import JobState, RejectionRecord, StoredRejection
 from gateway.write import route
-from gateway.write.decision import KeyRecord, KeyState
 from leases.model import Lease, LeaseRow, State
 from leases.reasons import Reason
 

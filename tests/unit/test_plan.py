@@ -1,13 +1,13 @@
-"""gateway.store.plan.plan_write as plain tables: what each verdict writes."""
+"""gateway.policy.plan.plan_write as plain tables: what each verdict writes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
 
-from gateway.store.plan import plan_write
+from gateway.policy.decision import Forward, KeyState, Reject, Replay, StoredState
+from gateway.policy.plan import plan_write
 from gateway.store.records import WriteContext
-from gateway.write.decision import Forward, KeyState, Reject, Replay, StoredState
 from leases.model import LeaseRow, State
 from tests.unit.test_decision import ACTIVE, FACTS, NOW, record
 

@@ -38,8 +38,8 @@ from gateway.admin.session import SESSION_COOKIE
 from gateway.admin.views import job_view, key_view, parse_time
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
+from gateway.policy.decision import KeyState
 from gateway.store.admin_records import summary_fits
-from gateway.write.decision import KeyState
 from leases.model import IDENT
 from leases.reasons import Reason
 

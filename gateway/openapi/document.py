@@ -20,8 +20,9 @@ from aiohttp import web
 from gateway.admin import models as admin_models
 from gateway.http import models
 from gateway.http.leases import LEASE_REQUESTS
-from gateway.http.openapi_admin import admin_paths
-from gateway.http.openapi_parts import (
+from gateway.http.schema import Components, ref
+from gateway.openapi.admin import admin_paths
+from gateway.openapi.parts import (
     INVALID,
     JOB_ID_PARAM,
     STORE_DOWN,
@@ -29,8 +30,7 @@ from gateway.http.openapi_parts import (
     json_body,
     problem,
 )
-from gateway.http.openapi_write import write_operation
-from gateway.http.schema import Components, ref
+from gateway.openapi.write import write_operation
 from leases.model import LOST_REASONS
 from leases.reasons import Reason
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from gateway.admin import models
 from gateway.errors import STATUS_BY_REASON
-from gateway.http.openapi_parts import (
+from gateway.http.schema import ref
+from gateway.openapi.parts import (
     ADMIN_SECURITY,
     ADMIN_SERVERS,
     IDENT,
@@ -25,8 +26,7 @@ from gateway.http.openapi_parts import (
     problem,
     query,
 )
-from gateway.http.schema import ref
-from gateway.write.decision import KeyState
+from gateway.policy.decision import KeyState
 from leases.reasons import Reason
 
 _CURSOR = query("cursor", {"type": "string"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.http.openapi_parts import IDENT, STRING, path_param, problem
+from gateway.openapi.parts import IDENT, STRING, path_param, problem
 from leases.model import LOST_REASONS
 from leases.reasons import Reason
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.store.records import RejectionRecord, Verdict, WriteContext, rejection_record
-from gateway.write.decision import (
+from gateway.policy.decision import (
     Decision,
     Forward,
     KeyRecord,
@@ -26,6 +25,7 @@ from gateway.write.decision import (
     decide,
     reservation_deadline,
 )
+from gateway.store.records import RejectionRecord, Verdict, WriteContext, rejection_record
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.store.plan import Reservation, WritePlan, plan_write
+from gateway.policy.decision import Fencing, KeyRecord, KeyState, StoredState, WriteFacts
+from gateway.policy.plan import Reservation, WritePlan, plan_write
 from gateway.store.records import WriteContext
-from gateway.write.decision import Fencing, KeyRecord, KeyState, StoredState, WriteFacts
 from leases.model import LeaseRow
 
 KeyId = tuple[str, str]  # (destination, key)
