@@ -30,7 +30,7 @@ def thread_cpu(tid: int) -> float:
 
 async def run(writes: int, concurrency: int) -> dict:
     from gateway.policy.decision import Fencing, WriteFacts
-    from gateway.store.records import Outcome, WriteContext
+    from gateway.policy.records import Outcome, WriteContext
     from gateway.store.sqlite import SQLiteStore
 
     with tempfile.TemporaryDirectory() as tmp:

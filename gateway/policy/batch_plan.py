@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from gateway.policy.decision import Fencing, KeyRecord, KeyState, StoredState, WriteFacts
 from gateway.policy.plan import Reservation, WritePlan, plan_write
-from gateway.store.records import WriteContext
+from gateway.policy.records import WriteContext
 from leases.model import LeaseRow
 
 KeyId = tuple[str, str]  # (destination, key)

@@ -25,7 +25,7 @@ from gateway.policy.decision import (
     decide,
     reservation_deadline,
 )
-from gateway.store.records import RejectionRecord, Verdict, WriteContext, rejection_record
+from gateway.policy.records import RejectionRecord, Verdict, WriteContext, rejection_record
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,17 +39,12 @@ from typing import Any, TypeVar, cast
 import asyncpg  # type: ignore[import-untyped]
 
 from gateway.policy.decision import WriteFacts
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
 from gateway.store.postgres_outcomes import CUSTOM_PLANS_SQL, Recorded, record_outcomes
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
-from gateway.store.records import (
-    Outcome,
-    RejectionRecord,
-    Verdict,
-    WriteContext,
-)
 from leases.errors import StoreUnavailable
 from leases.postgres import (
     ACQUIRE_TIMEOUT_S,

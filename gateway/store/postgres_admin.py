@@ -16,6 +16,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from gateway.policy.decision import KeyRecord, KeyState
+from gateway.policy.records import RejectionRecord
 from gateway.store.admin_records import (
     AuditEntry,
     AuditQuery,
@@ -33,7 +34,6 @@ from gateway.store.records import (
     REJECTION_FIELDS,
     JobState,
     RejectionQuery,
-    RejectionRecord,
     StoredRejection,
     key_record,
     new_attempt_id,

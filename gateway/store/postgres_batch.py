@@ -42,14 +42,12 @@ from gateway.policy import batch_plan
 from gateway.policy.batch_plan import Barrier, BatchState, KeyId
 from gateway.policy.decision import WriteFacts
 from gateway.policy.plan import Reservation, WritePlan
+from gateway.policy.records import RejectionRecord, Verdict, WriteContext
 from gateway.store.postgres_outcomes import CUSTOM_PLANS
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_FIELDS,
-    RejectionRecord,
-    Verdict,
-    WriteContext,
     key_record,
     new_attempt_id,
     rejection_values,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policy.decision import WriteFacts
-from gateway.store.records import Outcome
+from gateway.policy.records import Outcome
 from leases.postgres import DURABLE, STORE_NOW, Conn
 
 # Durability from within the statement: `set_config(..., is_local => true)`

@@ -12,17 +12,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from gateway.policy.decision import KeyRecord, WriteFacts
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.admin_records import OperatorStore
-from gateway.store.records import (
-    Clock,
-    JobState,
-    Outcome,
-    RejectionQuery,
-    RejectionRecord,
-    StoredRejection,
-    Verdict,
-    WriteContext,
-)
+from gateway.store.records import Clock, JobState, RejectionQuery, StoredRejection
 from leases.model import Lease, LeaseRef
 
 

@@ -21,6 +21,7 @@ from gateway.policy.decision import (
     WriteFacts,
 )
 from gateway.policy.plan import Reservation, plan_write
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import sqlite_admin
 from gateway.store.records import (
     KEY_COLUMNS,
@@ -28,12 +29,8 @@ from gateway.store.records import (
     REJECTION_COLUMNS_SQL,
     Clock,
     JobState,
-    Outcome,
     RejectionQuery,
-    RejectionRecord,
     StoredRejection,
-    Verdict,
-    WriteContext,
     key_record,
     new_attempt_id,
     rejection_filters,

@@ -23,8 +23,8 @@ from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import WriteStore
-from gateway.store.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics

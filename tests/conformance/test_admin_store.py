@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from gateway.policy.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
+from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres_admin, sqlite_admin
 from gateway.store.admin_records import (
     AuditQuery,
@@ -25,7 +26,6 @@ from gateway.store.admin_records import (
 )
 from gateway.store.janitor import purge_once
 from gateway.store.postgres import PostgresStore
-from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.backends import Backend

@@ -11,8 +11,9 @@ import pytest
 
 from gateway.errors import StoreUnavailable
 from gateway.policy.decision import Fencing, WriteFacts
+from gateway.policy.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.janitor import purge_once, run_janitor
-from gateway.store.records import Outcome, RejectionQuery, RejectionRecord, WriteContext
+from gateway.store.records import RejectionQuery
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock

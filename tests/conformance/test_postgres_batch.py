@@ -19,10 +19,11 @@ from gateway.policy import batch_plan, postgres_batch
 from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import Forward, WriteFacts
 from gateway.policy.plan import WritePlan, plan_write
+from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_batch import Log
-from gateway.store.records import Outcome, RejectionQuery, RejectionRecord
+from gateway.store.records import RejectionQuery
 from leases.errors import StoreUnavailable
 from leases.postgres import DURABLE
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, reason, write

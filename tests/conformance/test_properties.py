@@ -39,7 +39,7 @@ from gateway.policy.decision import (
     reservation_deadline,
 )
 from gateway.policy.plan import plan_write
-from gateway.store.records import Outcome, WriteContext
+from gateway.policy.records import Outcome, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost

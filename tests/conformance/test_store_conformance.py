@@ -25,18 +25,11 @@ from gateway.policy.decision import (
     Replay,
     WriteFacts,
 )
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import postgres as postgres_store
 from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
-from gateway.store.records import (
-    AttemptIds,
-    Outcome,
-    RejectionQuery,
-    RejectionRecord,
-    Verdict,
-    WriteContext,
-    new_attempt_id,
-)
+from gateway.store.records import AttemptIds, RejectionQuery, new_attempt_id
 from leases.errors import StoreUnavailable
 from tests.backends import Backend
 from tests.harness import eventually

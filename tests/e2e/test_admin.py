@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.admin.app import admin_bind_allowed, create_admin_app
 from gateway.admin.views import encode_cursor
 from gateway.policy.decision import Fencing, WriteFacts
-from gateway.store.records import Outcome, RejectionRecord, WriteContext
+from gateway.policy.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock

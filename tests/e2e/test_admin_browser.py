@@ -27,7 +27,7 @@ from aiohttp import web
 from gateway.admin.app import create_admin_app
 from gateway.http.server import GatewayRunner
 from gateway.policy.decision import Fencing, WriteFacts
-from gateway.store.records import Outcome, RejectionRecord, WriteContext
+from gateway.policy.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock

@@ -16,7 +16,7 @@ from aiohttp import web
 from gateway.admin.app import create_admin_app
 from gateway.admin.cli.rejections import _more_hint, add_arguments, admin_base, main, to_rfc3339
 from gateway.http.server import GatewayRunner
-from gateway.store.records import RejectionRecord
+from gateway.policy.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin.app import create_admin_app
 from gateway.policy.decision import RESERVATION_GRACE_S
+from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store.admin_records import AuditQuery
-from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock

@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admin.app import create_admin_app
 from gateway.policy.decision import KeyState
+from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store.admin_records import AuditQuery
-from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.e2e.test_admin import CONTEXT, TOKEN, facts

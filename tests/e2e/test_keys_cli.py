@@ -17,8 +17,8 @@ from gateway.admin.cli import keys as keys_cli
 from gateway.admin.cli import rejections as rejections_cli
 from gateway.http.server import GatewayRunner
 from gateway.policy.decision import KeyState
+from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store.admin_records import AuditQuery
-from gateway.store.records import Outcome, RejectionRecord
 from gateway.store.sqlite import SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.e2e.test_admin import CONTEXT, facts

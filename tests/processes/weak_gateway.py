@@ -25,8 +25,9 @@ WEAKNESSES = ("fail_open", "impatient", "forget_lost_answers")
 
 def _fail_open() -> None:
     from gateway.policy.decision import Forward
+    from gateway.policy.records import Verdict
     from gateway.store.postgres import PostgresStore
-    from gateway.store.records import Verdict, new_attempt_id
+    from gateway.store.records import new_attempt_id
     from gateway.store.sqlite import SQLiteStore
     from leases.errors import StoreUnavailable
 

@@ -24,8 +24,9 @@ from gateway.http.leases import lease_json
 from gateway.http.schema import to_json
 from gateway.openapi.document import build_document
 from gateway.policy.decision import KeyRecord, KeyState
+from gateway.policy.records import RejectionRecord
 from gateway.store.admin_records import AuditEntry, Resolution, Summary
-from gateway.store.records import JobState, RejectionRecord, StoredRejection
+from gateway.store.records import JobState, StoredRejection
 from gateway.write import route
 from leases.model import Lease, LeaseRow, State
 from leases.reasons import Reason

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from gateway.policy.decision import Forward, KeyState, Reject, Replay, StoredState
 from gateway.policy.plan import plan_write
-from gateway.store.records import WriteContext
+from gateway.policy.records import WriteContext
 from leases.model import LeaseRow, State
 from tests.unit.test_decision import ACTIVE, FACTS, NOW, record
 
