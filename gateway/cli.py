@@ -275,8 +275,23 @@ def _check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return 1
+    for warning in config_warnings(config):
+        _error(f"warning: {warning}")
     print(summary(config))
     return 0
+
+
+def config_warnings(config: Config) -> list[str]:
+    """What is valid but most likely not meant; `check-config` prints it and exits 0."""
+    found = []
+    for _, dest in sorted(config.destinations.items()):
+        for header in dest.headers_named_like_keys:
+            found.append(
+                f"{os.path.relpath(dest.source)}: [upstream_headers] {header}: a header named "
+                f"like the destination key {header!r}, sent on every forward; a key written "
+                "below the [upstream_headers] table belongs to it: move it above the table"
+            )
+    return found
 
 
 def _lease_api_access(config: Config) -> str:

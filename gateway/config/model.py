@@ -126,6 +126,12 @@ class DestinationConfig:
         """The names of `upstream_headers`, safe to print (the values are secrets)."""
         return tuple(name for name, _ in self.upstream_headers)
 
+    @property
+    def headers_named_like_keys(self) -> tuple[str, ...]:
+        """`upstream_headers` names that are also destination keys: most likely a
+        key written below the `[upstream_headers]` table, which TOML puts inside it."""
+        return tuple(name for name in self.upstream_header_names if name in DESTINATION.names)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:

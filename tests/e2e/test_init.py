@@ -4,6 +4,7 @@ the real entry point, in an empty directory."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -147,3 +148,35 @@ def test_the_wheel_carries_the_templates(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "gateway/config/templates/gateway.toml" in names
     assert "gateway/config/templates/example.toml" in names
+
+
+def test_a_key_appended_to_the_destination_template_is_never_a_header(tmp_path: Path) -> None:
+    """The template leaves `[upstream_headers]` commented out, so a key added at the
+    end is the destination's (or a duplicate, refused), never a header; with the
+    table in use, `check-config` warns about a header named like a destination key."""
+    assert sinkgate(tmp_path, "init").returncode == 0
+    example = tmp_path / "config" / "destinations" / "example.toml"
+    shipped = example.read_text()
+
+    example.write_text(shipped + 'timeout = "3s"\n')
+    check = sinkgate(tmp_path, "check-config")
+    assert check.returncode == 1  # set twice: an error, not a header
+    invalid = r"config/destinations/example\.toml: line \d+, column \d+: invalid TOML"
+    assert re.search(invalid, check.stderr), check.stderr
+
+    example.write_text(shipped + "max_in_flight = 8\n")
+    check = sinkgate(tmp_path, "check-config")
+    assert check.returncode == 0, check.stderr
+    assert "upstream_headers=none" in check.stdout and "warning" not in check.stderr
+
+    # A user who enables the table and then appends a key gets told.
+    enabled = shipped.replace("# [upstream_headers]", "[upstream_headers]")
+    assert enabled != shipped
+    example.write_text(enabled + 'timeout = "3s"\n')
+    check = sinkgate(tmp_path, "check-config")
+    assert check.returncode == 0, check.stderr
+    assert "upstream_headers=timeout" in check.stdout
+    assert (
+        "sinkgate: warning: config/destinations/example.toml: [upstream_headers] timeout: "
+        "a header named like the destination key 'timeout'"
+    ) in check.stderr
