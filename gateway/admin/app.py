@@ -7,11 +7,12 @@ an HMAC of its expiry keyed by the token, so changing the token ends every
 session). Tokens are never accepted in a query string: URLs end up in logs and
 browser history. `/healthz`, `/readyz` and `/metrics` are open.
 
-This module holds the app factory, auth, the errors middleware, the JSON API's
-handlers and health. The rejection filters, the reads behind them and the JSON
-shapes are in `admin_views`, shared with the HTML page; the page and its sign-in
-handlers are in `admin_page`, which imports the session settings here (so this
-module imports it only where it is used).
+This module composes the listener: the routes, the errors middleware and health.
+Each resource has its module, holding its filters, its JSON shapes and its JSON
+routes: `rejections` (with the summary and the export), `keys` (with resolve),
+`jobs`, `audit`; `query` holds what their filters share; `session` says who may
+come in; `page/` is the HTML page over the same parsing and shapes; `cli/` the
+commands that read these routes.
 """
 
 from __future__ import annotations
@@ -25,20 +26,14 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from gateway.admin.ops_api import EXPORT_TYPES, OpsApi, add_ops_routes
+from gateway.admin.audit import AuditApi
+from gateway.admin.jobs import JobsApi
+from gateway.admin.keys import KeysApi
 from gateway.admin.page.listing import Page, login_page
-from gateway.admin.page.operator import OpsPage
+from gateway.admin.page.operator import OperatorPage
+from gateway.admin.query import only_params
+from gateway.admin.rejections import RejectionsApi
 from gateway.admin.session import SessionAuth
-from gateway.admin.views import (
-    fetch_page,
-    find_rejection,
-    job_view,
-    key_view,
-    only_params,
-    parse_rejection_query,
-    rejection_item,
-    rejection_page,
-)
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.models import OK
 from gateway.http.problem import problem_response, router_refusal
@@ -46,7 +41,6 @@ from gateway.http.schema import to_json
 from gateway.store.protocol import AdminOpsStore, AdminStore
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
-from leases.model import IDENT
 from leases.reasons import Reason
 
 log = structlog.get_logger("sinkgate.admin")
@@ -74,29 +68,33 @@ def create_admin_app(
     auth = SessionAuth(token, clock, login_page=_signin_instead)
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     add_health_routes(app, lambda: store)
-    ops = OpsApi(store, UnknownKeysGauge(store, metrics))
+    gauge = UnknownKeysGauge(store, metrics)
     if gauge_interval is not None:
-        app.cleanup_ctx.append(_background(ops.gauge.run(gauge_interval)))
+        app.cleanup_ctx.append(_background(gauge.run(gauge_interval)))
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body, content_type = metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    ops_page = OpsPage(store, auth, ops)
-    page = Page(store, auth, glance=ops_page.glance)
-    api = _Api(store, page, ops, ops_page)
+    keys = KeysApi(store, gauge)
+    rejections, jobs, audit = RejectionsApi(store), JobsApi(store), AuditApi(store)
+    operator = OperatorPage(store, auth, resolve=keys.apply)
+    page = Page(store, auth, glance=operator.glance)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)
     app.router.add_get("/admin/", page.listing)
     app.router.add_get("/admin/login", page.login_form)
     app.router.add_post("/admin/login", page.login)
     app.router.add_post("/admin/logout", page.logout)
-    app.router.add_get("/admin/rejections", api.list_rejections)
-    app.router.add_get("/admin/rejections/{id}", api.get_rejection)
-    app.router.add_get("/admin/jobs/{job_id}", api.get_job)
-    add_ops_routes(app, ops, audit_page=ops_page.audit)
-    ops_page.add_routes(app)
-    app.router.add_get("/admin/keys/{destination}/{key:.+}", api.get_key)
+    app.router.add_get("/admin/rejections", rejections.list)
+    app.router.add_get("/admin/rejections/{id}", _one(rejections.get, page=page.detail))
+    app.router.add_get("/admin/jobs/{job_id}", _one(jobs.get, page=operator.job))
+    app.router.add_get("/admin/keys", keys.list)
+    app.router.add_post("/admin/keys/{destination}/{key:.+}/resolve", keys.resolve)
+    app.router.add_get("/admin/audit", _or_page(audit.list, page=operator.audit))
+    app.router.add_get("/admin/summary", rejections.summary)
+    operator.add_routes(app)
+    app.router.add_get("/admin/keys/{destination}/{key:.+}", _one(keys.get, page=operator.key))
     return app
 
 
@@ -110,6 +108,28 @@ def _background(job: Coroutine[Any, Any, None]) -> Callable[[web.Application], A
         await asyncio.gather(task, return_exceptions=True)
 
     return context
+
+
+def _or_page(json_view: Handler, *, page: Handler) -> Handler:
+    """A route answering JSON, or its page for `?format=html`."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.query.get("format") == "html":
+            return await page(request)
+        return await json_view(request)
+
+    return handler
+
+
+def _one(json_view: Handler, *, page: Handler) -> Handler:
+    """The route of one thing (a rejection, a job, a key): no query but `format`."""
+    either = _or_page(json_view, page=page)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        only_params(request.query, (), formats=("html",))
+        return await either(request)
+
+    return handler
 
 
 def _signin_instead(request: web.Request) -> web.StreamResponse:
@@ -174,52 +194,3 @@ def _errors_middleware(metrics: Metrics) -> Any:
             return refusal
 
     return errors
-
-
-# --- the JSON API ------------------------------------------------------------------------
-
-
-class _Api:
-    def __init__(self, store: AdminOpsStore, page: Page, ops: OpsApi, ops_page: OpsPage) -> None:
-        self._store = store
-        self.page = page
-        self._ops = ops
-        self._ops_page = ops_page
-
-    async def list_rejections(self, request: web.Request) -> web.StreamResponse:
-        if request.query.get("format") in EXPORT_TYPES:
-            return await self._ops.export(request)
-        # Any other format is refused naming all this route takes, the exports too.
-        formats = tuple(EXPORT_TYPES)
-        query = parse_rejection_query(request.query, self._store.clock(), formats=formats)
-        items, next_cursor = await fetch_page(self._store, query)
-        return web.json_response(rejection_page(items, next_cursor))
-
-    async def get_rejection(self, request: web.Request) -> web.Response:
-        only_params(request.query, (), formats=("html",))
-        if request.query.get("format") == "html":
-            return await self.page.detail(request)
-        found = await find_rejection(self._store, request.match_info["id"])
-        return web.json_response(rejection_item(found))
-
-    async def get_job(self, request: web.Request) -> web.Response:
-        only_params(request.query, (), formats=("html",))
-        if request.query.get("format") == "html":
-            return await self._ops_page.job(request)
-        job_id = request.match_info["job_id"]
-        state = None
-        if IDENT.fullmatch(job_id):
-            state = await self._store.job_state(job_id)
-        if state is None:
-            raise Rejection(Reason.NOT_FOUND, "no lease, fence, attempt or rejection for this job")
-        return web.json_response(job_view(state, self._store.clock()))
-
-    async def get_key(self, request: web.Request) -> web.Response:
-        only_params(request.query, (), formats=("html",))
-        if request.query.get("format") == "html":
-            return await self._ops_page.key(request)
-        destination, key = request.match_info["destination"], request.match_info["key"]
-        record = await self._store.key_record(destination, key)
-        if record is None:
-            raise Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
-        return web.json_response(key_view(record, self._store.clock()))

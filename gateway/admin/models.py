@@ -1,8 +1,8 @@
 """The JSON shapes of the admin API (SPEC 4), each declared once.
 
-`views` and `ops_views` build their answers from these models (the pages read
-the same dicts), and `gateway.openapi.document` documents them; the resolve route
-takes the fields `ResolveRequest` declares.
+The resource modules (`rejections`, `keys`, `jobs`, `audit`) build their answers
+from these models (the pages read the same dicts), and `gateway.openapi.document`
+documents them; the resolve route takes the fields `ResolveRequest` declares.
 """
 
 from __future__ import annotations

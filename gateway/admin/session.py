@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from gateway.admin.views import DECIMAL_ID
+from gateway.admin.query import DECIMAL_ID
 from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
 from gateway.http.auth import authorization, cross_site

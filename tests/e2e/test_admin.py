@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin.app import admin_bind_allowed, create_admin_app
-from gateway.admin.views import encode_cursor
+from gateway.admin.query import encode_cursor
 from gateway.policy.decision import Fencing, WriteFacts
 from gateway.policy.records import Outcome, RejectionRecord, WriteContext
 from gateway.store.sqlite import SQLiteStore
@@ -692,7 +692,7 @@ async def test_page_filters_and_links(client, mixed):
     assert text.count('class="rejection"') == 1
     assert f'href="/admin/rejections/{mixed["c"]}?format=html"' in text
     assert '<option value="stale_generation" selected>' in text
-    cursor = encode_cursor(mixed["c"])
+    cursor = encode_cursor(mixed["c"], "r1:")
     assert f"cursor={cursor}" in text  # the "older" link keeps the filters
     assert re.search(r'href="/admin/\?reason=stale_generation&amp;limit=1&amp;cursor=', text)
 

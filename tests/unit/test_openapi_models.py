@@ -15,9 +15,10 @@ from jsonschema import Draft202012Validator, FormatChecker, ValidationError
 
 import gateway
 from gateway.admin import models as admin_models
-from gateway.admin.ops_api import resolved_view
-from gateway.admin.ops_views import audit_page, summary_view
-from gateway.admin.views import job_view, key_view, rejection_item, rejection_page
+from gateway.admin.audit import audit_page
+from gateway.admin.jobs import job_view
+from gateway.admin.keys import key_view, resolved_view
+from gateway.admin.rejections import rejection_item, rejection_page, summary_view
 from gateway.errors import Rejection
 from gateway.http import models
 from gateway.http.leases import lease_json

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from gateway.admin.views import rfc3339
+from gateway.admin.query import rfc3339
 from gateway.store.admin_records import Summary
 
 WIDTH = 1000

@@ -1,9 +1,9 @@
 """The admin listener's HTML page: the rejected-writes listing, one rejection, and
 the sign-in form that checks the admin token and sets the session cookie.
 
-Markup is filled from gateway/admin/templates by `render`, which escapes every value
+Markup is filled from gateway/admin/page/templates by `render`, which escapes every value
 that is not `Safe` (a fragment built here from escaped parts). The page reads
-rejections through the same parsing and shapes as the JSON API (`admin_views`).
+rejections through the same parsing and shapes as the JSON API (`admin.rejections`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from gateway.admin.ops_views import PRESETS, REFRESH_S
-from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
-from gateway.admin.views import (
+from gateway.admin.query import rfc3339
+from gateway.admin.rejections import (
     FILTERS,
     fetch_page,
     find_rejection,
     parse_rejection_query,
     rejection_item,
-    rfc3339,
 )
+from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from gateway.store.protocol import AdminOpsStore
@@ -36,6 +35,8 @@ from gateway.store.records import StoredRejection
 from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 
 LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
+PRESETS = ("15m", "1h", "24h", "7d")  # the page's time filters
+REFRESH_S = 30  # the page's auto-refresh period
 log = structlog.get_logger("sinkgate.admin")
 
 
@@ -47,7 +48,7 @@ class Safe(str):
 
 
 def render(template: str, **values: object) -> str:
-    """Fill a `string.Template` from gateway/admin/templates, escaping every value not `Safe`."""
+    """Fill a `string.Template` from the page's templates, escaping every value not `Safe`."""
     return _template(template).substitute(
         {k: v if isinstance(v, Safe) else html.escape(str(v)) for k, v in values.items()}
     )
@@ -124,7 +125,7 @@ class Page:
     ) -> None:
         self._store = store
         self._auth = auth
-        self._glance = glance  # the day at a glance above the listing (`ops_page`)
+        self._glance = glance  # the day at a glance above the listing (`operator`)
 
     async def redirect_to_page(self, request: web.Request) -> web.Response:
         query = request.query_string

@@ -16,30 +16,24 @@ import hmac
 import html
 import json
 import os
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, urlencode
 
 from aiohttp import web
 
-from gateway.admin.ops_api import OpsApi
-from gateway.admin.ops_views import (
-    PRESETS,
-    RESOLVE_REQUEST_MAX,
-    audit_cursor,
-    audit_item,
-    parse_audit_query,
-    parse_key_query,
-    parse_resolution,
-)
+from gateway.admin.audit import audit_cursor, audit_item, parse_audit_query
+from gateway.admin.jobs import job_view
+from gateway.admin.keys import RESOLVE_REQUEST_MAX, key_view, parse_key_query, parse_resolution
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import _KIND as REASON_KIND
-from gateway.admin.page.listing import Safe, html_response
+from gateway.admin.page.listing import PRESETS, Safe, html_response
+from gateway.admin.query import parse_time
 from gateway.admin.session import SESSION_COOKIE
-from gateway.admin.views import job_view, key_view, parse_time
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
-from gateway.policy.decision import KeyState
-from gateway.store.admin_records import summary_fits
+from gateway.policy.decision import KeyRecord, KeyState
+from gateway.store.admin_records import Resolution, summary_fits
 from leases.model import IDENT
 from leases.reasons import Reason
 
@@ -50,13 +44,20 @@ QUEUE_LIMIT = 100
 _OPEN_SECRET = os.urandom(32)
 
 
-class OpsPage:
-    """Handlers of the operator's HTML views; `page` renders like the listing."""
+class OperatorPage:
+    """Handlers of the operator's HTML views; `page` renders like the listing.
+    `resolve` settles a key as the JSON route does (checked, logged, audited)."""
 
-    def __init__(self, store: Any, auth: SessionAuth, ops: OpsApi) -> None:
+    def __init__(
+        self,
+        store: Any,
+        auth: SessionAuth,
+        *,
+        resolve: Callable[[Resolution], Awaitable[KeyRecord]],
+    ) -> None:
         self._store = store
         self._auth = auth
-        self._ops = ops
+        self._resolve = resolve
         self._kinds = REASON_KIND
 
     def add_routes(self, app: web.Application) -> None:
@@ -190,7 +191,7 @@ class OpsPage:
             resolution = parse_resolution(
                 json.dumps(body).encode(), destination, key, request.remote
             )
-            await self._ops.apply(resolution)
+            await self._resolve(resolution)
         except Rejection as refused:
             return await self.queue(
                 request, message=f"Not resolved: {refused.detail}", status=refused.status
