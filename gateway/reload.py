@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.models import ReloadAnswer
+from gateway.config.keys import RELOADED, RESTART_ONLY
 from gateway.config.model import Config, DestinationConfig, load_config
 from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
@@ -41,23 +42,6 @@ AUDIT_RETRY_S = 5.0
 
 # The store's `record_audit` verb, as the reloader calls it.
 Audit = Callable[..., Awaitable[int]]
-
-# Config fields a reload does not apply, by the key that sets them.
-RESTART_ONLY: tuple[tuple[str, str], ...] = (
-    ("listen", "server.listen"),
-    ("admin_listen", "server.admin_listen"),
-    ("max_in_flight", "server.max_in_flight"),
-    ("max_body_buffer", "server.max_body_buffer"),
-    ("shutdown_grace", "server.shutdown_grace"),
-    ("lease_tokens", "server.lease_tokens_env"),
-    ("tls_cert", "server.tls_cert"),
-    ("tls_key", "server.tls_key"),
-    ("workers", "server.workers"),
-    ("store_url", "store.url"),
-    ("store_pool_size", "store.pool_size"),
-    ("admin_token_env", "admin.token_env"),
-    ("admin_token", "admin.token_env"),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +99,7 @@ class Reloader:
             applied = replace(
                 old,
                 destinations=MappingProxyType(destinations),
-                idempotency_ttl=new.idempotency_ttl,
-                rejections_ttl=new.rejections_ttl,
+                **{name: getattr(new, name) for name in RELOADED},
             )
             if self._writes is not None:
                 await self._writes.upstreams.replace(destinations)

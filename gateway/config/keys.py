@@ -77,14 +77,32 @@ class Key:
     default: Any
     help: str
     required: str | None = None  # the "missing: ..." message
+    # The `Config` field it sets: None, the key's own name; "", none of its own.
+    field: str | None = None
+    # Whether a reload leaves a change of it for a restart; None: as its section.
+    restart: bool | None = None
+
+    @property
+    def config_field(self) -> str:
+        return self.name if self.field is None else self.field
 
 
 class Section:
-    """The keys of one table, each declared once; `name` is "" for a file's top."""
+    """The keys of one table, each declared once; `name` is "" for a file's top.
+    `restart`: a reload applies none of its keys (unless a key says otherwise)."""
 
-    def __init__(self, name: str, *keys: Key) -> None:
+    def __init__(self, name: str, *keys: Key, restart: bool = False) -> None:
         self.name = name
         self.keys = {key.name: key for key in keys}
+        self.restart = restart
+
+    def restarts(self, key: Key) -> bool:
+        """Whether a change of `key` waits for a restart (a reload refuses it)."""
+        return self.restart if key.restart is None else key.restart
+
+    def fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`Config`'s fields from this section's values, as `read` returns them."""
+        return {k.config_field: values[n] for n, k in self.keys.items() if k.config_field}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -300,19 +318,40 @@ SERVER = Section(
     Key("max_in_flight", integer(1), 4096, "writes in flight at once, all destinations"),
     Key("max_body_buffer", size(), 64 * MiB, "request bodies still arriving, all writes"),
     Key("shutdown_grace", duration(allow_zero=True), 30.0, "time in-flight writes get on stop"),
-    Key("lease_tokens_env", tokens, None, "variable with the lease API's bearer tokens"),
+    Key(
+        "lease_tokens_env",
+        tokens,
+        None,
+        "variable with the lease API's bearer tokens",
+        field="lease_tokens",
+    ),
     Key("tls_cert", pem_file, None, "PEM certificate chain: both listeners serve HTTPS only"),
     Key("tls_key", pem_file, None, "PEM private key of tls_cert"),
     Key("workers", integer(1, MAX_WORKERS), 1, "gateway processes sharing both listeners"),
+    restart=True,
 )
 STORE = Section(
     "store",
-    Key("url", store_url, "sqlite:///data/sinkgate.db", "sqlite:///relative/path or postgresql://"),
-    Key("pool_size", integer(1, 1000), 10, "connections to the store"),
+    Key(
+        "url",
+        store_url,
+        "sqlite:///data/sinkgate.db",
+        "sqlite:///relative/path or postgresql://",
+        field="store_url",
+    ),
+    Key("pool_size", integer(1, 1000), 10, "connections to the store", field="store_pool_size"),
+    restart=True,
 )
 ADMIN = Section(
     "admin",
-    Key("token_env", env_name, DEFAULT_ADMIN_TOKEN_ENV, "variable holding the admin token"),
+    Key(
+        "token_env",
+        env_name,
+        DEFAULT_ADMIN_TOKEN_ENV,
+        "variable holding the admin token",
+        field="admin_token_env",
+    ),
+    restart=True,
 )
 RETENTION = Section(
     "retention",
@@ -321,9 +360,30 @@ RETENTION = Section(
 )
 DESTINATIONS = Section(
     "destinations",
-    Key("dir", string, "destinations", "directory of destination files, next to this file"),
+    Key(
+        "dir", string, "destinations", "directory of destination files, next to this file", field=""
+    ),
 )
 GATEWAY_FILE = (SERVER, STORE, ADMIN, RETENTION, DESTINATIONS)
+
+# `Config` fields a reload does not apply, by the key that sets them; the admin
+# token is read from the variable `admin.token_env` names.
+RESTART_ONLY: tuple[tuple[str, str], ...] = (
+    *(
+        (key.config_field, f"{section.name}.{key.name}")
+        for section in GATEWAY_FILE
+        for key in section.keys.values()
+        if key.config_field and section.restarts(key)
+    ),
+    ("admin_token", "admin.token_env"),
+)
+# `Config` fields of the gateway file a reload applies (the destinations apart).
+RELOADED: tuple[str, ...] = tuple(
+    key.config_field
+    for section in GATEWAY_FILE
+    for key in section.keys.values()
+    if key.config_field and not section.restarts(key)
+)
 
 DESTINATION = Section(
     "",
@@ -345,7 +405,13 @@ DESTINATION = Section(
     Key("retryable_statuses", statuses, DEFAULT_RETRYABLE_STATUSES, "answers that release the key"),
     Key("replay_headers", replay_headers, DEFAULT_REPLAY_HEADERS, "headers stored for replays"),
     Key("forward_fencing_headers", boolean, True, "pass Fencing-* on to the upstream"),
-    Key("worker_tokens_env", tokens, None, "variable with the workers' bearer tokens"),
+    Key(
+        "worker_tokens_env",
+        tokens,
+        None,
+        "variable with the workers' bearer tokens",
+        field="worker_tokens",
+    ),
     Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
     Key("max_in_flight", integer(1), 256, "writes in flight at once to this destination"),
     Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),

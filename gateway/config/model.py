@@ -194,29 +194,20 @@ def load_config(
     srv = keys.SERVER.read(server)
     _check_server(server, srv)
     st = keys.STORE.read(store)
-    token_env = keys.ADMIN.read(admin)["token_env"]
-    admin_token = _admin_token(server, srv["admin_listen"][0], token_env, env)
+    st["url"] = _absolute_sqlite(st["url"], source.parent)
+    adm = keys.ADMIN.read(admin)
+    admin_token = _admin_token(server, srv["admin_listen"][0], adm["token_env"], env)
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
     problems.raise_any()
     return Config(
         source=source,
-        listen=srv["listen"],
-        admin_listen=srv["admin_listen"],
-        store_url=_absolute_sqlite(st["url"], source.parent),
-        store_pool_size=st["pool_size"],
+        **keys.SERVER.fields(srv),
+        **keys.STORE.fields(st),
+        **keys.ADMIN.fields(adm),
+        **keys.RETENTION.fields(ret),
         admin_token=admin_token,
-        admin_token_env=token_env,
-        idempotency_ttl=ret["idempotency_ttl"],
-        rejections_ttl=ret["rejections_ttl"],
         destinations=MappingProxyType(destinations),
-        max_in_flight=srv["max_in_flight"],
-        max_body_buffer=srv["max_body_buffer"],
-        shutdown_grace=srv["shutdown_grace"],
-        lease_tokens=srv["lease_tokens_env"],
-        tls_cert=srv["tls_cert"],
-        tls_key=srv["tls_key"],
-        workers=srv["workers"],
         display=file,
     )
 
@@ -348,8 +339,7 @@ def _destination(
     check_destination_tls(t, values)
     if len(problems) > found:
         return None
-    values["worker_tokens"] = values.pop("worker_tokens_env")
-    values["tls_digest"] = tls_digest(
-        values["ca_file"], values["client_cert"], values["client_key"]
+    digest = tls_digest(values["ca_file"], values["client_cert"], values["client_key"])
+    return DestinationConfig(
+        name=name, source=path.absolute(), tls_digest=digest, **DESTINATION.fields(values)
     )
-    return DestinationConfig(name=name, source=path.absolute(), **values)

@@ -37,7 +37,7 @@ def test_every_declared_key_has_help_and_is_a_dataclass_default() -> None:
     fields = {f.name: f for f in dataclasses.fields(DestinationConfig)}
     for name, key in keys.DESTINATION.keys.items():
         assert key.help, name
-        field = fields["worker_tokens" if name == "worker_tokens_env" else name]
+        field = fields[key.config_field]
         if name != "upstream":
             assert field.default == key.default, name
     config_fields = {f.name: f for f in dataclasses.fields(Config)}
@@ -197,3 +197,33 @@ def test_tls_key_errors(
     path = write_config(tmp_path, gateway, a=destination)
     found = errors(path)
     assert len(found) == 1 and found[0].startswith(message), found
+
+
+# What the loader computes rather than reads from one key of the gateway file.
+LOADER_OWN = {"source", "destinations", "admin_token", "display"}
+
+
+def test_every_config_field_comes_from_one_key_or_the_loader() -> None:
+    """A key added to keys.py without its `Config` field (or the other way) fails here."""
+    from_keys = [
+        key.config_field
+        for section in keys.GATEWAY_FILE
+        for key in section.keys.values()
+        if key.config_field
+    ]
+    assert len(from_keys) == len(set(from_keys))
+    assert set(from_keys) | LOADER_OWN == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_a_key_is_either_applied_by_a_reload_or_refused_until_a_restart() -> None:
+    restart_fields = {field for field, _ in keys.RESTART_ONLY}
+    assert restart_fields.isdisjoint(keys.RELOADED)
+    assert ("workers", "server.workers") in keys.RESTART_ONLY
+    assert ("store_url", "store.url") in keys.RESTART_ONLY
+    assert set(keys.RELOADED) >= {"idempotency_ttl", "rejections_ttl"}
+
+
+def test_every_destination_field_comes_from_one_key_or_the_loader() -> None:
+    from_keys = {k.config_field for k in keys.DESTINATION.keys.values()}
+    loader_own = {"name", "source", "tls_digest"}
+    assert from_keys | loader_own == {f.name for f in dataclasses.fields(DestinationConfig)}

@@ -14,9 +14,9 @@ import pytest
 from gateway import supervisor
 from gateway.cli import main, summary
 from gateway.config import keys
+from gateway.config.keys import RESTART_ONLY
 from gateway.config.model import Config, load_config
 from gateway.errors import ConfigError
-from gateway.reload import RESTART_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 
