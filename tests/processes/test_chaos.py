@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 from gateway.tools.chaos import run as chaos
 from gateway.tools.chaos.destination import FAULT_KINDS
 from gateway.tools.chaos.judge import FinalLease, judge
-from tests.harness import run_chaos
+from tests.harness import free_port, run_chaos
 
 # --- the judge ---------------------------------------------------------------------------
 
@@ -151,6 +153,32 @@ def test_killing_gateways_loses_no_guarantee(tmp_path: Path) -> None:
     assert report["violations"]["no_duplicate_effect"] == 0
 
 
+@pytest.mark.slow
+def test_every_listener_of_the_run_is_in_the_given_port_range(tmp_path: Path) -> None:
+    """`--ports LOW-HIGH` (a shared CI machine hands each job a range): both
+    listeners of each gateway, the destination and the fault proxies bind there."""
+    low = free_port()
+    code, report, out = run_chaos(
+        tmp_path, *SMALL, "--jobs", "3", "--duration", "1", "--gateways", "2",
+        "--wire-faults", "0.1", "--ports", f"{low}-{low + 19}", "--keep",
+    )  # fmt: skip
+    assert code == 0, out
+    assert report["settings"]["ports"] == f"{low}-{low + 19}"
+    workdir = Path(out.split("work dir kept: ")[1].split()[0])
+    try:
+        listened = re.findall(r'listen = "127\.0\.0\.1:(\d+)"', _configs(workdir))
+        upstream = re.findall(r'upstream = "http://127\.0\.0\.1:(\d+)"', _configs(workdir))
+        ports = {int(port) for port in listened + upstream}
+        assert len(listened) == 4 and len(ports) == 5, ports  # upstream: the wire's proxy
+        assert all(low <= port <= low + 19 for port in ports), ports
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _configs(workdir: Path) -> str:
+    return "".join(path.read_text() for path in sorted(workdir.glob("gateway-*/**/*.toml")))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -162,6 +190,11 @@ def test_killing_gateways_loses_no_guarantee(tmp_path: Path) -> None:
         (["--gateways", "1.5"], "expected an integer, got '1.5'"),
         (["--store", "data/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),
         (["--store", "sqlite://x.db"], "--store: expected sqlite:///path"),
+        (["--ports", "20000"], "expected LOW-HIGH within 1-65535, got '20000'"),
+        (["--ports", "20010-20000"], "expected LOW-HIGH within 1-65535"),
+        (["--ports", "65000-65536"], "expected LOW-HIGH within 1-65535"),
+        (["--ports", "20000-20001"], "--ports 20000-20001: the run needs 3 ports"),
+        (["--ports", "20000-20003", "--gateways", "2"], "the run needs 5 ports"),
     ],
 )
 def test_settings_that_could_only_fail_mid_run_are_refused_up_front(

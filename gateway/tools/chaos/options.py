@@ -37,6 +37,25 @@ def _rate(text: str) -> float:
     return value
 
 
+def _port_range(text: str) -> range:
+    """`LOW-HIGH`, both included, within 1-65535."""
+    low, sep, high = text.partition("-")
+    try:
+        span = range(int(low), int(high) + 1)
+    except ValueError:
+        span = range(0)
+    if not sep or not span or span.start < 1 or span.stop > 65536:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH within 1-65535, got {text!r}")
+    return span
+
+
+def ports_needed(args: argparse.Namespace) -> int:
+    """Listening ports the run takes at most: two per gateway, the destination,
+    and a fault proxy before the store and one before the destination."""
+    gateways: int = args.gateways
+    return 2 * gateways + 1 + (2 if args.wire_faults else 0)
+
+
 # Each gateway is a process of its own, capped as `serve --workers` is.
 MAX_GATEWAYS = MAX_WORKERS
 
@@ -112,6 +131,13 @@ def _add_setup_options(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="chance per second that a proxied connection is faulted (0)",
     )
+    p.add_argument(
+        "--ports",
+        type=_port_range,
+        metavar="LOW-HIGH",
+        help="loopback ports the run listens on, e.g. 20000-20100 (default: drawn below "
+        "the kernel's range for outgoing connections)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     p.add_argument(
@@ -138,6 +164,9 @@ def settings_problem(args: argparse.Namespace) -> str | None:
     if args.store is not None and not _store_url_shape(args.store):
         # found only once a gateway reads its config, after the destination started
         return "--store: expected sqlite:///path or postgresql://..."
+    if args.ports is not None and len(args.ports) < ports_needed(args):
+        first, last = args.ports.start, args.ports.stop - 1
+        return f"--ports {first}-{last}: the run needs {ports_needed(args)} ports"
     if args.max_pause < args.ttl * 1.3:
         return "--max-pause must be at least 1.3 x --ttl"
     if (problem := late_mode.settings_problem(args)) is not None:

@@ -26,7 +26,7 @@ from gateway.tools.chaos.faults import (
     StoreFaults,
     with_address,
 )
-from gateway.tools.chaos.processes import GatewayProcess
+from gateway.tools.chaos.processes import GatewayProcess, Ports
 from gateway.tools.chaos.proxy import FaultProxy
 from gateway.tools.chaos.records import RECORD_INVARIANTS, check_records, read_key_records
 from leases.sqlite import BUSY_TIMEOUT_S, sqlite_path
@@ -42,7 +42,8 @@ def _is_postgres(url: str) -> bool:
 class FaultPlan:
     """The store and wire faults of one run (nothing at all when both are 0)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, ports: Ports) -> None:
+        self.ports = ports
         self.store_share: float = args.store_faults
         self.wire_share: float = args.wire_faults
         self.seed: int = args.seed
@@ -87,7 +88,7 @@ class FaultPlan:
 
     async def _proxy(self, name: str, host: str, port: int, **kw: Any) -> FaultProxy:
         proxy = FaultProxy(name, host, port, share=self.wire_share, seed=self.seed, **kw)
-        await proxy.start()
+        await proxy.start(self.ports.take())
         self.proxies[name] = proxy
         return proxy
 

@@ -17,7 +17,7 @@ import random
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import aiohttp
@@ -65,24 +65,56 @@ def ephemeral_low() -> int:
         return _EPHEMERAL_LOW_DEFAULT
 
 
-def free_port() -> int:
+def free_port(within: range | None = None, *, avoid: Collection[int] = ()) -> int:
     """A loopback port free now, for a process that binds it a moment later (and
-    again after each restart). Drawn below the ephemeral range: a port the kernel
-    hands out (`bind(0)`) is one it may give next to any outgoing connection (the
-    store's, a proxy's, a worker's), which then takes it before the gateway binds."""
+    again after each restart), from `within` when given. Otherwise drawn below the
+    ephemeral range: a port the kernel hands out (`bind(0)`) is one it may give
+    next to any outgoing connection (the store's, a proxy's, a worker's), which
+    then takes it before the gateway binds."""
+    if within is not None:
+        return _free_port_within(within, avoid)
     low = ephemeral_low()
     draw = random.SystemRandom()
     for _ in range(200):
         port = draw.randrange(max(1024, low - _BELOW_EPHEMERAL), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if port not in avoid and _bindable(port):
             return port
     with socket.socket() as sock:  # the range below is full: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _free_port_within(within: range, avoid: Collection[int]) -> int:
+    """A free port of `within`, tried in a random order; ProcessFailed if none is."""
+    ports = [port for port in within if port not in avoid]
+    random.SystemRandom().shuffle(ports)
+    for port in ports:
+        if _bindable(port):
+            return port
+    raise ProcessFailed(f"no free loopback port left in {within.start}-{within.stop - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class Ports:
+    """The run's listening ports: from `sinkgate chaos --ports LOW-HIGH` when given,
+    each handed out once (a port is bound by its process only a moment later)."""
+
+    def __init__(self, within: range | None = None) -> None:
+        self.within = within
+        self._taken: set[int] = set()
+
+    def take(self) -> int:
+        port = free_port(self.within, avoid=self._taken)
+        self._taken.add(port)
+        return port
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -158,6 +190,7 @@ class Destination(Managed):
         fault_rate: float,
         max_latency: float,
         idempotent: bool,
+        ports: Ports,
         extra_args: list[str] | None = None,
     ) -> None:
         argv = [
@@ -165,7 +198,7 @@ class Destination(Managed):
             "-m",
             "gateway.tools.chaos.destination",
             "--port",
-            "0",
+            str(ports.take()),
             "--seed",
             str(seed),
             "--fault-rate",
@@ -218,10 +251,11 @@ class GatewayProcess(Managed):
         upstream: str,
         timeout: str,
         upstream_idempotent: bool,
+        ports: Ports,
     ) -> None:
         self.index = index
-        self.port = free_port()
-        self.admin_port = free_port()
+        self.port = ports.take()
+        self.admin_port = ports.take()
         confdir = workdir / f"gateway-{index}"
         (confdir / "destinations").mkdir(parents=True, exist_ok=True)
         (confdir / "gateway.toml").write_text(

@@ -86,9 +86,10 @@ class FaultProxy:
         self._ticker: asyncio.Task[None] | None = None
         self._deck = FaultDeck(self.rng)
 
-    async def start(self) -> int:
-        """Listen on a free loopback port and relay (no fault yet); returns the port."""
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> int:
+        """Listen on loopback `port` (0: any free one) and relay (no fault yet);
+        returns the port."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 

@@ -21,6 +21,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "keep")}
     if isinstance(settings.get("store"), str):
         settings["store"] = redact_url(settings["store"])
+    if isinstance(settings.get("ports"), range):
+        settings["ports"] = f"{settings['ports'].start}-{settings['ports'].stop - 1}"
     return settings
 
 

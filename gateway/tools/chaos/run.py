@@ -48,7 +48,7 @@ from gateway.tools.chaos.context import RunContext, count_rejections, job_keys
 from gateway.tools.chaos.judge import FinalLease
 from gateway.tools.chaos.options import parser, settings_problem
 from gateway.tools.chaos.plan import FaultPlan
-from gateway.tools.chaos.processes import Destination, GatewayProcess, ProcessFailed
+from gateway.tools.chaos.processes import Destination, GatewayProcess, Ports, ProcessFailed
 from gateway.tools.chaos.report import build_report, render
 from gateway.tools.chaos.worker import run_worker
 from leases import StoreUnavailable
@@ -107,12 +107,14 @@ def _store_url(given: str | None, workdir: Path) -> str:
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="sinkgate-chaos-"))
     started = time.monotonic()
+    ports = Ports(args.ports)
     destination = Destination(
         workdir,
         seed=args.seed,
         fault_rate=args.upstream_faults,
         max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
         idempotent=args.upstream_idempotent,
+        ports=ports,
         extra_args=late_mode.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
     )
     gateways: list[GatewayProcess] = []
@@ -121,7 +123,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         connector=aiohttp.TCPConnector(limit=0), trace_configs=[count_rejections(rejections)]
     )
     stores: list[HTTPLeaseStore] = []
-    plan = FaultPlan(args)
+    plan = FaultPlan(args, ports)
     try:
         await destination.start()
         store_url = await plan.store(_store_url(args.store, workdir))
@@ -134,6 +136,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 upstream=upstream,
                 timeout=f"{GATEWAY_TIMEOUT_S:g}s",
                 upstream_idempotent=args.upstream_idempotent,
+                ports=ports,
             )
             for i in range(args.gateways)
         ]
