@@ -8,6 +8,7 @@ decision as applied (`Verdict`) and what became of a forwarded attempt (`Outcome
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from gateway.policy.decision import Decision, Reject, Replay, WriteFacts
@@ -57,16 +58,20 @@ class Verdict:
     rejection_id: int | None = None
 
 
+class OutcomeKind(StrEnum):
+    """What became of a forwarded attempt (SPEC 2 step 8), as the key keeps it."""
+
+    COMPLETED = "completed"  # the answer is the key's: status, headers, body stored
+    RELEASED = "released"  # not sent, or a retryable status: the key is freed
+    UNKNOWN = "unknown"  # it may have reached the upstream: an operator settles it
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What became of a forwarded attempt (SPEC 2 step 8).
+    """What became of a forwarded attempt (SPEC 2 step 8); see `OutcomeKind`.
+    Only a `completed` outcome carries the answer kept for replays."""
 
-    kind: "completed" (store status/headers/body with the key), "released" (the
-    request could not have been sent, or the status is retryable: the key is
-    freed) or "unknown" (it may have reached the upstream).
-    """
-
-    kind: str
+    kind: OutcomeKind
     status: int | None = None
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""

@@ -8,7 +8,6 @@ path checks see exactly what the worker sent.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import time
 from typing import Any
@@ -23,6 +22,8 @@ from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import invalid_request, problem_response
 from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
+from gateway.policy.outcome import Answered, NotAnswered
+from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import WriteStore
 from gateway.telemetry import traces
@@ -298,14 +299,18 @@ class WriteGateway:
         sent = time.perf_counter()
         answer: UpstreamAnswer | None = None
         rejection: Rejection | None = None
+        result: Answered | NotAnswered
         try:
             answer = await self.upstreams.send(
                 destination, facts.method, url, headers, body, destination.max_replay_body
             )
-            outcome = _completed_outcome(destination, answer)
+            result = Answered(
+                answer.status, answer.headers.items(), answer.body, answer.rest is not None
+            )
         except ForwardFailed as failure:
-            outcome = Outcome("unknown" if failure.failure.maybe_sent else "released")
+            result = NotAnswered(failure.failure.maybe_sent)
             rejection = Rejection(str(failure.failure), failure.detail, **_write_members(facts))
+        outcome = policy_outcome(result, destination)
         upstream_s = time.perf_counter() - sent
         metrics = self.metrics
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
@@ -402,29 +407,3 @@ def _replay(decision: Replay) -> web.Response:
         headers["Sinkgate-Replay-Body"] = "omitted"
     assert record.status is not None
     return web.Response(status=record.status, body=record.body, headers=headers)
-
-
-@functools.lru_cache(maxsize=256)
-def _stored_names(replay_headers: tuple[str, ...], body_kept: bool) -> frozenset[str]:
-    """The answer headers kept for replays: `replay_headers`, always the
-    `Content-Type` (SPEC 2: a replay has the answer's content type, whatever the
-    destination lists), and with a stored body its `Content-Encoding`, without
-    which a gzip body cannot be read (an omitted body is replayed empty, so
-    without it)."""
-    names = frozenset(name.lower() for name in replay_headers) | {"content-type"}
-    return (names | {"content-encoding"}) if body_kept else (names - {"content-encoding"})
-
-
-def _completed_outcome(destination: DestinationConfig, answer: UpstreamAnswer) -> Outcome:
-    if answer.status in destination.retryable_statuses:
-        return Outcome("released")
-    omitted = answer.rest is not None or len(answer.body) > destination.max_replay_body
-    wanted = _stored_names(destination.replay_headers, not omitted)
-    headers = tuple((n, v) for n, v in answer.headers.items() if n.lower() in wanted)
-    return Outcome(
-        "completed",
-        status=answer.status,
-        headers=headers,
-        body=b"" if omitted else answer.body,
-        body_omitted=omitted,
-    )
