@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -133,37 +133,67 @@ def driver_errors(what: str) -> Iterator[None]:
 # How an operation can end with its connection's state unknown: a statement timed
 # out, or the caller was cancelled while one was on its way.
 _ABANDONED = (TimeoutError, asyncio.CancelledError)
+# SQLSTATE classes after which a connection is not used again: connection
+# exceptions, and operator intervention (a terminated backend's FATAL arrives
+# before its socket closes, and leaves the driver waiting for a "ready" that
+# never comes: the next statement on it fails with "another operation is in
+# progress").
+_LOST_CLASSES = ("08", "57")
+
+
+def unusable(exc: BaseException) -> bool:
+    """Whether a connection that raised `exc` must be closed, not reused or rolled
+    back: abandoned (see `_ABANDONED`), lost, or left in a state the driver cannot
+    tell (its own errors, a socket error)."""
+    if isinstance(exc, asyncpg.PostgresError):
+        return str(exc.sqlstate or "")[:2] in _LOST_CLASSES
+    return isinstance(
+        exc, (*_ABANDONED, OSError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+    )
+
+
+def _terminate(conn: Conn) -> None:
+    """Close `conn` at once. When its connection was lost, asyncpg has already
+    handed the pooled slot back (the proxy then refuses every call): nothing to do."""
+    with suppress(asyncpg.InterfaceError):
+        conn.terminate()
 
 
 @asynccontextmanager
 async def connection(pool: Any, wait: float | None) -> AsyncIterator[Conn]:
     """A pooled connection for one operation, waited for at most `wait` seconds
-    (None: as long as it takes). One whose statement timed out, or whose caller
-    was cancelled, is closed rather than put back (see the module doc)."""
+    (None: as long as it takes). One that is `unusable` after what it raised (a
+    statement timed out, the caller was cancelled, the connection was lost) is
+    closed rather than put back (see the module doc)."""
     async with pool.acquire(timeout=wait) as conn:
         try:
             yield conn
-        except _ABANDONED:
-            conn.terminate()
+        except BaseException as exc:
+            if unusable(exc):
+                _terminate(conn)
             raise
 
 
 @asynccontextmanager
 async def transaction(pool: Any, wait: float | None, **options: Any) -> AsyncIterator[Conn]:
     """`connection` in one transaction (`options` as asyncpg's `transaction`).
-    After a timeout or a cancellation no ROLLBACK is sent, as it could wait on the
-    same silent connection (a cancelled caller must not wait at all): `connection`
-    closes it, which ends the transaction on the server."""
+    ROLLBACK is sent only after a statement's own error on a sound connection:
+    after a timeout or a cancellation it could wait on the same silent connection
+    (a cancelled caller must not wait at all), and on a lost one there is nothing
+    to roll back. `connection` closes those, which ends the transaction on the
+    server. A ROLLBACK that fails closes the connection too; the statement's error
+    is the one raised."""
     async with connection(pool, wait) as conn:
         tx = conn.transaction(**options)
         await tx.start()
         try:
             yield conn
-        except _ABANDONED:
-            raise
-        except BaseException:
-            if not conn.is_closed():  # a connection lost ended its transaction already
-                await tx.rollback()
+        except BaseException as exc:
+            if not unusable(exc):
+                try:
+                    await tx.rollback()
+                except Exception:
+                    _terminate(conn)
             raise
         await tx.commit()
 
