@@ -18,6 +18,13 @@ caller gets its own answer once its batch has committed. A batch that fails
 other than by the store being unreachable is run again one operation at a time,
 so an operation's failure is its own alone.
 
+Connection resets (a backend terminated, a failover): an outcome the store
+failed to record is sent again on a fresh connection until its reservation's
+deadline, so an applied write is not left `unknown` by a reset; a decision
+batch that failed before its COMMIT was sent (nothing committed) is run again,
+up to `DECISION_TRIES` times; one whose COMMIT went unanswered is not, and its
+reservations, which nobody will forward, are released.
+
 The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
 `clock()` is synchronous (the lease API stamps `server_time`, the janitor and
 admin views take their cut-offs from it), so it answers from the local clock
@@ -31,6 +38,7 @@ transaction mode.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,12 +46,17 @@ from typing import Any, TypeVar, cast
 
 import asyncpg  # type: ignore[import-untyped]
 
-from gateway.policy.decision import WriteFacts
+from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
-from gateway.store.postgres_outcomes import CUSTOM_PLANS_SQL, Recorded, record_outcomes
+from gateway.store.postgres_outcomes import (
+    CUSTOM_PLANS_SQL,
+    Recorded,
+    ReservationDeadlines,
+    record_outcomes,
+)
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
 from leases.errors import StoreUnavailable
 from leases.postgres import (
@@ -66,6 +79,16 @@ __all__ = ["GATEWAY_SCHEMA_VERSION", "PostgresStore"]
 # SQLSTATE classes of a store that cannot answer (connection, resources, operator
 # intervention, system): every operation of the batch fails, none is retried alone.
 _OUTAGE_CLASSES = ("08", "53", "57", "58", "XX")
+
+
+# An outcome the store failed to record is sent again after this long, then twice
+# as long each time up to the maximum, until its reservation's deadline.
+RECORD_RETRY_FIRST_S = 0.02
+RECORD_RETRY_MAX_S = 0.5
+
+
+# How often a decision batch is tried when the store fails before its COMMIT.
+DECISION_TRIES = 3
 
 
 # Batches of each kind on their way at once, each on its own connection. More than
@@ -103,6 +126,10 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         # Batches run again one operation at a time, by the SQLSTATE (or error
         # type) that failed them: a deadlock here would say the lock order broke.
         self.isolated: Counter[str] = Counter()
+        self._reserved_until = ReservationDeadlines()
+        self.outcome_retries = 0  # outcomes sent again after the store failed to answer
+        self.decision_retries = 0  # decision batches run again, nothing committed
+        self.uncertain_released = 0  # reservations released after a COMMIT without answer
 
     @classmethod
     async def open(
@@ -155,12 +182,28 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
         self._check_open()
         verdict: Verdict = await self._decisions.submit(Decide(facts, context))
+        if verdict.attempt is not None:
+            self._reserved_until.add(verdict.attempt, facts.timeout + RESERVATION_GRACE_S)
         return verdict
 
     async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
+        """Record `outcome`; when the store cannot answer (a connection lost, a
+        backend terminated), again on a fresh connection until the reservation's
+        deadline, after which the key reads `unknown` whatever is recorded."""
         self._check_open()
-        held: bool = await self._outcomes.submit(Recorded(facts, attempt, outcome))
-        return held
+        until = self._reserved_until.pop(attempt)
+        delay = RECORD_RETRY_FIRST_S
+        while True:
+            try:
+                held: bool = await self._outcomes.submit(Recorded(facts, attempt, outcome))
+                return held
+            except StoreUnavailable as exc:
+                left = until - time.monotonic()
+                if self._closed or not _outage(exc) or left <= delay:
+                    raise
+            self.outcome_retries += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECORD_RETRY_MAX_S)
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         self._check_open()
@@ -176,13 +219,50 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         return await self._isolating(batch, self._decide_once)
 
     async def _decide_once(self, batch: list[Operation]) -> list[Any]:
-        offset = self._offset()
-        self._check_open()
-        with driver_errors("PostgreSQL write decision failed"):
-            async with transaction(self._pool, self._wait, isolation="read_committed") as conn:
-                answers, now = await decide_batch(conn, batch, offset)
-        self._observed(now, offset)
-        return list(answers)
+        """The batch in one transaction; run again on a fresh connection when the
+        store failed to answer before COMMIT was sent (then nothing committed:
+        the server rolls back a transaction whose connection is gone). A COMMIT
+        without its answer may have committed, and is not run again."""
+        for tries_left in reversed(range(DECISION_TRIES)):
+            offset = self._offset()
+            self._check_open()
+            committing = False
+            try:
+                with driver_errors("PostgreSQL write decision failed"):
+                    async with transaction(
+                        self._pool, self._wait, isolation="read_committed"
+                    ) as conn:
+                        answers, now = await decide_batch(conn, batch, offset)
+                        committing = True
+            except StoreUnavailable as exc:
+                if committing and _outage(exc):
+                    await self._release_uncertain(batch, answers)
+                if committing or not tries_left or self._closed or not _outage(exc):
+                    raise
+                self.decision_retries += 1
+                continue
+            self._observed(now, offset)
+            return list(answers)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _release_uncertain(self, batch: list[Operation], answers: list[Any]) -> None:
+        """A COMMIT whose answer was lost may have committed the batch's
+        reservations, and their callers are told the store failed: nobody will
+        forward them. Release them (as a forward that could not be sent is), so
+        the keys do not sit in flight and then read `unknown` without ever having
+        been sent. Best effort: a store still failing leaves them to their deadline."""
+        reserved = [
+            (op.facts, answer.attempt)
+            for op, answer in zip(batch, answers, strict=True)
+            if isinstance(op, Decide) and isinstance(answer, Verdict) and answer.attempt
+        ]
+        for facts, attempt in reserved:
+            self._reserved_until.add(attempt, facts.timeout + RESERVATION_GRACE_S)
+        results = await asyncio.gather(
+            *(self.record_outcome(f, a, Outcome("released")) for f, a in reserved),
+            return_exceptions=True,
+        )
+        self.uncertain_released += sum(1 for r in results if r is True)
 
     async def _run_outcomes(self, batch: list[Recorded]) -> list[Any]:
         return await self._isolating(batch, self._outcomes_once)

@@ -17,10 +17,11 @@ attempt touches nothing, and is answered False.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.policy.decision import WriteFacts
+from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
 from gateway.policy.records import Outcome
 from leases.postgres import DURABLE, STORE_NOW, Conn
 
@@ -45,6 +46,34 @@ DURABLE_FROM = f"FROM (SELECT {DURABLE}) durable"
 # i.e. by an earlier statement of the transaction.
 CUSTOM_PLANS = "set_config('plan_cache_mode', 'force_custom_plan', true)"
 CUSTOM_PLANS_SQL = f"SELECT {CUSTOM_PLANS}"
+
+
+class ReservationDeadlines:
+    """Until when, by this process's monotonic clock, each attempt decided here
+    holds its reservation: how long its outcome is worth sending again.
+
+    Taken when the verdict comes back, so a little after the store's own deadline
+    (the commit's latency): an outcome that arrives late changes nothing, as its
+    statement touches the key only while the attempt still holds it. An attempt
+    whose outcome is never recorded (its caller went away before forwarding) is
+    dropped once its deadline has passed.
+    """
+
+    PRUNE_AT = 4096
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def add(self, attempt: str, seconds: float) -> None:
+        now = time.monotonic()
+        if len(self._until) >= self.PRUNE_AT:
+            self._until = {a: t for a, t in self._until.items() if t > now}
+        self._until[attempt] = now + seconds
+
+    def pop(self, attempt: str) -> float:
+        """The attempt's deadline (for one not decided here: the grace alone)."""
+        default = time.monotonic() + RESERVATION_GRACE_S
+        return self._until.pop(attempt, default)
 
 
 @dataclass(frozen=True, slots=True)
