@@ -15,12 +15,13 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.policy import batch_plan, postgres_batch
+from gateway.policy import batch_plan
 from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import Forward, WriteFacts
 from gateway.policy.plan import WritePlan, plan_write
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
+from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_batch import Log
 from gateway.store.records import RejectionQuery
