@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from gateway.admin.cli.keys import add_parser as add_keys_parser  # argparse only: cheap
+from gateway.admin.cli import add_parsers as add_admin_parsers  # argparse only: cheap
 from gateway.config.keys import MAX_WORKERS
 from gateway.config.model import (
     CONFIG_ENV,
@@ -76,8 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument(
         "dir", nargs="?", default="config", metavar="DIR", help="where (default: ./config)"
     )
-    _add_rejections(commands)
-    add_keys_parser(commands)
+    add_admin_parsers(commands)  # rejections, keys
     # Listed for --help only: main() hands `chaos ...` over before parsing.
     commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")
     return parser
@@ -107,26 +106,6 @@ def _add_serve(commands: Any) -> None:
     )
 
 
-def _add_rejections(commands: Any) -> None:
-    rejections = commands.add_parser("rejections", help="list rejected writes")
-    rejections.add_argument(
-        "--admin",
-        metavar="URL",
-        help="admin listener (default: $SINKGATE_ADMIN_URL or http://127.0.0.1:8481); "
-        "the token is read from $SINKGATE_ADMIN_TOKEN",
-    )
-    rejections.add_argument("--reason", metavar="R", help="only this rejection reason")
-    rejections.add_argument("--job", metavar="J", help="only this job id")
-    rejections.add_argument("--destination", metavar="D", help="only this destination")
-    rejections.add_argument("--since", metavar="WHEN", help="a duration ago (1h) or RFC 3339")
-    rejections.add_argument("--until", metavar="WHEN", help="a duration ago (1h) or RFC 3339")
-    rejections.add_argument(
-        "--limit", metavar="N", type=_limit, default=100, help="at most N rows (1..1000)"
-    )
-    rejections.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    rejections.add_argument("--all", action="store_true", help="every match (follows the cursor)")
-
-
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -150,7 +129,6 @@ def _count(high: int) -> Callable[[str], int]:
     return parse
 
 
-_limit = _count(1000)
 _workers = _count(MAX_WORKERS)
 
 

@@ -13,8 +13,10 @@ from datetime import UTC, datetime
 import pytest
 from aiohttp import web
 
+from gateway import cli as gateway_cli
 from gateway.admin.app import create_admin_app
-from gateway.admin.cli.rejections import _more_hint, add_arguments, admin_base, main, to_rfc3339
+from gateway.admin.cli.client import connect, to_rfc3339
+from gateway.admin.cli.rejections import main, more_hint
 from gateway.http.server import GatewayRunner
 from gateway.policy.records import RejectionRecord
 from gateway.store.sqlite import SQLiteStore
@@ -57,10 +59,13 @@ async def admin_url(tmp_path, fake_clock) -> AsyncIterator[str]:
     await store.close()
 
 
+def parse(*argv: str) -> argparse.Namespace:
+    """`sinkgate rejections ARGV` through the parser users run."""
+    return gateway_cli._parser().parse_args(["rejections", *argv])
+
+
 def args(admin: str, *argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(["--admin", admin, *argv])
+    return parse("--admin", admin, *argv)
 
 
 async def run(namespace: argparse.Namespace, now: datetime | None = None) -> tuple[int, str, str]:
@@ -135,7 +140,7 @@ async def test_limit_says_when_more_matched(admin_url, token):
 
 
 def test_at_the_largest_limit_the_hint_is_to_narrow_not_to_raise_it():
-    assert _more_hint(1000) == (
+    assert more_hint(1000) == (
         "show them all with --all, or narrow them with --reason, --job, --destination, "
         "--since or --until"
     )
@@ -193,18 +198,16 @@ def test_bad_admin_url_is_one_line(url, message):
 
 def test_a_bad_admin_url_from_the_environment_is_named_as_such(monkeypatch):
     monkeypatch.setenv("SINKGATE_ADMIN_URL", "ftp://x")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     out, err = io.StringIO(), io.StringIO()
-    assert main(parser.parse_args([]), stdout=out, stderr=err) == 1
+    assert main(parse(), stdout=out, stderr=err) == 1
     assert "SINKGATE_ADMIN_URL must be an http:// or https:// URL, not 'ftp://x'" in err.getvalue()
 
 
-def test_an_empty_admin_url_variable_is_unset(monkeypatch):
+def test_an_empty_admin_url_variable_is_unset(monkeypatch, tmp_path):
     monkeypatch.setenv("SINKGATE_ADMIN_URL", "")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert admin_base(parser.parse_args([])) == "http://127.0.0.1:8481"
+    monkeypatch.delenv("SINKGATE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)  # no config/gateway.toml here
+    assert connect(parse()).base == "http://127.0.0.1:8481"
 
 
 def test_a_token_no_header_can_carry_is_refused_here(monkeypatch):

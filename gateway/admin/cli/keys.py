@@ -11,59 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
-from gateway.admin.cli.rejections import (
-    PAGE_MAX,
+from gateway.admin.cli.client import (
     CliError,
-    admin_base,
-    admin_request,
+    connect,
+    follow_pages,
     format_rows,
+    page_limit,
     to_rfc3339,
 )
 
-STATES = ("in_flight", "completed", "unknown")
 BODY_FILE_MAX = 1024 * 1024
 COLUMNS = ("UPDATED (UTC)", "STATE", "DESTINATION", "KEY", "JOB", "GEN", "TRIES", "STATUS")
-
-
-def add_parser(commands: Any) -> None:
-    """`keys` and its `resolve` subcommand, on the `sinkgate` parser."""
-    keys = commands.add_parser("keys", help="list idempotency records; resolve unknown ones")
-    _add_admin(keys)
-    keys.add_argument("--state", choices=STATES, help="only keys in this (effective) state")
-    keys.add_argument("--destination", metavar="D", help="only this destination")
-    keys.add_argument("--job", metavar="J", help="only this job id")
-    keys.add_argument("--since", metavar="WHEN", help="changed since: 1h, 7d or RFC 3339")
-    keys.add_argument("--until", metavar="WHEN", help="changed until: 1h, 7d or RFC 3339")
-    keys.add_argument("--limit", metavar="N", type=int, default=100, help="at most N rows")
-    keys.add_argument("--all", action="store_true", help="every match (follows the cursor)")
-    keys.add_argument("--json", action="store_true", help="one JSON object per line")
-    sub = keys.add_subparsers(dest="keys_command", metavar="SUBCOMMAND")
-    resolve = sub.add_parser("resolve", help="settle an unknown outcome")
-    _add_admin(resolve)
-    resolve.add_argument("destination", metavar="DESTINATION")
-    resolve.add_argument("key", metavar="KEY")
-    verdict = resolve.add_mutually_exclusive_group(required=True)
-    verdict.add_argument("--applied", action="store_true", help="the destination applied it")
-    verdict.add_argument(
-        "--not-applied", action="store_true", help="it did not: release the key for a retry"
-    )
-    resolve.add_argument("--status", type=int, help="with --applied: the status to replay (200)")
-    resolve.add_argument("--body-file", metavar="F", help="with --applied: the body to replay")
-    resolve.add_argument("--content-type", metavar="T", help="with --applied: application/json")
-    resolve.add_argument("--note", required=True, help="what you checked at the destination")
-
-
-def _add_admin(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--admin",
-        metavar="URL",
-        help="admin listener (default: $SINKGATE_ADMIN_URL or http://127.0.0.1:8481); "
-        "the token is read from $SINKGATE_ADMIN_TOKEN",
-    )
 
 
 def main(
@@ -92,12 +55,6 @@ def main(
 
 def fetch(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
     """Up to `--limit` records (every one with `--all`), following cursors."""
-    from datetime import UTC, datetime
-
-    base = admin_base(args)
-    limit = sys.maxsize if args.all else args.limit
-    if limit < 1:
-        raise CliError("--limit must be at least 1")
     now = datetime.now(UTC)
     params = {
         "state": args.state,
@@ -106,29 +63,16 @@ def fetch(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
         "since": to_rfc3339(args.since, now, "--since"),
         "until": to_rfc3339(args.until, now, "--until"),
     }
-    params = {k: v for k, v in params.items() if v}
-    items: list[dict[str, Any]] = []
-    cursor: str | None = None
-    while True:
-        page_params = {**params, "limit": str(min(PAGE_MAX, limit - len(items)))}
-        if cursor:
-            page_params["cursor"] = cursor
-        page = admin_request(f"{base}/admin/keys?{urlencode(page_params)}", base)
-        found, cursor = page.get("items"), page.get("next_cursor")
-        if not isinstance(found, list):
-            raise CliError(f"{base} did not answer like a sinkgate admin listener")
-        items.extend(found)
-        if cursor is None or len(items) >= limit:
-            return items, cursor is not None
+    return follow_pages(connect(args), "/admin/keys", params, limit=page_limit(args))
 
 
 def resolve(args: argparse.Namespace) -> str:
     """Read the key, check it is unknown, send the verdict with its attempt."""
-    base = admin_base(args)
+    admin = connect(args)
     if args.not_applied and (args.status is not None or args.body_file or args.content_type):
         raise CliError("--status, --body-file and --content-type go with --applied only")
     path = f"/admin/keys/{quote(args.destination, safe='')}/{quote(args.key, safe='')}"
-    record = admin_request(base + path, base)
+    record = admin.request(path)
     if record.get("state") != "unknown":
         raise CliError(
             f"{args.destination}/{args.key} is {record.get('state')}, not unknown: "
@@ -146,7 +90,7 @@ def resolve(args: argparse.Namespace) -> str:
             body["content_type"] = args.content_type
         if args.body_file:
             body["body"] = _read_body(args.body_file)
-    after = admin_request(base + path + "/resolve", base, body)
+    after = admin.request(path + "/resolve", body)
     if args.applied:
         return (
             f"resolved {args.destination}/{args.key} as applied (status {after.get('status')}): "
