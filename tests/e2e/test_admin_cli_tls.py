@@ -73,7 +73,7 @@ def test_a_config_it_cannot_use_is_one_line(tmp_path):
     with pytest.raises(CliError, match="cannot read the config"):
         connect(parse("--config", str(tmp_path / "missing.toml")))
     bad = config(tmp_path, 'admin_listen = "nowhere"')
-    with pytest.raises(CliError, match="server.admin_listen"):
+    with pytest.raises(CliError, match=r"server\.admin_listen"):
         connect(parse("--config", str(bad)))
 
 
