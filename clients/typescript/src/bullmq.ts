@@ -1,0 +1,141 @@
+/**
+ * `@sinkgate/leases/bullmq`: BullMQ jobs run under a lease, writing through the
+ * gateway.
+ *
+ *     const worker = new Worker("orders", fencedProcessor(GATEWAY, async (job, writer, signal) => {
+ *       await writer.post("payments", "/charges", { json: job.data, step: "charge" });
+ *     }, { ttl: 30 }), { connection });
+ *
+ * What ends a run becomes BullMQ's idiom, as the Celery and arq adapters do it:
+ * the job already completed returns `{ sinkgate: "job_completed", jobId }`
+ * (nothing redone); a lease held by another live run moves the job to delayed
+ * until it would expire (`DelayedError`: not an attempt); a newer generation
+ * elsewhere returns `{ sinkgate: <reason>, jobId }` (the newer run answers for
+ * the job); a lease that ran out with nobody else on it is delayed and retried.
+ */
+
+import { createHash } from "node:crypto";
+import type { Job } from "bullmq";
+import { DelayedError } from "bullmq";
+import { defaultOwner, LeaseClient } from "./client.js";
+import { JobCompleted, LeaseHeld, LeaseLost, StaleWrite, StoreUnavailable } from "./errors.js";
+import { hold } from "./hold.js";
+import { validateSeconds, validateTtl } from "./validate.js";
+import { FencedWriter, type WriterOptions } from "./writer.js";
+
+export interface FencedProcessorOptions<D = unknown> {
+  /** Lease length in seconds (renewed every third of it). */
+  readonly ttl: number;
+  /** The lease's job id for a BullMQ job (default: the BullMQ job's id). */
+  readonly jobId?: (job: Job<D>) => string;
+  /** The gateway's lease API, if not the same gateway (`gatewayUrl`). */
+  readonly leaseUrl?: string;
+  /** The lease API's bearer token (`lease_tokens_env`). */
+  readonly leaseToken?: string;
+  /** Owner id of this worker (default: host, pid and a random part). */
+  readonly owner?: string;
+  /** Options of every run's `FencedWriter` (`token`, `wait`, ...). */
+  readonly writer?: Omit<WriterOptions, "signal">;
+  /** Seconds before a retry when nobody can say who holds the job (default 1). */
+  readonly retryDelay?: number;
+}
+
+/** What a run returns when the lease says there is nothing (more) for it to do. */
+export interface Skipped {
+  readonly sinkgate: string;
+  readonly jobId: string;
+}
+
+/** What a queue should do with a run that ended in an error ("done": skip it). */
+export interface Verdict {
+  readonly action: "done" | "retry" | "stop";
+  readonly reason: string;
+  readonly delay: number;
+}
+
+const SUPERSEDED = new Set(["stale_generation", "unknown_generation", "owner_mismatch"]);
+
+/** PURE: how a queue treats a run that ended in `error`; undefined: not ours. */
+export function verdict(error: unknown, retryDelay = 1): Verdict | undefined {
+  if (error instanceof JobCompleted) return { action: "done", reason: "job_completed", delay: 0 };
+  if (error instanceof LeaseHeld)
+    return { action: "retry", reason: "lease_held", delay: Math.max(error.expiresIn, 0.05) };
+  if (error instanceof LeaseLost || error instanceof StaleWrite) {
+    if (error.reason === "job_completed") return { action: "done", reason: "job_completed", delay: 0 };
+    if (SUPERSEDED.has(error.reason)) return { action: "stop", reason: error.reason, delay: 0 };
+    return { action: "retry", reason: error.reason, delay: retryDelay };
+  }
+  if (error instanceof StoreUnavailable) return { action: "retry", reason: "store_unavailable", delay: retryDelay };
+  return undefined;
+}
+
+/** A job id from `text`: kept when it is a valid one (1-256 visible ASCII), else
+ * a readable prefix and a hash, equally stable (Python's `job_id_from`). */
+export function jobIdFrom(text: string): string {
+  if (/^[\x21-\x7e]{1,256}$/.test(text)) return text;
+  const digest = createHash("sha256").update(text, "utf8").digest("hex").slice(0, 32);
+  const readable = Array.from(text.slice(0, 200), (ch) => (ch >= "\x21" && ch <= "\x7e" ? ch : "_")).join("");
+  return `${readable}:${digest}`;
+}
+
+/**
+ * A BullMQ processor running `processor(job, writer, signal)` under one lease
+ * per job: claimed before, renewed while it runs, completed when it returns,
+ * released when it throws. A redelivered or duplicated job whose lease is held
+ * elsewhere waits (delayed), and one that is done is skipped: it is not run twice.
+ */
+export function fencedProcessor<D = unknown, R = unknown>(
+  gatewayUrl: string,
+  processor: (job: Job<D>, writer: FencedWriter, signal: AbortSignal) => Promise<R>,
+  options: FencedProcessorOptions<D>,
+): (job: Job<D>, token?: string) => Promise<R | Skipped> {
+  const ttl = validateTtl(options.ttl);
+  const retryDelay = validateSeconds(options.retryDelay ?? 1, "retryDelay");
+  const client = new LeaseClient(options.leaseUrl ?? gatewayUrl, { token: options.leaseToken });
+  const owner = options.owner ?? defaultOwner();
+  const name = options.jobId ?? ((job: Job<D>) => String(job.id));
+
+  return async (job: Job<D>, token?: string): Promise<R | Skipped> => {
+    const jobId = jobIdFrom(name(job));
+    try {
+      return await hold(client, jobId, { owner, ttl }, (lease, signal) =>
+        processor(job, new FencedWriter(gatewayUrl, lease, { ...options.writer, signal }), signal),
+      );
+    } catch (error) {
+      const found = await settle(client, error, jobId, ttl, retryDelay);
+      if (found === undefined) throw error;
+      if (found.action !== "retry") return { sinkgate: found.reason, jobId };
+      await job.moveToDelayed(Date.now() + Math.ceil(found.delay * 1000), token);
+      throw new DelayedError(`sinkgate: ${found.reason}, retried in ${found.delay}s`);
+    }
+  };
+}
+
+/** `verdict`, asking the store who holds the job when the error alone cannot
+ * tell (a lease that expired locally may or may not have been taken). */
+async function settle(
+  client: LeaseClient,
+  error: unknown,
+  jobId: string,
+  ttl: number,
+  retryDelay: number,
+): Promise<Verdict | undefined> {
+  const found = verdict(error, retryDelay);
+  if (error instanceof LeaseHeld && found !== undefined) {
+    // The holder renews every third of the ttl: look again at about that pace.
+    return { ...found, delay: Math.min(found.delay, Math.max(retryDelay, ttl / 3)) };
+  }
+  if (found === undefined || found.action !== "retry") return found;
+  let current: Awaited<ReturnType<LeaseClient["get"]>>;
+  try {
+    current = await client.get(jobId);
+  } catch {
+    return found;
+  }
+  const mine = error instanceof LeaseLost || error instanceof StaleWrite ? error.generation : undefined;
+  if (current?.state === "done") return { action: "done", reason: "job_completed", delay: 0 };
+  if (current !== null && mine !== undefined && current.generation > mine) {
+    return { action: "stop", reason: "stale_generation", delay: 0 };
+  }
+  return found;
+}

@@ -1,0 +1,223 @@
+/**
+ * The lease API of SPEC 3 over HTTP: claim, renew, complete, release, get.
+ *
+ * Every failure to get a clear answer (a connection error, a timeout, a 5xx, an
+ * answer this client does not understand) is `StoreUnavailable`, so `hold`
+ * treats it as a failed renewal and keeps trying until the worker's own
+ * deadline - as `leases.http.HTTPLeaseStore` does.
+ */
+
+import { randomBytes } from "node:crypto";
+import { hostname } from "node:os";
+import { bounded } from "./abort.js";
+import {
+  JobCompleted,
+  LeaseHeld,
+  LeaseLost,
+  type Problem,
+  parseObject,
+  parseRetryAfter,
+  StoreUnavailable,
+} from "./errors.js";
+import { LOST_REASONS } from "./reasons.js";
+import {
+  baseUrl,
+  validateGeneration,
+  validateIdent,
+  validateSeconds,
+  validateTtl,
+  validateVisible,
+} from "./validate.js";
+
+export type LeaseState = "free" | "active" | "done";
+
+/** A lease as the store gave it (immutable). */
+export interface Lease {
+  readonly jobId: string;
+  readonly owner: string;
+  readonly generation: number;
+  readonly state: LeaseState;
+  readonly leaseUntil: Date;
+  /** Seconds left by the store's clock when it answered; 0 unless active. */
+  readonly expiresIn: number;
+}
+
+/** Which lease a renew/complete/release names. */
+export type LeaseRef = Pick<Lease, "jobId" | "owner" | "generation">;
+
+export interface LeaseClientOptions {
+  /** Bearer token for a gateway whose lease API requires one (`lease_tokens_env`). */
+  readonly token?: string | undefined;
+  /** Seconds each call may take (default 10). */
+  readonly timeout?: number;
+}
+
+export interface CallOptions {
+  /** Aborts the call; it then rejects with the signal's reason. */
+  readonly signal?: AbortSignal | undefined;
+}
+
+/** An owner id unique to this process lifetime: host, pid and a random part
+ * (the shape of the Python side's `default_owner`). */
+export function defaultOwner(): string {
+  const host =
+    hostname()
+      .replace(/[^\x21-\x7e]/g, "_")
+      .slice(0, 64) || "host";
+  return `${host}:${process.pid}:${randomBytes(4).toString("hex")}`;
+}
+
+export class LeaseClient {
+  readonly url: string;
+  readonly #headers: Record<string, string>;
+  readonly #timeout: number;
+
+  constructor(gatewayUrl: string, options: LeaseClientOptions = {}) {
+    this.url = baseUrl(gatewayUrl, "gatewayUrl");
+    this.#timeout = validateSeconds(options.timeout ?? 10, "timeout", true);
+    this.#headers = { Accept: "application/json" };
+    if (options.token !== undefined) {
+      this.#headers.Authorization = `Bearer ${validateVisible(options.token, "token")}`;
+    }
+  }
+
+  /** Claim `jobId`; throws `LeaseHeld` (with the holder) or `JobCompleted`. */
+  async claim(jobId: string, options: { owner?: string | undefined; ttl: number } & CallOptions): Promise<Lease> {
+    validateIdent(jobId, "jobId");
+    const owner = validateIdent(options.owner ?? defaultOwner(), "owner");
+    const ttl = validateTtl(options.ttl);
+    const answer = await this.#call("POST", jobId, "claim", { owner, ttl }, options.signal);
+    if (answer.status === 200) return toLease(answer.doc);
+    const reason = answer.doc.reason;
+    if (reason === "lease_held") {
+      const { owner: holder, expires_in: expiresIn, current_generation: current } = answer.doc;
+      if (typeof holder === "string" && typeof expiresIn === "number") {
+        throw new LeaseHeld(jobId, holder, expiresIn, isInt(current) ? current : undefined, answer.retryAfter);
+      }
+    } else if (reason === "job_completed") {
+      throw new JobCompleted(jobId);
+    }
+    throw unexpected(answer.status, answer.doc);
+  }
+
+  /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
+  renew(lease: LeaseRef, options: { ttl?: number | undefined } & CallOptions = {}): Promise<Lease> {
+    const ttl = options.ttl === undefined ? undefined : validateTtl(options.ttl);
+    return this.#held("renew", lease, ttl, options.signal);
+  }
+
+  /** Mark the job done (it can never be claimed again); throws `LeaseLost`. */
+  complete(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
+    return this.#held("complete", lease, undefined, options.signal);
+  }
+
+  /** Free the job for another claim now; throws `LeaseLost`. */
+  release(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
+    return this.#held("release", lease, undefined, options.signal);
+  }
+
+  /** The job's lease, or null when it was never claimed. */
+  async get(jobId: string, options: CallOptions = {}): Promise<Lease | null> {
+    validateIdent(jobId, "jobId");
+    const answer = await this.#call("GET", jobId, undefined, undefined, options.signal);
+    if (answer.status === 200) return toLease(answer.doc);
+    if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
+    throw unexpected(answer.status, answer.doc);
+  }
+
+  async #held(op: string, lease: LeaseRef, ttl: number | undefined, signal: AbortSignal | undefined): Promise<Lease> {
+    if (lease === null || typeof lease !== "object") throw new TypeError("lease must be a Lease");
+    const jobId = validateIdent(lease.jobId, "jobId");
+    const owner = validateIdent(lease.owner, "owner");
+    const generation = validateGeneration(lease.generation);
+    const body: Record<string, unknown> = { owner, generation };
+    if (ttl !== undefined) body.ttl = ttl;
+    const answer = await this.#call("POST", jobId, op, body, signal);
+    if (answer.status === 200) return toLease(answer.doc);
+    const reason = answer.doc.reason;
+    if (answer.status === 409 && typeof reason === "string" && LOST_REASONS.includes(reason)) {
+      const current = answer.doc.current_generation;
+      throw new LeaseLost(jobId, generation, reason, isInt(current) ? current : undefined);
+    }
+    throw unexpected(answer.status, answer.doc);
+  }
+
+  async #call(
+    method: string,
+    jobId: string,
+    op: string | undefined,
+    body: Record<string, unknown> | undefined,
+    signal: AbortSignal | undefined,
+  ): Promise<{ status: number; doc: Problem; retryAfter: number | undefined }> {
+    let segment = encodeURIComponent(jobId);
+    if (segment === "." || segment === "..") segment = segment.replaceAll(".", "%2E");
+    const path = `/leases/${segment}${op === undefined ? "" : `/${op}`}`;
+    const headers: Record<string, string> = { ...this.#headers };
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    const deadline = bounded(signal, this.#timeout);
+    let status: number;
+    let raw: Uint8Array;
+    let retryAfter: number | undefined;
+    try {
+      const init: RequestInit = { method, headers, signal: deadline.signal };
+      if (body !== undefined) init.body = JSON.stringify(body);
+      const resp = await fetch(this.url + path, init);
+      status = resp.status;
+      retryAfter = parseRetryAfter(resp.headers.get("Retry-After"));
+      raw = new Uint8Array(await resp.arrayBuffer());
+    } catch (error) {
+      if (signal?.aborted) throw signal.reason;
+      const why = deadline.timedOut() ? "timed out" : `failed: ${String(error)}`;
+      throw new StoreUnavailable(`lease API ${method} ${path} ${why}`);
+    } finally {
+      deadline.done();
+    }
+    if (status >= 500) throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`);
+    const doc = parseObject(raw);
+    if (doc === undefined) {
+      throw new StoreUnavailable(`lease API ${method} ${path} answered ${status} without a JSON object`);
+    }
+    return { status, doc, retryAfter };
+  }
+}
+
+function isInt(value: unknown): value is number {
+  return typeof value === "number" && Number.isInteger(value);
+}
+
+function unexpected(status: number, doc: Problem): Error {
+  const reason = typeof doc.reason === "string" ? doc.reason : "";
+  const detail = typeof doc.detail === "string" ? doc.detail : "";
+  if (status === 400 && reason === "invalid_request") {
+    // The gateway validated what this client should already have: as if local.
+    return new RangeError(detail || "invalid request");
+  }
+  if (reason === "store_unavailable") return new StoreUnavailable(`the gateway's store is unavailable: ${detail}`);
+  return new StoreUnavailable(`unexpected lease API answer ${status} ${reason}: ${detail}`);
+}
+
+/** A lease object of SPEC 3 -> `Lease`; anything malformed is `StoreUnavailable`. */
+function toLease(doc: Problem): Lease {
+  try {
+    const state = doc.state;
+    if (state !== "free" && state !== "active" && state !== "done")
+      throw new RangeError(`unknown state ${String(state)}`);
+    const until = doc.lease_until;
+    const leaseUntil = typeof until === "string" ? new Date(until) : new Date(Number.NaN);
+    if (Number.isNaN(leaseUntil.getTime())) throw new RangeError("lease_until must be an RFC 3339 time");
+    const expiresIn = doc.expires_in;
+    if (typeof expiresIn !== "number" || !(Number.isFinite(expiresIn) && expiresIn >= 0)) {
+      throw new RangeError("expires_in must be a non-negative number");
+    }
+    return Object.freeze({
+      jobId: validateIdent(doc.job_id, "job_id"),
+      owner: validateIdent(doc.owner, "owner"),
+      generation: validateGeneration(doc.generation),
+      state,
+      leaseUntil,
+      expiresIn,
+    });
+  } catch (error) {
+    throw new StoreUnavailable(`malformed lease from the lease API: ${String(error)}`);
+  }
+}

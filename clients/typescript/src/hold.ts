@@ -1,0 +1,284 @@
+/**
+ * `hold`: keep a lease renewed while a body of work runs, and stop the work the
+ * moment the lease may be gone - the rules of the Python `leases.hold`.
+ *
+ * The watchdog renews every `ttl * renewFraction`. Two things end the hold
+ * early: a renewal the store refuses, or the worker's own monotonic deadline
+ * (`ttl * (1 - safetyMargin)` after the last successful renewal, or the claim,
+ * was *sent*) passing without a successful renewal. Either way the body's
+ * `signal` is aborted with a `LeaseLost` (so a `FencedWriter` bound to it cuts
+ * its request in flight and refuses to send another) and `hold` rejects with it
+ * at once - before the store could hand the job to anybody else, since the
+ * store's lease always ends after the local deadline. A claim whose answer
+ * arrives after that deadline never starts the body.
+ */
+
+import { sleep } from "./abort.js";
+import type { CallOptions, Lease, LeaseClient } from "./client.js";
+import { LeaseLost, StoreUnavailable } from "./errors.js";
+import { validateIdent, validateSeconds, validateTtl } from "./validate.js";
+
+export type OnExit = "complete" | "release" | "keep";
+
+export interface HoldOptions {
+  /** Owner id (default: host, pid and a random part). */
+  readonly owner?: string | undefined;
+  /** Lease length in seconds (default 30). */
+  readonly ttl?: number;
+  /** What a normal return does: mark the job done (default), free it, or leave it to expire. */
+  readonly onExit?: OnExit;
+  /** Renew every `ttl * renewFraction` (default 1/3). */
+  readonly renewFraction?: number;
+  /** Give the lease up locally `ttl * safetyMargin` early (default 0.05), for a slow worker clock. */
+  readonly safetyMargin?: number;
+  /** Seconds the release after an outside abort may take (default 2). */
+  readonly cancelTimeout?: number;
+  /** Aborting it (the worker shutting down) stops the body and releases the lease. */
+  readonly signal?: AbortSignal | undefined;
+  /** The worker's monotonic clock in seconds (default `performance.now() / 1000`). */
+  readonly monotonic?: () => number;
+}
+
+/** The lease a `hold` body gets: the latest renewal, and the hold's live state. */
+export interface HeldLease extends Lease {
+  /** Aborted (with the `LeaseLost`) once the lease may be gone. */
+  readonly signal: AbortSignal;
+  /** Throw the `LeaseLost` if the lease is lost or the local deadline has passed. */
+  check(): void;
+}
+
+/** PURE: when to renew, and until when the lease is safe, on the worker's own clock. */
+export class RenewalSchedule {
+  constructor(
+    readonly ttl: number,
+    readonly renewFraction = 1 / 3,
+    readonly safetyMargin = 0.05,
+  ) {
+    validateTtl(ttl);
+    if (!(renewFraction > 0 && renewFraction < 1)) throw new RangeError("renewFraction must be between 0 and 1");
+    if (!(safetyMargin >= 0 && safetyMargin < renewFraction)) {
+      throw new RangeError("safetyMargin must be between 0 and renewFraction");
+    }
+  }
+
+  /** The local deadline of a lease claimed or renewed by a request sent at `sent`. */
+  deadline(sent: number): number {
+    return sent + this.ttl * (1 - this.safetyMargin);
+  }
+
+  /** How long to sleep before the next renewal (never past the deadline). */
+  wait(now: number, deadline: number): number {
+    return Math.max(0, Math.min(now + this.ttl * this.renewFraction, deadline) - now);
+  }
+}
+
+const performanceClock = (): number => performance.now() / 1000;
+
+/** The live state of one held lease. */
+class Hold {
+  lost: LeaseLost | undefined;
+  readonly body = new AbortController();
+
+  constructor(
+    public lease: Lease,
+    public deadline: number,
+    readonly now: () => number,
+  ) {}
+
+  check(): void {
+    if (this.lost === undefined && this.now() >= this.deadline) this.lose("lease_expired");
+    if (this.lost !== undefined) throw this.lost;
+  }
+
+  lose(reason: string, currentGeneration?: number): void {
+    this.lost ??= new LeaseLost(this.lease.jobId, this.lease.generation, reason, currentGeneration);
+    this.body.abort(this.lost);
+  }
+
+  held(): HeldLease {
+    const state = this;
+    return Object.freeze({
+      get jobId() {
+        return state.lease.jobId;
+      },
+      get owner() {
+        return state.lease.owner;
+      },
+      get generation() {
+        return state.lease.generation;
+      },
+      get state() {
+        return state.lease.state;
+      },
+      get leaseUntil() {
+        return state.lease.leaseUntil;
+      },
+      get expiresIn() {
+        return state.lease.expiresIn;
+      },
+      signal: state.body.signal,
+      check: () => state.check(),
+    });
+  }
+}
+
+/**
+ * Claim `jobId`, run `body(lease, signal)` while the lease is renewed in the
+ * background, then complete the job (`onExit`) and resolve with the body's value.
+ *
+ * Rejects with `LeaseHeld`/`JobCompleted` from the claim; with `LeaseLost` as
+ * soon as the lease may be gone (`signal` is aborted with it first); with the
+ * body's own error after releasing the job; with the outside `signal`'s reason
+ * after releasing the job when the worker is shutting down.
+ */
+export async function hold<T>(
+  client: LeaseClient,
+  jobId: string,
+  options: HoldOptions,
+  body: (lease: HeldLease, signal: AbortSignal) => Promise<T> | T,
+): Promise<T> {
+  validateIdent(jobId, "jobId");
+  if (typeof body !== "function") throw new TypeError("body must be a function");
+  const schedule = new RenewalSchedule(
+    validateTtl(options.ttl ?? 30),
+    options.renewFraction ?? 1 / 3,
+    options.safetyMargin ?? 0.05,
+  );
+  const onExit = options.onExit ?? "complete";
+  if (!["complete", "release", "keep"].includes(onExit))
+    throw new RangeError("onExit must be complete, release or keep");
+  const cancelTimeout = validateSeconds(options.cancelTimeout ?? 2, "cancelTimeout", true);
+  const now = options.monotonic ?? performanceClock;
+  const outside = options.signal;
+  outside?.throwIfAborted();
+
+  const started = now();
+  const lease = await client.claim(jobId, { owner: options.owner, ttl: schedule.ttl });
+  const state = new Hold(lease, schedule.deadline(started), now);
+  if (outside?.aborted) {
+    await giveBack(client, state, cancelTimeout);
+    throw outside.reason;
+  }
+  if (now() >= state.deadline) {
+    // By the worker's clock the lease may already have run out: never start.
+    await giveBack(client, state, cancelTimeout);
+    throw new LeaseLost(lease.jobId, lease.generation, "lease_expired");
+  }
+  const watching = new AbortController();
+  const watchdog = watch(client, state, schedule, watching.signal);
+  const stopWatching = async (): Promise<void> => {
+    watching.abort();
+    await watchdog;
+  };
+  const ended = new Promise<"lost" | "outside">((resolve) => {
+    state.body.signal.addEventListener("abort", () => resolve(state.lost ? "lost" : "outside"), { once: true });
+    outside?.addEventListener("abort", () => state.body.abort(outside.reason), { once: true });
+  });
+  const run = Promise.resolve().then(() => body(state.held(), state.body.signal));
+  const outcome = await Promise.race([
+    run.then(
+      (value) => ({ ok: true as const, value }),
+      (error: unknown) => ({ ok: false as const, error }),
+    ),
+    ended,
+  ]);
+  if (outcome === "lost" || outcome === "outside") {
+    run.catch(() => undefined); // its late outcome is nobody's: the hold has ended
+    await stopWatching();
+    if (state.lost !== undefined) throw state.lost;
+    await giveBack(client, state, cancelTimeout);
+    throw outside?.reason;
+  }
+  await stopWatching();
+  if (!outcome.ok) {
+    if (!(outcome.error instanceof LeaseLost) && state.lost === undefined) await release(client, state);
+    throw outcome.error;
+  }
+  if (state.lost !== undefined) throw state.lost;
+  if (onExit === "complete") state.lease = await client.complete(state.lease);
+  else if (onExit === "release") await release(client, state);
+  return outcome.value;
+}
+
+/** The watchdog: renew on schedule; on a refusal or a passed deadline, lose the lease. */
+async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule, stop: AbortSignal): Promise<void> {
+  // The deadline passing after a failed renewal is the store's fault, not the
+  // worker's: the loss then says `store_unavailable`.
+  let unreachable = false;
+  try {
+    for (;;) {
+      await sleep(schedule.wait(state.now(), state.deadline), stop);
+      if (state.now() >= state.deadline) {
+        state.lose(unreachable ? "store_unavailable" : "lease_expired");
+        return;
+      }
+      const sent = state.now();
+      const call = bounded(stop, state.deadline - sent);
+      try {
+        state.lease = await client.renew(state.lease, { ttl: schedule.ttl, signal: call.signal });
+      } catch (error) {
+        if (stop.aborted) return;
+        if (error instanceof LeaseLost) {
+          state.lose(error.reason, error.currentGeneration);
+          return;
+        }
+        // StoreUnavailable, our own timeout, or an answer we could not read:
+        // transient, try again until the local deadline.
+        if (state.now() >= state.deadline) {
+          state.lose("store_unavailable");
+          return;
+        }
+        unreachable = true;
+        continue;
+      } finally {
+        call.done();
+      }
+      unreachable = false;
+      state.deadline = schedule.deadline(sent);
+    }
+  } catch {
+    // only the sleep throws here, when the hold ends; anything else loses the lease
+    if (!stop.aborted) state.lose("store_unavailable");
+  }
+}
+
+/** An abort signal for one renewal: the hold ending, or the local deadline. */
+function bounded(stop: AbortSignal, seconds: number): { signal: AbortSignal; done(): void } {
+  const controller = new AbortController();
+  const onStop = (): void => controller.abort(stop.reason);
+  const timer = setTimeout(
+    () => controller.abort(new StoreUnavailable("renewal timed out")),
+    Math.max(0, seconds) * 1000,
+  );
+  stop.addEventListener("abort", onStop, { once: true });
+  return {
+    signal: controller.signal,
+    done: () => {
+      clearTimeout(timer);
+      stop.removeEventListener("abort", onStop);
+    },
+  };
+}
+
+/** Free the job after the body failed; a refusal or an unreachable store changes
+ * nothing (the lease then expires by itself). */
+async function release(client: LeaseClient, state: Hold, options: CallOptions = {}): Promise<void> {
+  try {
+    state.lease = await client.release(state.lease, options);
+  } catch (error) {
+    if (!(error instanceof LeaseLost || error instanceof StoreUnavailable)) throw error;
+  }
+}
+
+/** Give the lease back within `seconds` (shutting down, or claimed too late). */
+async function giveBack(client: LeaseClient, state: Hold, seconds: number): Promise<void> {
+  const controller = new AbortController();
+  const timer = setTimeout(() => controller.abort(new StoreUnavailable("release timed out")), seconds * 1000);
+  try {
+    await release(client, state, { signal: controller.signal });
+  } catch {
+    // timed out: the lease expires by itself
+  } finally {
+    clearTimeout(timer);
+  }
+}

@@ -1,0 +1,251 @@
+/**
+ * Fenced writes from a worker: every request goes through the gateway's
+ * `/to/{destination}/...` route with the lease's fencing headers, an
+ * idempotency key and `Prefer: wait`, as `leases.writer.FencedWriter` sends them.
+ *
+ * Gateway refusals (answers carrying `Sinkgate-Rejected`) throw one error per
+ * family; upstream answers come back untouched as a `WriteResult`. Bound to a
+ * `hold`'s signal, the writer refuses to send once the lease may be gone and
+ * cuts a request in flight when that happens.
+ */
+
+import { bounded, sleep } from "./abort.js";
+import type { Lease } from "./client.js";
+import { GatewayUnavailable, parseObject, rejectionFromResponse } from "./errors.js";
+import type { HeldLease } from "./hold.js";
+import { canonicalJson } from "./json.js";
+import { deriveKey, validateKey } from "./key.js";
+import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
+import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
+
+/** The upstream's answer as the gateway relayed (or replayed) it. */
+export interface WriteResult {
+  readonly status: number;
+  readonly headers: Headers;
+  readonly body: Uint8Array;
+  /** The gateway answered from its record (`Idempotent-Replayed: true`). */
+  readonly replayed: boolean;
+  json(): unknown;
+  text(): string;
+}
+
+export interface WriterOptions {
+  /** The hold's signal (default: the `HeldLease`'s own): once aborted, nothing is sent. */
+  readonly signal?: AbortSignal | undefined;
+  /** The destination's worker token (`Authorization: Bearer`). */
+  readonly token?: string | undefined;
+  /** Retries of `request_in_progress` / `older_generation_in_flight` (default 5). */
+  readonly maxRetries?: number;
+  /** Longest wait between two retries, seconds (default 5). */
+  readonly maxRetryWait?: number;
+  /** Seconds one request may take, answer included (default 60). */
+  readonly timeout?: number;
+  /** `Prefer: wait=N` sent with every write (default 5; 0: not sent). */
+  readonly wait?: number;
+}
+
+export interface WriteOptions {
+  /** A JSON body, sent as Python's writer sends it (sorted keys, compact, ASCII). */
+  readonly json?: unknown;
+  /** A raw body; a string is sent as `text/plain; charset=utf-8`. */
+  readonly body?: Uint8Array | string | undefined;
+  readonly headers?: Readonly<Record<string, string>> | undefined;
+  readonly query?: Readonly<Record<string, string>> | undefined;
+  /** The job's step: the key is `deriveKey(jobId, step)`, the same in every run. */
+  readonly step?: string | undefined;
+  /** An explicit idempotency key instead of `step`. */
+  readonly key?: string | undefined;
+}
+
+const OWN_HEADERS = new Set([
+  "fencing-job",
+  "fencing-token",
+  "fencing-owner",
+  "idempotency-key",
+  "authorization",
+  "prefer",
+]);
+const METHOD = /^[A-Za-z]+$/;
+
+export class FencedWriter {
+  readonly #base: string;
+  readonly #lease: Lease | HeldLease;
+  readonly #signal: AbortSignal | undefined;
+  readonly #token: string | undefined;
+  readonly #maxRetries: number;
+  readonly #maxRetryWait: number;
+  readonly #timeout: number;
+  readonly #prefer: string | undefined;
+
+  constructor(gatewayUrl: string, lease: Lease | HeldLease, options: WriterOptions = {}) {
+    this.#base = baseUrl(gatewayUrl, "gatewayUrl");
+    if (lease === null || typeof lease !== "object")
+      throw new TypeError(`lease must be a Lease, not ${typeName(lease)}`);
+    validateIdent(lease.jobId, "lease.jobId");
+    validateIdent(lease.owner, "lease.owner");
+    validateGeneration(lease.generation);
+    this.#lease = lease;
+    this.#signal = options.signal ?? ("signal" in lease ? lease.signal : undefined);
+    if (this.#signal !== undefined && !(this.#signal instanceof AbortSignal)) {
+      throw new TypeError("signal must be an AbortSignal");
+    }
+    this.#token = options.token === undefined ? undefined : validateVisible(options.token, "token");
+    const maxRetries = options.maxRetries ?? 5;
+    if (!Number.isInteger(maxRetries) || maxRetries < 0) throw new RangeError("maxRetries must be an integer >= 0");
+    this.#maxRetries = maxRetries;
+    this.#maxRetryWait = validateSeconds(options.maxRetryWait ?? 5, "maxRetryWait");
+    this.#timeout = validateSeconds(options.timeout ?? 60, "timeout", true);
+    const wait = options.wait ?? 5;
+    if (!Number.isInteger(wait) || wait < 0) throw new RangeError("wait must be a whole number of seconds >= 0");
+    this.#prefer = wait > 0 ? `wait=${wait}` : undefined;
+  }
+
+  /** The lease the next write is fenced with (a hold's latest renewal). */
+  get lease(): Lease {
+    return this.#lease;
+  }
+
+  post(destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    return this.request("POST", destination, path, options);
+  }
+
+  put(destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    return this.request("PUT", destination, path, options);
+  }
+
+  patch(destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    return this.request("PATCH", destination, path, options);
+  }
+
+  delete(destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    return this.request("DELETE", destination, path, options);
+  }
+
+  /**
+   * Send one write; retry while an older generation or the same key is in
+   * flight (honouring `Retry-After`, at most `maxRetries` times).
+   *
+   * Rejects with the hold's `LeaseLost` once the lease may be gone (before
+   * sending, or cutting the request in flight), `GatewayRejected` subclasses
+   * for the gateway's refusals, `TypeError`/`RangeError` for bad arguments.
+   */
+  async request(method: string, destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    const url = this.#url(method, destination, path, options.query);
+    if ((options.key === undefined) === (options.step === undefined)) {
+      throw new TypeError("pass exactly one of key and step");
+    }
+    const key =
+      options.key !== undefined ? validateKey(options.key) : deriveKey(this.#lease.jobId, options.step as string);
+    const [body, contentType] = encodeBody(options);
+    const headers = this.#headers(options.headers, contentType, key);
+    for (let retries = 0; ; retries++) {
+      this.#check();
+      const lease = this.#lease;
+      headers["Fencing-Job"] = lease.jobId;
+      headers["Fencing-Token"] = String(lease.generation);
+      headers["Fencing-Owner"] = lease.owner;
+      const [status, answerHeaders, answer] = await this.#send(method.toUpperCase(), url, body, headers);
+      if (!answerHeaders.has("Sinkgate-Rejected")) {
+        const replayed = (answerHeaders.get("Idempotent-Replayed") ?? "").toLowerCase() === "true";
+        if (replayed && storedFenceRefusal(status, answer)) throw rejectionFromResponse(status, answerHeaders, answer);
+        return result(status, answerHeaders, answer, replayed);
+      }
+      const rejection = rejectionFromResponse(status, answerHeaders, answer);
+      if (!RETRIED_REASONS.has(rejection.reason) || retries >= this.#maxRetries) throw rejection;
+      const wait = rejection.retryAfter ?? 0.05 * 2 ** retries;
+      await sleep(Math.min(wait, this.#maxRetryWait), this.#signal);
+    }
+  }
+
+  /** No effect under a lost lease: throw the hold's `LeaseLost` (or the signal's reason). */
+  #check(): void {
+    if ("check" in this.#lease) this.#lease.check();
+    this.#signal?.throwIfAborted();
+  }
+
+  #headers(given: Readonly<Record<string, string>> | undefined, contentType: string | undefined, key: string) {
+    const headers: Record<string, string> = {};
+    for (const [name, value] of Object.entries(given ?? {})) {
+      if (OWN_HEADERS.has(name.toLowerCase()))
+        throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
+      headers[name] = value;
+    }
+    if (contentType !== undefined && !Object.keys(headers).some((name) => name.toLowerCase() === "content-type")) {
+      headers["Content-Type"] = contentType;
+    }
+    headers["Idempotency-Key"] = key;
+    if (this.#prefer !== undefined) headers.Prefer = this.#prefer;
+    if (this.#token !== undefined) headers.Authorization = `Bearer ${this.#token}`;
+    return headers;
+  }
+
+  #url(method: string, destination: string, path: string, query: WriteOptions["query"]): string {
+    if (typeof method !== "string" || !METHOD.test(method)) throw new TypeError(`invalid method ${String(method)}`);
+    if (typeof destination !== "string" || destination === "" || destination.includes("/")) {
+      throw new TypeError(`destination must be a name without '/', not ${JSON.stringify(destination)}`);
+    }
+    if (typeof path !== "string") throw new TypeError(`path must be a string, not ${typeName(path)}`);
+    const full = path === "" || path.startsWith("/") ? path : `/${path}`;
+    const segments = (full.split("?", 1)[0] ?? "").split("/");
+    if (segments.some((segment) => [".", ".."].includes(segment.toLowerCase().replaceAll("%2e", ".")))) {
+      // The URL would be normalised on the way (possibly out of /to/...).
+      throw new RangeError(`path must not contain '.' or '..' segments: ${JSON.stringify(path)}`);
+    }
+    let url = `${this.#base}/to/${encodeURIComponent(destination)}${full}`;
+    if (query !== undefined) {
+      const search = new URLSearchParams(query as Record<string, string>).toString();
+      if (search) url += (full.includes("?") ? "&" : "?") + search;
+    }
+    return url;
+  }
+
+  async #send(method: string, url: string, body: Uint8Array | undefined, headers: Record<string, string>) {
+    const request = bounded(this.#signal, this.#timeout);
+    try {
+      const init: RequestInit = { method, headers, redirect: "manual", signal: request.signal };
+      if (body !== undefined) init.body = body;
+      const resp = await fetch(url, init);
+      const answer = new Uint8Array(await resp.arrayBuffer());
+      return [resp.status, resp.headers, answer] as const;
+    } catch (error) {
+      this.#check(); // cut by the hold: its LeaseLost, not a network error
+      if (request.timedOut())
+        throw new GatewayUnavailable(GATEWAY_TIMEOUT, { detail: "no answer from the gateway in time" });
+      throw new GatewayUnavailable(GATEWAY_UNREACHABLE, { detail: `cannot reach the gateway: ${String(error)}` });
+    } finally {
+      request.done();
+    }
+  }
+}
+
+function result(status: number, headers: Headers, body: Uint8Array, replayed: boolean): WriteResult {
+  return {
+    status,
+    headers,
+    body,
+    replayed,
+    json: () => JSON.parse(new TextDecoder().decode(body)) as unknown,
+    text: () => new TextDecoder().decode(body),
+  };
+}
+
+const encoder = new TextEncoder();
+
+function encodeBody(options: WriteOptions): [Uint8Array | undefined, string | undefined] {
+  if (options.json !== undefined && options.body !== undefined) throw new TypeError("pass json or body, not both");
+  if (options.json !== undefined) {
+    // Sorted and compact, as the Python writer: two workers sending the same
+    // payload send the same bytes, so the second gets the first one's replay.
+    return [encoder.encode(canonicalJson(options.json)), "application/json"];
+  }
+  if (typeof options.body === "string") return [encoder.encode(options.body), "text/plain; charset=utf-8"];
+  if (options.body === undefined || options.body instanceof Uint8Array) return [options.body, undefined];
+  throw new TypeError(`body must be a Uint8Array or a string, not ${typeName(options.body)}`);
+}
+
+/** A replay of the destination's own fence refusal (SPEC 3.1) carries no
+ * `Sinkgate-Rejected`, only the stored 409 and its problem body: the same
+ * refusal as the first answer, so it throws the same way. */
+function storedFenceRefusal(status: number, body: Uint8Array): boolean {
+  return status === 409 && parseObject(body)?.reason === "stale_generation";
+}

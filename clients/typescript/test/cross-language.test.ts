@@ -1,0 +1,108 @@
+/**
+ * A job redone by a worker in the other language sends the same key and the
+ * same body bytes, so the destination sees one effect: Node after Python and
+ * Python after Node, through a real gateway.
+ */
+
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+import { FencedWriter, hold, LeaseClient, LeaseHeld } from "@sinkgate/leases";
+import { destination, Gateway, gatewayMissing, missing, pythonAsync, Upstream, unique } from "./harness.js";
+
+// A Python worker: claims the job (waiting out a short-lived holder), charges it
+// with the Python FencedWriter, and completes it unless told to "die" first.
+const PYTHON_WORKER = `
+import asyncio, json, sys
+from leases import open_store, LeaseHeld
+from leases.writer import FencedWriter
+
+async def main(gateway, job, ttl, payload, finish):
+    store = await open_store(gateway)
+    try:
+        for _ in range(100):
+            try:
+                lease = await store.claim(job, owner="python-worker", ttl=float(ttl))
+                break
+            except LeaseHeld as held:
+                await asyncio.sleep(held.expires_in + 0.02)
+        async with FencedWriter(gateway, lease) as writer:
+            result = await writer.post("rec", "/charges", json=json.loads(payload), step="charge")
+        if finish == "complete":
+            await store.complete(lease)
+        print(json.dumps({"status": result.status, "replayed": result.replayed, "generation": lease.generation}))
+    finally:
+        await store.close()
+
+asyncio.run(main(*sys.argv[1:]))
+`;
+
+// Non-ASCII, an astral character, a float and nested keys out of order: the
+// body bytes must still match the Python writer's.
+const PAYLOAD = { order: "ö-1001 😀", amount: 19.99, items: [{ sku: "✉", qty: 2 }], currency: "EUR" };
+
+const skip = missing(gatewayMissing());
+
+describe("a Python worker and a Node worker redoing one job", { skip }, () => {
+  let upstream: Upstream;
+  let gateway: Gateway;
+  let client: LeaseClient;
+
+  before(async () => {
+    upstream = await Upstream.start();
+    gateway = await Gateway.start({ rec: destination(upstream.url) });
+    client = new LeaseClient(gateway.url);
+  });
+
+  after(async () => {
+    await gateway?.stop();
+    await upstream?.close();
+  });
+
+  it("Node dies after its write, Python redoes the job: one effect", async () => {
+    const job = unique("xlang");
+    const lease = await client.claim(job, { owner: "node-worker", ttl: 0.3 });
+    const first = await new FencedWriter(gateway.url, lease).post("rec", "/charges", {
+      json: PYTHON_PAYLOAD(),
+      step: "charge",
+    });
+    assert.equal(first.replayed, false);
+    // the Node worker dies here: no completion; its lease runs out
+    const redo = JSON.parse(
+      await pythonAsync(PYTHON_WORKER, [gateway.url, job, "30", JSON.stringify(PAYLOAD), "complete"]),
+    );
+    assert.deepEqual(redo, { status: 201, replayed: true, generation: lease.generation + 1 });
+    assert.equal(upstream.of(job).length, 1);
+    assert.equal((await client.get(job))?.state, "done");
+  });
+
+  it("Python dies after its write, Node redoes the job under hold: one effect", async () => {
+    const job = unique("xlang");
+    const first = JSON.parse(
+      await pythonAsync(PYTHON_WORKER, [gateway.url, job, "0.3", JSON.stringify(PAYLOAD), "die"]),
+    );
+    assert.equal(first.replayed, false);
+    let result: { replayed: boolean; status: number } | undefined;
+    for (let tries = 0; result === undefined && tries < 100; tries++) {
+      try {
+        result = await hold(client, job, { owner: "node-worker", ttl: 30 }, async (lease) => {
+          const answer = await new FencedWriter(gateway.url, lease).post("rec", "/charges", {
+            json: PAYLOAD,
+            step: "charge",
+          });
+          return { replayed: answer.replayed, status: answer.status };
+        });
+      } catch (error) {
+        if (!(error instanceof LeaseHeld)) throw error;
+        await new Promise((resolve) => setTimeout(resolve, error.expiresIn * 1000 + 20));
+      }
+    }
+    assert.deepEqual(result, { replayed: true, status: 201 });
+    assert.equal(upstream.of(job).length, 1);
+    assert.equal((await client.get(job))?.state, "done");
+  });
+});
+
+function PYTHON_PAYLOAD(): typeof PAYLOAD {
+  // the same payload, its keys written in another order
+  return { currency: "EUR", items: [{ qty: 2, sku: "✉" }], amount: 19.99, order: "ö-1001 😀" };
+}

@@ -1,0 +1,203 @@
+/**
+ * The client against a real `sinkgate serve`: SPEC 1's worked example across two
+ * workers, every error family, and the writer's retries.
+ */
+
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+import {
+  BadWrite,
+  DuplicateWrite,
+  FencedWriter,
+  GatewayUnavailable,
+  JobCompleted,
+  LeaseClient,
+  LeaseHeld,
+  LeaseLost,
+  StaleWrite,
+  StoreUnavailable,
+} from "@sinkgate/leases";
+import { deadUrl, destination, Gateway, gatewayMissing, missing, Upstream, unique } from "./harness.js";
+import { claimWhenFree } from "./lease.js";
+
+const skip = missing(gatewayMissing());
+
+describe("through a real gateway", { skip }, () => {
+  let upstream: Upstream;
+  let gateway: Gateway;
+  let client: LeaseClient;
+  let dead: string;
+
+  before(async () => {
+    upstream = await Upstream.start();
+    dead = await deadUrl();
+    gateway = await Gateway.start(
+      {
+        rec: destination(upstream.url),
+        dead: destination(dead),
+        tokened: destination(upstream.url, 'worker_tokens_env = "TS_TEST_WORKER_TOKENS"\n'),
+      },
+      { TS_TEST_WORKER_TOKENS: "secret-token" },
+    );
+    client = new LeaseClient(gateway.url);
+  });
+
+  after(async () => {
+    await gateway?.stop();
+    await upstream?.close();
+  });
+
+  it("runs SPEC 1's worked example across two workers", async () => {
+    const job = unique("order");
+    const a = await client.claim(job, { owner: "worker-a", ttl: 0.3 });
+    // A pauses; its lease runs out by the store's clock and B claims the next generation.
+    const b = await claimWhenFree(client, job, "worker-b", 30);
+    assert.equal(b.generation, a.generation + 1);
+
+    await assert.rejects(client.complete(a), (e: unknown) => e instanceof LeaseLost && e.reason === "stale_generation");
+    const late = new FencedWriter(gateway.url, a);
+    await assert.rejects(
+      late.post("rec", "/charges", { json: { amount: 1999 }, step: "charge" }),
+      (e: unknown) =>
+        e instanceof StaleWrite && e.reason === "stale_generation" && e.currentGeneration === b.generation,
+    );
+    assert.equal(upstream.of(job).length, 0, "the destination never sees A's write");
+
+    const writer = new FencedWriter(gateway.url, b);
+    const first = await writer.post("rec", "/charges", { json: { amount: 1999 }, step: "charge" });
+    const again = await writer.post("rec", "/charges", { json: { amount: 1999 }, step: "charge" });
+    assert.deepEqual([first.status, first.replayed, again.status, again.replayed], [201, false, 201, true]);
+    assert.deepEqual(again.json(), first.json());
+    assert.equal(upstream.of(job).length, 1, "the destination sees B's write once");
+    assert.equal(upstream.of(job)[0]?.generation, b.generation);
+    const done = await client.complete(b);
+    assert.equal(done.state, "done");
+  });
+
+  it("speaks the lease API: claim, renew, get, release, complete", async () => {
+    const job = unique("lease");
+    assert.equal(await client.get(job), null);
+    const lease = await client.claim(job, { owner: "w", ttl: 5 });
+    assert.deepEqual([lease.jobId, lease.owner, lease.state], [job, "w", "active"]);
+    assert.ok(lease.leaseUntil instanceof Date && lease.expiresIn > 4 && lease.expiresIn <= 5);
+    const renewed = await client.renew(lease, { ttl: 20 });
+    assert.ok(renewed.expiresIn > 19);
+    await assert.rejects(client.claim(job, { owner: "other", ttl: 5 }), (e: unknown) => {
+      return e instanceof LeaseHeld && e.owner === "w" && e.currentGeneration === lease.generation && e.expiresIn > 0;
+    });
+    assert.equal((await client.release(renewed)).state, "free");
+    await assert.rejects(
+      client.renew(renewed),
+      (e: unknown) => e instanceof LeaseLost && e.reason === "lease_not_held",
+    );
+    const next = await client.claim(job, { owner: "w", ttl: 5 });
+    assert.equal(next.generation, lease.generation + 1);
+    await assert.rejects(
+      client.renew({ ...next, owner: "intruder" }),
+      (e: unknown) => e instanceof LeaseLost && e.reason === "owner_mismatch",
+    );
+    await assert.rejects(
+      client.renew({ ...next, generation: next.generation + 5 }),
+      (e: unknown) => e instanceof LeaseLost && e.reason === "unknown_generation",
+    );
+    await client.complete(next);
+    assert.equal((await client.get(job))?.state, "done");
+    await assert.rejects(client.claim(job, { owner: "w", ttl: 5 }), JobCompleted);
+    await assert.rejects(client.renew(next), (e: unknown) => e instanceof LeaseLost && e.reason === "job_completed");
+  });
+
+  it("refuses bad arguments with TypeError/RangeError and sends nothing", async () => {
+    const job = unique("bad");
+    await assert.rejects(client.claim("has space", { ttl: 5 }), RangeError);
+    await assert.rejects(client.claim(job, { ttl: 0.01 }), RangeError);
+    await assert.rejects(client.claim(job, { ttl: "5" as unknown as number }), TypeError);
+    assert.equal(await client.get(job), null, "nothing was claimed");
+    assert.throws(() => new LeaseClient("ftp://x"), RangeError);
+    const lease = await client.claim(job, { owner: "w", ttl: 5 });
+    const writer = new FencedWriter(gateway.url, lease);
+    const before = upstream.effects.length;
+    await assert.rejects(writer.post("rec", "/a", { json: {}, step: "s", key: "k" }), TypeError);
+    await assert.rejects(writer.post("rec", "/a", { json: {} }), TypeError);
+    await assert.rejects(writer.post("rec", "/../admin", { json: {}, step: "s" }), RangeError);
+    await assert.rejects(writer.post("a/b", "/a", { json: {}, step: "s" }), TypeError);
+    await assert.rejects(writer.post("rec", "/a", { json: {}, key: "with space" }), RangeError);
+    await assert.rejects(
+      writer.post("rec", "/a", { json: {}, step: "s", headers: { "Fencing-Token": "9" } }),
+      TypeError,
+    );
+    await assert.rejects(writer.post("rec", "/a", { json: { x: Number.NaN }, step: "s" }), RangeError);
+    assert.throws(() => new FencedWriter(gateway.url, lease, { wait: 1.5 }), RangeError);
+    assert.equal(upstream.effects.length, before, "nothing reached the upstream");
+    await client.release(lease);
+  });
+
+  it("throws one error per family, with the contract's reason codes", async () => {
+    const job = unique("families");
+    const lease = await client.claim(job, { owner: "w", ttl: 30 });
+    const writer = new FencedWriter(gateway.url, lease);
+    await writer.post("rec", "/x", { json: { n: 1 }, key: `${job}-k` });
+
+    // DuplicateWrite: the key again with another payload
+    await assert.rejects(writer.post("rec", "/x", { json: { n: 2 }, key: `${job}-k` }), (e: unknown) => {
+      return e instanceof DuplicateWrite && e.reason === "idempotency_key_reused" && e.status === 422;
+    });
+    // BadWrite: the request is wrong (unknown destination; missing worker token)
+    await assert.rejects(writer.post("nowhere", "/x", { json: {}, step: "s" }), (e: unknown) => {
+      return (
+        e instanceof BadWrite && e.reason === "unknown_destination" && e.status === 404 && e.problem.status === 404
+      );
+    });
+    await assert.rejects(writer.post("tokened", "/x", { json: {}, step: "s" }), (e: unknown) => {
+      return e instanceof BadWrite && e.reason === "unauthorized" && e.status === 401;
+    });
+    // GatewayUnavailable: the upstream cannot be reached; the gateway cannot be reached
+    await assert.rejects(writer.post("dead", "/x", { json: {}, step: "s" }), (e: unknown) => {
+      return e instanceof GatewayUnavailable && e.reason === "upstream_unreachable" && e.status === 502;
+    });
+    await assert.rejects(
+      new FencedWriter(dead, lease).post("rec", "/x", { json: {}, step: "s" }),
+      (e: unknown) => e instanceof GatewayUnavailable && e.reason === "gateway_unreachable" && e.status === undefined,
+    );
+    // StaleWrite: the lease is not the job's current one (here: completed)
+    await client.complete(lease);
+    await assert.rejects(writer.post("rec", "/x", { json: {}, step: "after" }), (e: unknown) => {
+      return (
+        e instanceof StaleWrite && e.reason === "job_completed" && e.status === 409 && typeof e.rejectionId === "number"
+      );
+    });
+    // StoreUnavailable: the lease API cannot be reached
+    await assert.rejects(new LeaseClient(dead).claim(job, { ttl: 5 }), StoreUnavailable);
+  });
+
+  it("retries a key in flight until its outcome is recorded, then gets the replay", async () => {
+    const job = unique("inflight");
+    const lease = await client.claim(job, { owner: "w", ttl: 30 });
+    // A short `Prefer: wait` and many quick retries: correct whether or not the
+    // gateway honours the preference.
+    const writer = new FencedWriter(gateway.url, lease, { wait: 1, maxRetries: 50, maxRetryWait: 0.2 });
+    const arrived = upstream.slowArrival();
+    const first = writer.post("rec", "/slow", { json: { n: 1 }, step: "pay" });
+    await arrived;
+    const second = writer.post("rec", "/slow", { json: { n: 1 }, step: "pay" });
+    setTimeout(() => upstream.release(), 300);
+    const [one, two] = await Promise.all([first, second]);
+    assert.deepEqual([one.replayed, two.replayed], [false, true]);
+    assert.equal(upstream.of(job).length, 1);
+    await client.complete(lease);
+  });
+
+  it("gives up on a key in flight after maxRetries with DuplicateWrite request_in_progress", async () => {
+    const job = unique("inflight");
+    const lease = await client.claim(job, { owner: "w", ttl: 30 });
+    const writer = new FencedWriter(gateway.url, lease, { wait: 0, maxRetries: 1, maxRetryWait: 0 });
+    const arrived = upstream.slowArrival();
+    const first = writer.post("rec", "/slow", { json: { n: 1 }, step: "pay" });
+    await arrived;
+    await assert.rejects(writer.post("rec", "/slow", { json: { n: 1 }, step: "pay" }), (e: unknown) => {
+      return e instanceof DuplicateWrite && e.reason === "request_in_progress";
+    });
+    upstream.release();
+    await first;
+    await client.complete(lease);
+  });
+});

@@ -1,0 +1,167 @@
+/**
+ * `hold` against a real gateway: renewal, completion, release, and the abort of
+ * a write in flight once the lease may be gone - shown failing with the abort
+ * not wired to the writer.
+ */
+
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+import { FencedWriter, hold, type Lease, LeaseClient, LeaseLost, RenewalSchedule } from "@sinkgate/leases";
+import { destination, Gateway, gatewayMissing, missing, Upstream, unique, Wire } from "./harness.js";
+
+describe("RenewalSchedule", () => {
+  it("renews every fraction of the ttl and never sleeps past the deadline", () => {
+    const schedule = new RenewalSchedule(30, 1 / 3, 0.05);
+    assert.equal(schedule.deadline(100), 100 + 28.5);
+    assert.equal(schedule.wait(100, 200), 10);
+    assert.equal(schedule.wait(100, 104), 4);
+    assert.equal(schedule.wait(100, 90), 0);
+    assert.throws(() => new RenewalSchedule(30, 1.2), RangeError);
+    assert.throws(() => new RenewalSchedule(30, 0.3, 0.3), RangeError);
+    assert.throws(() => new RenewalSchedule(0.01), RangeError);
+  });
+});
+
+const skip = missing(gatewayMissing());
+
+// A window between the worker's local deadline (ttl * (1 - margin) after the
+// last renewal was sent) and the store's expiry (ttl after it arrived) that is
+// long beside a local request: the lease-loss tests below act inside it.
+const WINDOW = { ttl: 3, renewFraction: 0.5, safetyMargin: 0.45 } as const;
+
+describe("hold through a real gateway", { skip }, () => {
+  let upstream: Upstream;
+  let gateway: Gateway;
+  let client: LeaseClient;
+  let proxy: Wire;
+
+  before(async () => {
+    upstream = await Upstream.start();
+    gateway = await Gateway.start({ rec: destination(upstream.url) });
+    client = new LeaseClient(gateway.url);
+  });
+
+  after(async () => {
+    await proxy?.close();
+    await gateway?.stop();
+    await upstream?.close();
+  });
+
+  const fresh = async (): Promise<Wire> => {
+    await proxy?.close();
+    proxy = await Wire.start(gateway.url);
+    return proxy;
+  };
+
+  it("renews past the ttl, completes the job and resolves with the body's value", async () => {
+    const job = unique("hold");
+    const value = await hold(client, job, { owner: "w", ttl: 0.6 }, async (lease, signal) => {
+      await new Promise((resolve) => setTimeout(resolve, 1500)); // 2.5 ttls: renewed meanwhile
+      const writer = new FencedWriter(gateway.url, lease, { signal });
+      return (await writer.post("rec", "/charges", { json: { amount: 5 }, step: "charge" })).status;
+    });
+    assert.equal(value, 201);
+    const lease = await client.get(job);
+    assert.equal(lease?.state, "done");
+    assert.equal(upstream.of(job).length, 1);
+  });
+
+  it("releases the job and rethrows when the body throws", async () => {
+    const job = unique("hold");
+    await assert.rejects(
+      hold(client, job, { ttl: 5 }, async () => {
+        throw new Error("boom");
+      }),
+      /boom/,
+    );
+    assert.equal((await client.get(job))?.state, "free");
+  });
+
+  it("stops the body and releases the job when the worker shuts down", async () => {
+    const job = unique("hold");
+    const shutdown = new AbortController();
+    let bodySignal: AbortSignal | undefined;
+    const running = hold(client, job, { ttl: 5, signal: shutdown.signal }, async (_lease, signal) => {
+      bodySignal = signal;
+      await new Promise(() => undefined); // works forever
+    });
+    while (bodySignal === undefined) await new Promise((resolve) => setImmediate(resolve));
+    shutdown.abort(new Error("shutting down"));
+    await assert.rejects(running, /shutting down/);
+    assert.equal(bodySignal.aborted, true);
+    assert.equal((await client.get(job))?.state, "free");
+  });
+
+  it("never starts the body when the claim's answer comes after the local deadline", async () => {
+    const job = unique("hold");
+    let calls = 0;
+    const clock = (): number => (calls++ === 0 ? 0 : 1000); // the claim took "1000 s"
+    let started = false;
+    await assert.rejects(
+      hold(client, job, { ttl: 5, monotonic: clock }, async () => {
+        started = true;
+      }),
+      (e: unknown) => e instanceof LeaseLost && e.reason === "lease_expired",
+    );
+    assert.equal(started, false);
+    assert.equal((await client.get(job))?.state, "free", "the late lease was given back");
+  });
+
+  it("cuts the write in flight when a renewal is refused: it never reaches the upstream", async () => {
+    const job = unique("cut");
+    const net = await fresh();
+    net.holdWrites = true;
+    const held = net.nextHeld();
+    const running = hold(client, job, { owner: "w", ttl: 0.6 }, async (lease, signal) => {
+      const writer = new FencedWriter(net.url, lease, { signal });
+      return writer.post("rec", "/charges", { json: { amount: 7 }, step: "charge" });
+    });
+    const write = await held;
+    const current = (await client.get(job)) as Lease;
+    await client.release(current); // the lease is taken away: the next renewal is refused
+    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "lease_not_held");
+    assert.equal(await write.cut, true, "the worker cut its request");
+    assert.equal(await write.forward(), undefined);
+    assert.equal(upstream.of(job).length, 0);
+    assert.notEqual((await client.get(job))?.state, "done", "the job is not completed");
+  });
+
+  /** A worker whose lease API is down while its write is held on the wire. */
+  async function storeGoesAway(wired: boolean) {
+    const job = unique(wired ? "wired" : "unwired");
+    const net = await fresh();
+    net.holdWrites = true;
+    const held = net.nextHeld();
+    const leases = new LeaseClient(net.url);
+    const running = hold(leases, job, { owner: "w", ...WINDOW }, async (lease, signal) => {
+      // Protection off: a writer given the lease's fields, not the hold's signal.
+      const { jobId, owner, generation, state, leaseUntil, expiresIn } = lease;
+      const plain: Lease = { jobId, owner, generation, state, leaseUntil, expiresIn };
+      const writer = new FencedWriter(net.url, wired ? lease : plain, wired ? { signal } : {});
+      net.failLeases = true; // from now on every renewal fails
+      return writer.post("rec", "/charges", { json: { amount: 9 }, step: "charge" });
+    });
+    const write = await held;
+    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "store_unavailable");
+    // By the store's clock the lease still runs: the gateway alone would let the write through.
+    const seen = await client.get(job);
+    assert.equal(seen?.state, "active");
+    assert.ok((seen?.expiresIn ?? 0) > 0, "still inside the window the client must close itself");
+    const forwarded = await write.forward();
+    return { job, write, forwarded };
+  }
+
+  it("cuts the write in flight when the lease API is unreachable until the local deadline", async () => {
+    const { job, write, forwarded } = await storeGoesAway(true);
+    assert.equal(await write.cut, true);
+    assert.equal(forwarded, undefined);
+    assert.equal(upstream.of(job).length, 0, "no effect under a lease that may be gone");
+    assert.notEqual((await client.get(job))?.state, "done");
+  });
+
+  it("SAFETY: with the abort not wired to the writer, the same late write makes an effect", async () => {
+    const { job, forwarded } = await storeGoesAway(false);
+    assert.equal(forwarded?.status, 201, "the gateway accepted it: the lease had not run out in the store");
+    assert.equal(upstream.of(job).length, 1, "an effect after the worker's own deadline: what the wiring prevents");
+  });
+});
