@@ -328,6 +328,7 @@ SERVER = Section(
     Key("tls_cert", pem_file, None, "PEM certificate chain: both listeners serve HTTPS only"),
     Key("tls_key", pem_file, None, "PEM private key of tls_cert"),
     Key("workers", integer(1, MAX_WORKERS), 1, "gateway processes sharing both listeners"),
+    Key("max_waiting", integer(0), 1024, "writes held under Prefer: wait at once, per process"),
     restart=True,
 )
 STORE = Section(
@@ -414,6 +415,7 @@ DESTINATION = Section(
     ),
     Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
     Key("max_in_flight", integer(1), 256, "writes in flight at once to this destination"),
+    Key("max_wait", duration(allow_zero=True), 30.0, 'longest Prefer: wait honoured; "0s": never'),
     Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),
     Key("client_cert", pem_file, None, "PEM certificate for mutual TLS to the upstream"),
     Key("client_key", pem_file, None, "PEM private key of client_cert"),

@@ -111,6 +111,7 @@ class DestinationConfig:
         default=_D["upstream_headers"], repr=False
     )
     max_in_flight: int = _D["max_in_flight"]
+    max_wait: float = _D["max_wait"]
     ca_file: Path | None = _D["ca_file"]
     client_cert: Path | None = _D["client_cert"]
     client_key: Path | None = _D["client_key"]
@@ -159,6 +160,7 @@ class Config:
     tls_cert: Path | None = _SERVER["tls_cert"]
     tls_key: Path | None = _SERVER["tls_key"]
     workers: int = _SERVER["workers"]
+    max_waiting: int = _SERVER["max_waiting"]
     # How the gateway file is named in messages (as given on the command line):
     # a reload reports its errors exactly as check-config does.
     display: str | None = field(default=None, compare=False)
