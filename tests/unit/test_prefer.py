@@ -1,0 +1,50 @@
+"""`Prefer: wait=N` as RFC 7240 reads it, and the wait the gateway applies (SPEC 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.write.prefer import applied_wait, wait_preference
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([], None),
+        (["wait=10"], 10),
+        (["WAIT=3"], 3),
+        (["wait = 7"], 7),
+        (['wait="5"'], 5),
+        (["respond-async, wait=10"], 10),
+        (["return=minimal", "wait=4"], 4),
+        (["wait=10;foo=bar, handling=lenient"], 10),
+        (['foo="a, wait=9", wait=2'], 2),  # a comma inside quotes separates nothing
+        (["wait=2, wait=9"], 2),  # the first one counts
+        (["handling=strict"], None),
+        (["wait=0"], None),  # zero: no wait
+        (["wait=-1"], None),
+        (["wait=1.5"], None),
+        (["wait=abc"], None),
+        (["wait"], None),
+        (["wait="], None),
+        (["waiting=5"], None),
+        (["wait=99999999999999"], None),  # more digits than any wait: malformed
+    ],
+)
+def test_wait_preference(values: list[str], expected: int | None) -> None:
+    assert wait_preference(values) == expected
+
+
+@pytest.mark.parametrize(
+    ("preference", "max_wait", "expected"),
+    [
+        (None, 30.0, 0),
+        (10, 30.0, 10),
+        (60, 30.0, 30),
+        (5, 0.0, 0),  # max_wait "0s": never waits
+        (5, 1.5, 1),  # whole seconds only
+        (5, 0.5, 0),
+    ],
+)
+def test_applied_wait(preference: int | None, max_wait: float, expected: int) -> None:
+    assert applied_wait(preference, max_wait) == expected
