@@ -51,6 +51,7 @@ from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteConte
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
+from gateway.store.postgres_notify import listen_settlements
 from gateway.store.postgres_outcomes import (
     CUSTOM_PLANS_SQL,
     Recorded,
@@ -58,6 +59,7 @@ from gateway.store.postgres_outcomes import (
     record_outcomes,
 )
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
+from gateway.store.protocol import Settled
 from leases.errors import StoreUnavailable
 from leases.postgres import (
     ACQUIRE_TIMEOUT_S,
@@ -113,6 +115,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     ) -> None:
         super().__init__(pool, clock_offset=clock_offset, acquire_timeout=acquire_timeout)
         self._skew = 0.0  # server clock minus local clock, seconds
+        self._listen = ("", 0.0)  # where `watch_settlements` connects: set by `open`
         self.clock = self._clock
         self._decisions: GroupCommit[Operation] = GroupCommit(
             self._run_decisions,
@@ -159,6 +162,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 statement_timeout=statement_timeout,
             ),
         )
+        store._listen = (url, connect_timeout)
         try:
             with driver_errors("cannot create the PostgreSQL gateway schema"):
                 async with schema_connection(url, connect_timeout) as conn:
@@ -173,6 +177,11 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
 
     def _clock(self) -> float:
         return time.time() + self._skew + self._offset()
+
+    async def watch_settlements(self, settled: Settled) -> None:
+        """`SettlementFeed`: every process's settlements, on a connection of its own."""
+        url, connect_timeout = self._listen
+        await listen_settlements(url, settled, connect_timeout)
 
     def _observed(self, now: float, offset: float) -> None:
         self._skew = now - offset - time.time()

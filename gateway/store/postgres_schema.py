@@ -8,6 +8,7 @@ database the lease store (`leases.postgres`) uses.
 from __future__ import annotations
 
 from gateway.store import postgres_admin
+from gateway.store.postgres_notify import NOTIFY_DDL
 from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 
 # v2: the audit log and the summary's index (postgres_admin).
@@ -91,5 +92,6 @@ async def init_schema(conn: Conn) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
         await conn.execute(GATEWAY_DDL)
+        await conn.execute(NOTIFY_DDL)
         await postgres_admin.migrate(conn)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

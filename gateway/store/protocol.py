@@ -9,7 +9,8 @@ Backends: `gateway.store.sqlite.SQLiteStore`, `gateway.store.postgres.PostgresSt
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from gateway.policy.decision import KeyRecord, WriteFacts
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
@@ -35,6 +36,29 @@ class WriteStore(Protocol):
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         """Log a rejection decided outside `decide_write` (steps 3 and 5)."""
+        ...
+
+
+class WaitStore(Protocol):
+    """What the waiter registry polls (SPEC 2 "Waiting"): reads, never a change."""
+
+    clock: Clock
+
+    async def key_record(self, destination: str, key: str) -> KeyRecord | None: ...
+    async def job_state(self, job_id: str) -> JobState | None: ...
+
+
+# Called with (destination, key or None, job_id) of each attempt that settled.
+Settled = Callable[[str, str | None, str], None]
+
+
+@runtime_checkable
+class SettlementFeed(Protocol):
+    """A store that tells every process of the attempts settled in any of them."""
+
+    async def watch_settlements(self, settled: Settled) -> None:
+        """Call `settled` for each attempt whose outcome is recorded or which is
+        released, by any process on the store; runs until cancelled."""
         ...
 
 

@@ -1,0 +1,107 @@
+"""Settlements on PostgreSQL, told to every gateway process (SPEC 2 "Waiting").
+
+A write held under `Prefer: wait` in one replica waits on an attempt another
+replica forwarded. Triggers on the key and attempt tables `NOTIFY` on channel
+`sinkgate_settled` whenever an attempt stops blocking: its key leaves
+`in_flight` (an outcome recorded: completed or unknown), its in-flight key row
+is deleted (released), or a keyless attempt's row is deleted. The trigger sits
+beside the statements that settle attempts rather than inside them, so every
+way of settling one (outcomes, an operator's resolve, retention) is told, and
+the payload, `job_id\\ndestination[\\nkey]`, is sent only once the transaction
+commits, as PostgreSQL delivers notifications.
+
+Each gateway process listens on one connection of its own, outside the pool
+(`listen_settlements`); LISTEN is session state, so behind a pooler in
+transaction mode no notification arrives and the waiters' fallback poll wakes
+them instead. A lost connection is opened again after `RECONNECT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import structlog
+
+from gateway.store.protocol import Settled
+
+log = structlog.get_logger("gateway.store")
+
+CHANNEL = "sinkgate_settled"
+RECONNECT_S = 1.0
+
+# Created once, under the schema lock (`postgres_schema.init_schema`); a trigger
+# that exists is left alone, so a start beside running replicas takes no lock on
+# their tables.
+NOTIFY_DDL = f"""
+CREATE OR REPLACE FUNCTION sinkgate_settled() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{CHANNEL}', concat_ws(E'\\n', OLD.job_id, OLD.destination, OLD.key));
+    RETURN NULL;
+END $$;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'idempotency_settled'
+                   AND tgrelid = 'idempotency'::regclass) THEN
+        CREATE TRIGGER idempotency_settled AFTER UPDATE ON idempotency FOR EACH ROW
+            WHEN (OLD.state = 'in_flight' AND NEW.state <> 'in_flight')
+            EXECUTE FUNCTION sinkgate_settled();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'idempotency_released'
+                   AND tgrelid = 'idempotency'::regclass) THEN
+        CREATE TRIGGER idempotency_released AFTER DELETE ON idempotency FOR EACH ROW
+            WHEN (OLD.state = 'in_flight')
+            EXECUTE FUNCTION sinkgate_settled();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'attempts_settled'
+                   AND tgrelid = 'attempts'::regclass) THEN
+        CREATE TRIGGER attempts_settled AFTER DELETE ON attempts FOR EACH ROW
+            EXECUTE FUNCTION sinkgate_settled();
+    END IF;
+END $$;
+"""
+
+
+def parse_payload(payload: str) -> tuple[str, str | None, str] | None:
+    """(destination, key or None, job_id) of a notification; None if it is not ours."""
+    parts = payload.split("\n")
+    if len(parts) == 2:
+        return parts[1], None, parts[0]
+    if len(parts) == 3:
+        return parts[1], parts[2], parts[0]
+    return None
+
+
+async def listen_settlements(url: str, settled: Settled, connect_timeout: float) -> None:
+    """Call `settled` for each settlement notified on `url`; until cancelled."""
+
+    def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
+        parsed = parse_payload(payload)
+        if parsed is not None:
+            settled(*parsed)
+
+    while True:
+        try:
+            conn = await asyncpg.connect(url, timeout=connect_timeout, statement_cache_size=0)
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            log.warning("settlements_unheard", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(RECONNECT_S)
+            continue
+        try:
+            await _listen(conn, on_notification)
+        finally:
+            conn.terminate()  # no goodbye needed: LISTEN ends with the session
+        log.warning("settlements_unheard", error="the listening connection was lost")
+        await asyncio.sleep(RECONNECT_S)
+
+
+async def _listen(conn: Any, on_notification: Any) -> None:
+    """Listen on `conn` until it is lost."""
+    lost = asyncio.Event()
+    conn.add_termination_listener(lambda _conn: lost.set())
+    try:
+        await conn.add_listener(CHANNEL, on_notification)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return
+    await lost.wait()
