@@ -28,13 +28,14 @@ from gateway.openapi.document import add_openapi_route
 from gateway.reload import Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
-from gateway.store.protocol import Store
+from gateway.store.protocol import SettlementFeed, Store
 from gateway.store.records import Clock
 from gateway.supervisor import Slot, announce_reload
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
 from gateway.write.route import WriteGateway
 from gateway.write.upstream import Upstreams
+from gateway.write.waiting import Waiters
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.app")
@@ -121,14 +122,18 @@ def create_app(
         owned = store is None
         app[STORE] = store if store is not None else await _open_configured_store(config, clock)
         upstreams = Upstreams(config.destinations)
-        writes = WriteGateway(config, app[STORE], upstreams, app[METRICS])
+        waiters = _waiters(config, app[STORE], app[METRICS])
+        writes = WriteGateway(config, app[STORE], upstreams, app[METRICS], waiters)
         app[WRITES] = writes
         app[RELOADER].attach(writes, audit=app[STORE].record_audit)
+        feed = _watch_settlements(app[STORE], waiters)
         try:
             yield
         finally:
             await app[RELOADER].close()
             await _drain(writes, config.shutdown_grace)
+            await _stop_task(feed)
+            await waiters.close()
             await upstreams.close()
             if owned:
                 await app[STORE].close()
@@ -144,6 +149,43 @@ def create_app(
     add_openapi_route(app)
     add_health_routes(app, lambda: app[STORE])
     return app
+
+
+# How often writes held under `Prefer: wait` poll what blocks them: where other
+# processes share a SQLite file (`--workers N`) and nothing else would tell of
+# their settlements, and as the fallback elsewhere (a missed notification, or a
+# second process on the same file). SPEC 2: within 1 s.
+WAIT_POLL_S = 0.1
+WAIT_FALLBACK_POLL_S = 0.5
+
+
+def _waiters(config: Config, store: Store, metrics: Metrics) -> Waiters:
+    shared_file = config.workers > 1 and not isinstance(store, SettlementFeed)
+    poll_s = WAIT_POLL_S if shared_file else WAIT_FALLBACK_POLL_S
+    return Waiters(limit=config.max_waiting, metrics=metrics, store=store, poll_s=poll_s)
+
+
+def _watch_settlements(store: Store, waiters: Waiters) -> asyncio.Task[None] | None:
+    """On a store that notifies every process of settlements, one watcher per
+    process wakes this process's waiters; watched: its failure is logged, and the
+    waiters go on by their fallback poll."""
+    if not isinstance(store, SettlementFeed):
+        return None
+    task = asyncio.create_task(store.watch_settlements(waiters.settled), name="settlements")
+    task.add_done_callback(_settlements_done)
+    return task
+
+
+def _settlements_done(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("settlement_watch_failed", error=repr(task.exception()))
+
+
+async def _stop_task(task: asyncio.Task[None] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _not_a_write(request: web.Request) -> web.StreamResponse:

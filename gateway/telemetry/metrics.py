@@ -23,6 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 # Children kept by `Metrics.child`; past this, label values are looked up each time.
 _MAX_CACHED_CHILDREN = 1000
+_WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -97,6 +98,26 @@ class Metrics:
             ["destination"],
             registry=r,
             multiprocess_mode="livesum",  # shared: the sum over the live workers
+        )
+
+        self.waiting = Gauge(
+            "sinkgate_waiting_writes",
+            "Writes held under Prefer: wait now.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.waits = Counter(
+            "sinkgate_waits_total",
+            "Writes held under Prefer: wait, by result (replayed, forwarded, refused, "
+            "timed_out, disconnected).",
+            ["result"],
+            registry=r,
+        )
+        self.wait_seconds = Histogram(
+            "sinkgate_wait_seconds",
+            "How long writes were held under Prefer: wait.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
         )
 
     def _upkeep_metrics(self, r: CollectorRegistry) -> None:

@@ -29,6 +29,7 @@ from gateway.store.protocol import WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
+from gateway.write.prefer import applied_wait, wait_preference
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
 from gateway.write.request import (
@@ -46,6 +47,7 @@ from gateway.write.upstream import (
     forward_headers,
     upstream_url,
 )
+from gateway.write.waiting import Waiters
 from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
@@ -56,12 +58,18 @@ class WriteGateway:
     """Holds what the write route needs; one per app."""
 
     def __init__(
-        self, config: Config, store: WriteStore, upstreams: Upstreams, metrics: Metrics
+        self,
+        config: Config,
+        store: WriteStore,
+        upstreams: Upstreams,
+        metrics: Metrics,
+        waiters: Waiters | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.upstreams = upstreams
         self.metrics = metrics
+        self.waiters = waiters or Waiters(limit=config.max_waiting, metrics=metrics)
         self.in_flight: dict[str, int] = {}
         self.in_flight_total = 0
         # Shared between workers, the gauge is counted in their files: `_admit` and
@@ -138,6 +146,7 @@ class WriteGateway:
                 rejection_id=rejection.members.get("rejection_id"),
             )
             self.metrics.child(self.metrics.rejections, rejection.reason).inc()
+        _preference_applied(response, fields)
         fields["status"] = response.status
         fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
         metrics = self.metrics
@@ -213,7 +222,7 @@ class WriteGateway:
     ) -> web.StreamResponse:
         self._admit(destination)
         try:
-            verdict = await self._decide(facts, context, fields)
+            verdict = await self._decide_or_wait(request, destination, facts, context, fields)
             decision = verdict.decision
             if isinstance(decision, Reject):
                 self.metrics.child(self.metrics.rejections, decision.reason).inc()
@@ -241,6 +250,7 @@ class WriteGateway:
                 raise
             if isinstance(answer, UpstreamAnswer):
                 # The outcome is recorded: the rest of the body is only relayed.
+                _preference_applied(answer, fields)
                 return await relay(request, answer, fields)
             return answer
         finally:
@@ -263,9 +273,45 @@ class WriteGateway:
             self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
             fields["store_ms"] = round(elapsed * 1000, 3)
 
-    def _admit(self, destination: DestinationConfig) -> None:
+    async def _decide_or_wait(
+        self,
+        request: web.Request,
+        destination: DestinationConfig,
+        facts: WriteFacts,
+        context: WriteContext,
+        fields: dict[str, Any],
+    ) -> Verdict:
+        """Step 6's decision; under `Prefer: wait`, a refusal for what is still in
+        flight is held and decided again as it settles (`gateway.write.waiting`)."""
+        prefer = request.headers.get("Prefer")
+        cap = (
+            0
+            if prefer is None
+            else applied_wait(
+                wait_preference(request.headers.getall("Prefer")), destination.max_wait
+            )
+        )
+        if cap == 0:
+            return await self._decide(facts, context, fields)
+        self._release(destination)  # a held write is not in flight: it holds no place
+        try:
+            waited = await self.waiters.decide(
+                facts,
+                cap,
+                lambda: self._decide(facts, context, fields),
+                lambda: request.transport is None,
+            )
+        finally:
+            self._admit(destination, check=False)  # admitted once, on arrival
+        if waited.applied:
+            fields["prefer_wait"] = cap
+        if waited.result is not None:
+            fields.update(wait=waited.result, waited_ms=round(waited.seconds * 1000, 3))
+        return waited.verdict
+
+    def _admit(self, destination: DestinationConfig, *, check: bool = True) -> None:
         name = destination.name
-        if (
+        if check and (
             self.in_flight[name] >= destination.max_in_flight
             or self.in_flight_total >= self.config.max_in_flight
         ):
@@ -317,6 +363,7 @@ class WriteGateway:
         metrics.child(metrics.upstream_outcomes, destination.name, outcome.kind).inc()
         fields.update(upstream_ms=round(upstream_s * 1000, 3), outcome=outcome.kind)
         fields["outcome_recorded"] = await self._record_outcome(facts, attempt, outcome)
+        self.waiters.settled(facts.destination, facts.key, facts.job_id)
         if rejection is not None:
             fields["reason"] = rejection.reason
             return problem_response(rejection)
@@ -377,6 +424,15 @@ class WriteGateway:
             raise Rejection(
                 Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, destination=destination
             ) from exc
+
+
+def _preference_applied(
+    answer: web.StreamResponse | UpstreamAnswer, fields: dict[str, Any]
+) -> None:
+    """SPEC 2: every answer to a write whose `Prefer: wait` was honoured says so."""
+    cap = fields.get("prefer_wait")
+    if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
+        answer.headers["Preference-Applied"] = f"wait={cap}"
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:

@@ -1,0 +1,299 @@
+"""Writes held under `Prefer: wait` until what blocks them settles (SPEC 2 "Waiting").
+
+A write answered 409 `request_in_progress` (its key is in flight) or
+`older_generation_in_flight` (an older generation of its job is on the wire),
+carrying the preference, is held here instead of being answered. It waits on
+what blocks it: the key `(destination, key)` or the job. It is woken
+
+- at once when the blocking attempt settles in this process (the write route
+  calls `settled` as soon as an outcome is recorded);
+- when another process says so: on PostgreSQL the store's notifications
+  (`SettlementFeed`) call `settled` in every process;
+- by a poll of the blocker's row (`WaitStore`), one read per blocker however many
+  writes wait on it: at a short interval where other processes share the store
+  without notifications (SQLite with `--workers N`), as a fallback otherwise;
+- when the blocker's own deadline passes (the `Retry-After` the 409 carried).
+
+Woken, the write is decided again by the very call that refused it, as if it had
+just arrived, so its answer is one the contract gives: a replay, a forward, or
+a refusal. Nothing is ever forwarded here. At most `limit` writes wait in one
+process; a waiter whose worker has gone away stops, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from gateway.policy.decision import KeyState, Reject, Replay, WriteFacts, retry_after
+from gateway.policy.records import Verdict
+from gateway.store.protocol import WaitStore
+from gateway.telemetry.metrics import Metrics
+from leases.errors import StoreUnavailable
+from leases.reasons import Reason
+
+log = structlog.get_logger("gateway.write")
+
+WAITABLE = frozenset({Reason.REQUEST_IN_PROGRESS, Reason.OLDER_GENERATION_IN_FLIGHT})
+# How often waiters are checked for a worker gone away, when nothing polls sooner.
+GONE_CHECK_S = 1.0
+
+T = TypeVar("T")
+Decide = Callable[[], Awaitable[Verdict]]
+Gone = Callable[[], bool]
+
+
+def waitable(verdict: Verdict) -> bool:
+    """A refusal that `Prefer: wait` turns into a wait."""
+    decision = verdict.decision
+    return isinstance(decision, Reject) and decision.reason in WAITABLE
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    facts: WriteFacts
+    gone: Gone
+    woken: asyncio.Future[None]
+    holding: bool = False  # refused and waiting (not deciding): what polls look at
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """A write's final verdict and how its wait went. `applied`: the preference
+    was honoured (False: one more than `max_waiting`, answered at once);
+    `result` None: it did not have to wait."""
+
+    verdict: Verdict
+    applied: bool = True
+    result: str | None = None
+    seconds: float = 0.0
+
+
+class Waiters:
+    """The waiter registry of one process."""
+
+    def __init__(
+        self,
+        *,
+        limit: int,
+        metrics: Metrics,
+        store: WaitStore | None = None,
+        poll_s: float | None = None,
+    ) -> None:
+        self.limit = limit
+        self.count = 0
+        self._metrics = metrics
+        self._store = store
+        self._poll_s = poll_s if store is not None else None
+        self._keys: dict[tuple[str, str], set[_Waiter]] = {}
+        self._jobs: dict[str, set[_Waiter]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+
+    def settled(self, destination: str, key: str | None, job_id: str) -> None:
+        """An attempt of `job_id` (on `key`, if keyed) settled: its outcome was
+        recorded or it was released, so it neither holds its key nor bars newer
+        generations any more. Wakes whoever waits on either."""
+        if key is not None:
+            _wake(self._keys.pop((destination, key), ()))
+        _wake(self._jobs.pop(job_id, ()))
+
+    async def decide(self, facts: WriteFacts, cap: int, decide: Decide, gone: Gone) -> Waited:
+        """`decide` the write; while that is a refusal `Prefer: wait` applies to,
+        hold it (up to `cap` seconds) and decide it again whenever what blocks it
+        may have settled. A settlement during a decision is not missed: the write
+        watches its key and job from before each decision."""
+        started = time.monotonic()
+        waiter = self._watch(facts, gone)
+        try:
+            verdict = await decide()
+            if not waitable(verdict):
+                return Waited(verdict)
+            if self.count >= self.limit:
+                return Waited(verdict, applied=False)
+            self._enter()
+            try:
+                verdict, result = await self._hold(verdict, waiter, started + cap, decide)
+            finally:
+                self._leave()
+        finally:
+            self._unwatch(waiter)
+        waited = time.monotonic() - started
+        self._metrics.child(self._metrics.waits, result).inc()
+        self._metrics.wait_seconds.observe(waited)
+        return Waited(verdict, result=result, seconds=waited)
+
+    async def _hold(
+        self, verdict: Verdict, waiter: _Waiter, until: float, decide: Decide
+    ) -> tuple[Verdict, str]:
+        """Wait and decide again until the verdict is no waitable refusal, the cap
+        `until` (monotonic) has passed, or the worker is gone."""
+        while True:
+            decision = verdict.decision
+            assert isinstance(decision, Reject) and decision.retry_after is not None
+            blocker_ends = time.monotonic() + decision.retry_after
+            self._narrow(waiter, decision.reason)
+            await _sleep(waiter, min(until, blocker_ends))
+            if waiter.gone():
+                return verdict, "disconnected"
+            now = time.monotonic()
+            if now >= until and now < blocker_ends:
+                remaining = retry_after(blocker_ends - now)
+                return _with_retry_after(verdict, decision, remaining), "timed_out"
+            self._unwatch(waiter)
+            waiter = self._watch(waiter.facts, waiter.gone)
+            verdict = await decide()
+            if not waitable(verdict):
+                return verdict, _result(verdict)
+
+    def _watch(self, facts: WriteFacts, gone: Gone) -> _Waiter:
+        """A new waiter, woken by a settlement of its key or of its job."""
+        waiter = _Waiter(facts, gone, asyncio.get_running_loop().create_future())
+        if facts.key is not None:
+            self._keys.setdefault((facts.destination, facts.key), set()).add(waiter)
+        self._jobs.setdefault(facts.job_id, set()).add(waiter)
+        return waiter
+
+    def _narrow(self, waiter: _Waiter, reason: str) -> None:
+        """Refused for `reason`: wait on what refused it only."""
+        facts = waiter.facts
+        if reason == Reason.REQUEST_IN_PROGRESS and facts.key is not None:
+            _discard(self._jobs, facts.job_id, waiter)
+        elif facts.key is not None:
+            _discard(self._keys, (facts.destination, facts.key), waiter)
+        waiter.holding = True
+        self._start_ticker()
+
+    def _unwatch(self, waiter: _Waiter) -> None:
+        facts = waiter.facts
+        if facts.key is not None:
+            _discard(self._keys, (facts.destination, facts.key), waiter)
+        _discard(self._jobs, facts.job_id, waiter)
+
+    def _enter(self) -> None:
+        self.count += 1
+        self._metrics.waiting.inc()
+
+    def _leave(self) -> None:
+        self.count -= 1
+        self._metrics.waiting.dec()
+
+    # --- the ticker: workers gone away, and polls --------------------------------------
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick(), name="waiters")
+            self._ticker.add_done_callback(_ticker_done)
+
+    async def _tick(self) -> None:
+        """While anything waits: every `GONE_CHECK_S`, wake the waiters whose worker
+        went away; every `poll_s`, poll each blocker once."""
+        interval = min(GONE_CHECK_S, self._poll_s or GONE_CHECK_S)
+        last_gone_check = time.monotonic()
+        last_poll = time.monotonic()
+        while self._keys or self._jobs:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last_gone_check >= GONE_CHECK_S:
+                last_gone_check = now
+                self._wake_gone()
+            if self._poll_s is not None and now - last_poll >= self._poll_s:
+                last_poll = now
+                await self._poll()
+
+    def _wake_gone(self) -> None:
+        for waiters in (*self._keys.values(), *self._jobs.values()):
+            for waiter in waiters:
+                if waiter.holding and waiter.gone():
+                    _wake_one(waiter)
+
+    async def _poll(self) -> None:
+        """One read per blocker that holds writes: wake them if it no longer does."""
+        keys = [(i, _holding(w)) for i, w in self._keys.items()]
+        jobs = [(j, _holding(w)) for j, w in self._jobs.items()]
+        try:
+            await asyncio.gather(
+                *(self._poll_key(ident, waiters) for ident, waiters in keys if waiters),
+                *(self._poll_job(job_id, waiters) for job_id, waiters in jobs if waiters),
+            )
+        except StoreUnavailable as exc:
+            log.warning("wait_poll_failed", error=str(exc))
+
+    async def _poll_key(self, ident: tuple[str, str], waiters: list[_Waiter]) -> None:
+        assert self._store is not None
+        record = await self._store.key_record(*ident)
+        if record is None or record.state_at(self._store.clock()) is not KeyState.IN_FLIGHT:
+            _wake(waiters)
+
+    async def _poll_job(self, job_id: str, waiters: list[_Waiter]) -> None:
+        assert self._store is not None
+        state = await self._store.job_state(job_id)
+        on_wire = [] if state is None else [a["generation"] for a in state.in_flight]
+        _wake(w for w in waiters if not any(g < w.facts.generation for g in on_wire))
+
+    async def close(self) -> None:
+        """Stop the ticker (the waiters themselves end with their handlers)."""
+        if self._ticker is not None and not self._ticker.done():
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+
+
+def _wake(waiters: Iterable[_Waiter]) -> None:
+    for waiter in waiters:
+        _wake_one(waiter)
+
+
+def _wake_one(waiter: _Waiter) -> None:
+    if not waiter.woken.done():
+        waiter.woken.set_result(None)
+
+
+async def _sleep(waiter: _Waiter, until: float) -> None:
+    """Until `waiter` is woken or `until` (monotonic) has come."""
+    if waiter.woken.done():
+        return
+    delay = max(0.0, until - time.monotonic())
+    timer = asyncio.get_running_loop().call_later(delay, _wake_one, waiter)
+    try:
+        await waiter.woken
+    finally:
+        timer.cancel()
+
+
+def _holding(waiters: set[_Waiter]) -> list[_Waiter]:
+    return [w for w in waiters if w.holding]
+
+
+def _discard(table: dict[T, set[_Waiter]], ident: T, waiter: _Waiter) -> None:
+    """`waiter` out of `table[ident]`; a set left empty goes too."""
+    waiters = table.get(ident)
+    if waiters is not None:
+        waiters.discard(waiter)
+        if not waiters:
+            del table[ident]
+
+
+def _ticker_done(task: asyncio.Task[Any]) -> None:
+    """Watched: a ticker that fails is logged (waiters still wake on their own
+    deadlines and on settlements; a later wait starts a new ticker)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("waiters_ticker_failed", error=repr(task.exception()))
+
+
+def _result(verdict: Verdict) -> str:
+    decision = verdict.decision
+    if isinstance(decision, Replay):
+        return "replayed"
+    if isinstance(decision, Reject):
+        return "refused"
+    return "forwarded"
+
+
+def _with_retry_after(verdict: Verdict, decision: Reject, seconds: int) -> Verdict:
+    """The refusal decided before the wait, its `Retry-After` counted from now."""
+    return dataclasses.replace(verdict, decision=dataclasses.replace(decision, retry_after=seconds))

@@ -1,0 +1,252 @@
+"""`Prefer: wait` end to end on both stores (SPEC 2 "Waiting"): a write refused for
+what is still in flight is held, and decided again as soon as that settles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+import structlog
+from aiohttp import web
+
+from gateway.app import WRITES
+from gateway.http.appkeys import METRICS
+from gateway.policy.decision import Fencing
+from gateway.store.records import RejectionQuery
+from tests.harness import (
+    Gateway,
+    destination,
+    eventually,
+    make_config,
+    running_gateway,
+    served_upstream,
+)
+
+
+@dataclass
+class HeldUpstream:
+    """Holds every request to /hold/NNN until `release` is set, then answers NNN;
+    anything else is answered 201 at once. Records the paths and the fencing tokens
+    in the order the requests arrived."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    received: list[tuple[str, str]] = field(default_factory=list)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.received.append((request.raw_path, request.headers.get("Fencing-Token", "")))
+        parts = request.path.split("/")
+        if len(parts) > 3 and parts[2] == "hold":
+            await asyncio.wait_for(self.release.wait(), 30)
+            return web.Response(status=int(parts[3]), text=f"held {len(self.received)}")
+        return web.json_response({"n": len(self.received)}, status=201)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[HeldUpstream]:
+    async with served_upstream(HeldUpstream()) as up:
+        yield up
+
+
+@pytest.fixture
+async def gw(store_url: str, tmp_path: Path, upstream: HeldUpstream) -> AsyncIterator[Gateway]:
+    config = make_config(
+        tmp_path,
+        destination("pay", upstream.url + "/api"),
+        destination("mono", upstream.url + "/api", fencing=Fencing.MONOTONIC),
+        destination("short", upstream.url + "/api", max_wait=1.0),
+        destination("never", upstream.url + "/api", max_wait=0.0),
+        max_waiting=2,
+    )
+    async with running_gateway(config, backend=store_url) as gateway:
+        yield gateway
+        upstream.release.set()  # held originals end before the gateway stops
+
+
+def waiting(gw: Gateway) -> int:
+    return gw.app[WRITES].waiters.count
+
+
+async def holding_original(gw: Gateway, upstream: HeldUpstream, path: str) -> asyncio.Task:
+    """The original write, forwarded and held by the upstream."""
+    original = asyncio.create_task(gw.write(path))
+    await eventually(lambda: upstream.received, what="the original's arrival")
+    return original
+
+
+def metric(gw: Gateway, name: str, **labels: str) -> float:
+    value = gw.app[METRICS].registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+WAIT = {"Prefer": "wait=10"}
+
+
+async def test_a_duplicate_waits_for_the_original_and_gets_its_replay(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/200")
+    with structlog.testing.capture_logs() as logs:
+        duplicate = asyncio.create_task(gw.write("/to/pay/hold/200", headers=WAIT))
+        await eventually(lambda: waiting(gw) == 1, what="the duplicate waiting")
+        upstream.release.set()
+        first, second = await original, await duplicate
+    assert first[0] == 200 and "Preference-Applied" not in first[1]
+    status, headers, body = second
+    assert (status, body) == (200, first[2])
+    assert headers["Idempotent-Replayed"] == "true"
+    assert headers["Preference-Applied"] == "wait=10"
+    assert len(upstream.received) == 1  # one request reached the upstream, not two
+    assert metric(gw, "sinkgate_waits_total", result="replayed") == 1
+    assert metric(gw, "sinkgate_waiting_writes") == 0
+    line = next(e for e in logs if e["event"] == "write_decision" and e.get("wait"))
+    assert line["decision"] == "replayed" and line["wait"] == "replayed"
+    assert line["waited_ms"] > 0 and line["prefer_wait"] == 10
+
+
+async def test_a_duplicate_of_a_released_original_is_forwarded(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    """The original's 503 releases the key: the waiter is forwarded as if it had
+    just arrived (and is relayed the upstream's own answer, not a 409)."""
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/503")
+    duplicate = asyncio.create_task(gw.write("/to/pay/hold/503", headers=WAIT))
+    await eventually(lambda: waiting(gw) == 1, what="the duplicate waiting")
+    upstream.release.set()
+    assert (await original)[0] == 503
+    status, headers, _ = await duplicate
+    assert status == 503 and "Sinkgate-Rejected" not in headers
+    assert headers["Preference-Applied"] == "wait=10"
+    assert len(upstream.received) == 2
+    assert metric(gw, "sinkgate_waits_total", result="forwarded") == 1
+
+
+async def test_a_newer_generation_waits_for_the_barrier_then_is_forwarded(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    """The upstream never sees two generations of one job overlap: generation 2
+    reaches it only once generation 1's answer is back."""
+    original = asyncio.create_task(gw.write("/to/mono/hold/200", generation=1, key="k1"))
+    await eventually(lambda: upstream.received, what="generation 1's arrival")
+    newer = asyncio.create_task(gw.write("/to/mono/x", generation=2, key="k2", headers=WAIT))
+    await eventually(lambda: waiting(gw) == 1, what="generation 2 waiting")
+    assert len(upstream.received) == 1
+    upstream.release.set()
+    assert (await original)[0] == 200
+    status, headers, _ = await newer
+    assert status == 201 and headers["Preference-Applied"] == "wait=10"
+    assert [token for _, token in upstream.received] == ["1", "2"]
+
+
+async def test_the_wait_ends_at_its_cap_with_the_409(gw: Gateway, upstream: HeldUpstream) -> None:
+    await gw.claim("job-1")
+    await holding_original(gw, upstream, "/to/pay/hold/200")
+    status, headers, body = await gw.write("/to/pay/hold/200", headers={"Prefer": "wait=1"})
+    assert status == 409 and headers["Sinkgate-Rejected"] == "request_in_progress"
+    assert int(headers["Retry-After"]) >= 1
+    assert headers["Preference-Applied"] == "wait=1"
+    assert json.loads(body)["rejection_id"] is not None
+    assert metric(gw, "sinkgate_waits_total", result="timed_out") == 1
+    assert len(upstream.received) == 1
+
+
+async def test_max_wait_caps_the_preference(gw: Gateway, upstream: HeldUpstream) -> None:
+    await gw.claim("job-1")
+    await holding_original(gw, upstream, "/to/short/hold/200")
+    status, headers, _ = await gw.write("/to/short/hold/200", headers={"Prefer": "wait=600"})
+    assert status == 409 and headers["Preference-Applied"] == "wait=1"
+    assert metric(gw, "sinkgate_waits_total", result="timed_out") == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "prefer"),
+    [
+        ("/to/never/hold/200", "wait=10"),  # max_wait = "0s": never waits
+        ("/to/pay/hold/200", "wait=0"),
+        ("/to/pay/hold/200", "wait=1.5"),
+        ("/to/pay/hold/200", "wait=soon"),
+        ("/to/pay/hold/200", "respond-async"),
+    ],
+)
+async def test_no_wait_applied_answers_at_once_as_without_the_header(
+    gw: Gateway, upstream: HeldUpstream, path: str, prefer: str
+) -> None:
+    await gw.claim("job-1")
+    await holding_original(gw, upstream, path)
+    status, headers, _ = await gw.write(path, headers={"Prefer": prefer})
+    assert status == 409 and headers["Sinkgate-Rejected"] == "request_in_progress"
+    assert "Preference-Applied" not in headers
+    assert metric(gw, "sinkgate_waits_total", result="timed_out") == 0
+
+
+async def test_one_more_than_max_waiting_gets_the_409_at_once(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/200")
+    held = [asyncio.create_task(gw.write("/to/pay/hold/200", headers=WAIT)) for _ in range(2)]
+    await eventually(lambda: waiting(gw) == 2, what="max_waiting writes waiting")
+    status, headers, _ = await gw.write("/to/pay/hold/200", headers=WAIT)
+    assert status == 409 and headers["Sinkgate-Rejected"] == "request_in_progress"
+    assert "Preference-Applied" not in headers  # not applied: the worker's own retry decides
+    upstream.release.set()
+    await original
+    for task in held:
+        status, headers, _ = await task
+        assert status == 200 and headers["Idempotent-Replayed"] == "true"
+
+
+async def test_a_waiter_whose_worker_goes_away_stops_and_changes_nothing(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/200")
+    async with aiohttp.ClientSession() as session:
+        waiter = asyncio.create_task(
+            session.post(
+                f"{gw.url}/to/pay/hold/200",
+                data=b'{"amount": 100}',
+                headers={
+                    "Content-Type": "application/json",
+                    "Fencing-Job": "job-1",
+                    "Fencing-Token": "1",
+                    "Idempotency-Key": "key-1",
+                    **WAIT,
+                },
+            )
+        )
+        await eventually(lambda: waiting(gw) == 1, what="the write waiting")
+        waiter.cancel()  # the worker goes away: its connection is closed
+        await asyncio.gather(waiter, return_exceptions=True)
+    await eventually(lambda: waiting(gw) == 0, what="the waiter to stop")
+    assert metric(gw, "sinkgate_waits_total", result="disconnected") == 1
+    rejections = await gw.store.list_rejections(RejectionQuery(job_id="job-1"))
+    assert [r.record.reason for r in rejections] == ["request_in_progress"]  # the first look
+    upstream.release.set()
+    assert (await original)[0] == 200
+    record = await gw.store.key_record("pay", "key-1")
+    assert record is not None and record.state == "completed" and record.attempts == 1
+    assert len(upstream.received) == 1
+
+
+async def test_every_answer_to_a_write_whose_wait_applies_says_so(
+    gw: Gateway, upstream: HeldUpstream
+) -> None:
+    """Forwarded at once, replayed, or refused for another reason: the header is there."""
+    await gw.claim("job-1")
+    forwarded = await gw.write("/to/pay/x", headers=WAIT)
+    replayed = await gw.write("/to/pay/x", headers=WAIT)
+    stale = await gw.write("/to/pay/x", generation=7, key="other", headers=WAIT)
+    assert [r[0] for r in (forwarded, replayed, stale)] == [201, 201, 409]
+    assert stale[1]["Sinkgate-Rejected"] == "unknown_generation"
+    for _, headers, _ in (forwarded, replayed, stale):
+        assert headers["Preference-Applied"] == "wait=10"
+    assert metric(gw, "sinkgate_waits_total", result="replayed") == 0  # nothing waited
