@@ -24,7 +24,7 @@ from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
-from gateway.openapi.document import add_openapi_route
+from gateway.openapi.document import Listeners, add_openapi_route
 from gateway.reload import Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
@@ -44,6 +44,11 @@ WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
 RELOADER: web.AppKey[Reloader] = web.AppKey("reloader", Reloader)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Where the admin listener was bound (an address with port 0 gets one), for the
+# served OpenAPI document; empty when the app runs without it (tests).
+ADMIN_BOUND: web.AppKey[list[tuple[str, int]]] = web.AppKey("admin_bound")
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 # aiohttp server limits for both listeners. Oversized request lines, header
 # fields or header counts are refused by aiohttp's parser (4xx, connection
@@ -146,7 +151,8 @@ def create_app(
     # into /to/... gets the same 404 as before.
     app.router.add_route("*", "/to/{tail:.*}", _not_a_write)
     add_lease_routes(app, tokens=config.lease_tokens)
-    add_openapi_route(app)
+    app[ADMIN_BOUND] = []
+    add_openapi_route(app, _listeners(config, app[ADMIN_BOUND]))
     add_health_routes(app, lambda: app[STORE])
     return app
 
@@ -326,7 +332,40 @@ async def _start_listeners(
     admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
     await admin_runner.setup()
     await web.TCPSite(admin_runner, *admin_listen, ssl_context=tls, reuse_port=shared).start()
+    host, port = admin_runner.addresses[0][:2]
+    app[ADMIN_BOUND][:] = [(str(host), int(port))]
     return admin_runner
+
+
+def _listeners(
+    config: Config, admin_bound: list[tuple[str, int]]
+) -> Callable[[web.Request], Listeners]:
+    """The served OpenAPI document's listeners: the main one as the request reached
+    it (its local address: right for a wildcard bind and for port 0), the admin one
+    as bound, on that same host when it listens on every address."""
+    scheme = "https" if config.tls_cert is not None else "http"
+
+    def listeners(request: web.Request) -> Listeners:
+        local = request.transport.get_extra_info("sockname") if request.transport else None
+        main_host, main_port = (_unmapped(local[0]), int(local[1])) if local else config.listen
+        admin_host, admin_port = admin_bound[0] if admin_bound else config.admin_listen
+        if admin_host in _WILDCARDS:
+            admin_host = main_host
+        return Listeners(
+            f"{scheme}://{_host_port(main_host, main_port)}",
+            f"{scheme}://{_host_port(admin_host, admin_port)}",
+        )
+
+    return listeners
+
+
+def _unmapped(host: str) -> str:
+    """An IPv4 client of a dual-stack listener shows as ::ffff:a.b.c.d."""
+    return host.removeprefix("::ffff:") if "." in host else host
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _reload_all(reloader: Reloader) -> Handler:

@@ -12,7 +12,9 @@ live gateway to check that the server answers what the document says.
 from __future__ import annotations
 
 import json
-from functools import cache
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from aiohttp import web
@@ -134,8 +136,35 @@ def _main_paths() -> dict[str, Any]:
     }
 
 
-def build_document() -> dict[str, Any]:
-    """The whole OpenAPI 3.1 document as a fresh dict."""
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """The base URLs of a gateway's two listeners (scheme, host and port)."""
+
+    main: str
+    admin: str
+
+
+def build_document(listeners: Listeners | None = None) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document as a fresh dict; with `listeners`, as a
+    gateway serves it, its `servers` naming that gateway's own listeners. Without,
+    the defaults (`127.0.0.1:8480`, and the admin listener as a server variable)."""
+    document = _document()
+    return document if listeners is None else _served_at(document, listeners)
+
+
+def _served_at(document: dict[str, Any], listeners: Listeners) -> dict[str, Any]:
+    """`document` with every `servers` list naming `listeners`: the top-level one
+    (the main listener) and those of the admin paths and operations."""
+    document["servers"] = [{"url": listeners.main, "description": "the main listener"}]
+    admin = [{"url": listeners.admin, "description": "the admin listener, not the main one"}]
+    for item in document["paths"].values():
+        for part in (item, *(op for op in item.values() if isinstance(op, dict))):
+            if "servers" in part:
+                part["servers"] = admin
+    return document
+
+
+def _document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -166,15 +195,17 @@ def build_document() -> dict[str, Any]:
     }
 
 
-@cache
-def _serialized() -> bytes:
-    return json.dumps(build_document(), separators=(",", ":")).encode()
+@lru_cache(maxsize=16)  # one gateway has one pair, or a few with wildcard listeners
+def _serialized(listeners: Listeners) -> bytes:
+    return json.dumps(build_document(listeners), separators=(",", ":")).encode()
 
 
-def add_openapi_route(app: web.Application) -> None:
-    """Serve the document at `GET /openapi.json`."""
+def add_openapi_route(app: web.Application, listeners: Callable[[web.Request], Listeners]) -> None:
+    """Serve the document at `GET /openapi.json`, its `servers` the `listeners` of
+    the gateway the request reached."""
 
     async def openapi(request: web.Request) -> web.Response:
-        return web.Response(body=_serialized(), content_type="application/json")
+        body = _serialized(listeners(request))
+        return web.Response(body=body, content_type="application/json")
 
     app.router.add_get("/openapi.json", openapi)

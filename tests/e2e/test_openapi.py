@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -28,13 +28,15 @@ from aiohttp import web
 from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
 from schemathesis.checks import positive_data_acceptance
+from schemathesis.schemas import BaseSchema
 
 from gateway.admin.app import create_admin_app
 from gateway.http.appkeys import METRICS
 from gateway.http.server import GatewayRunner
-from gateway.openapi.document import build_document
+from gateway.openapi.document import Listeners, build_document
 from tests.harness import (
     destination,
+    free_port,
     make_config,
     recording_upstream,
     running_gateway,
@@ -43,11 +45,14 @@ from tests.harness import (
 ADMIN_TOKEN = "admin-secret-for-tests"
 MAX_EXAMPLES = 40
 
-schema = schemathesis.openapi.from_dict(build_document())
+# The document as the live gateway serves it: its `servers` (the top-level one and
+# the admin paths' own) send each call to the right listener, with no base URL
+# given here (a tool pointed at /openapi.json needs nothing else).
+served = schemathesis.pytest.from_fixture("served_schema")
 # The write route forwards to an upstream whose answers are, by design, not in
 # this document; it is covered by the hardening and end-to-end tests.
 # POST /admin/reload re-reads the files of a running `serve` (tests/e2e/test_reload.py).
-fuzzed = schema.exclude(path_regex="^/to/").exclude(path="/admin/reload")
+fuzzed = served.exclude(path_regex="^/to/").exclude(path="/admin/reload")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class Live:
 async def _servers(tmp_path: Path) -> AsyncIterator[Live]:
     async with recording_upstream() as upstream:
         config = make_config(tmp_path, destination("pay", upstream.url + "/api"))
+        # The admin app below listens where the config says, as under `serve`.
+        config = replace(config, admin_listen=("127.0.0.1", free_port()))
         async with running_gateway(config) as gateway:
             # A few rows so that the admin API's reads find something.
             await gateway.claim("job-1")
@@ -68,7 +75,7 @@ async def _servers(tmp_path: Path) -> AsyncIterator[Live]:
             admin = create_admin_app(gateway.store, gateway.app[METRICS], token=ADMIN_TOKEN)
             runner = GatewayRunner(admin)
             await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            await web.TCPSite(runner, *config.admin_listen).start()
             host, port = runner.addresses[0][:2]
             try:
                 yield Live(gateway.url, f"http://{host}:{port}")
@@ -115,11 +122,23 @@ def test_the_document_is_valid_openapi_3_1() -> None:
     } <= document["paths"].keys()
 
 
-def test_the_gateway_serves_the_document(live: Live) -> None:
+@pytest.fixture(scope="module")
+def served_schema(live: Live) -> BaseSchema:
+    return schemathesis.openapi.from_url(f"{live.main}/openapi.json")
+
+
+def test_the_gateway_serves_the_document_naming_its_own_listeners(live: Live) -> None:
+    """Tools follow `servers`: the served document names the listeners this gateway
+    has (here on ports other than the defaults), the admin paths the admin one."""
     with urllib.request.urlopen(f"{live.main}/openapi.json", timeout=10) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("application/json")
-        assert json.loads(resp.read()) == build_document()
+        document = json.loads(resp.read())
+    validate(document)
+    assert document == build_document(Listeners(live.main, live.admin))
+    assert document["servers"][0]["url"] == live.main
+    assert document["paths"]["/admin/rejections"]["servers"][0]["url"] == live.admin
+    assert "8480" not in live.main and "8481" not in json.dumps(document)
 
 
 @fuzzed.parametrize()
@@ -139,7 +158,6 @@ def test_the_server_answers_as_documented(case: schemathesis.Case, live: Live) -
     # literal). Every other check runs, the negative one ("invalid data is
     # refused") included.
     case.call_and_validate(
-        base_url=live.admin if admin else live.main,
         headers=headers,
         excluded_checks=[positive_data_acceptance],
     )

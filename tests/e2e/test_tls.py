@@ -85,6 +85,12 @@ async def test_both_listeners_serve_https_only(tmp_path: Path, ca: trustme.CA) -
     trust = ssl.create_default_context(cafile=str(ca_file(tmp_path, ca)))
     async with served(config) as info, aiohttp.ClientSession() as session:
         assert info["tls"] is True
+        # The served OpenAPI document sends tools to these listeners, over HTTPS.
+        async with session.get(f"https://{info['listen']}/openapi.json", ssl=trust) as resp:
+            document = await resp.json()
+        assert document["servers"][0]["url"] == f"https://{info['listen']}"
+        admin_servers = document["paths"]["/admin/rejections"]["servers"]
+        assert admin_servers[0]["url"] == f"https://{info['admin_listen']}"
         for address, path in ((info["listen"], "/healthz"), (info["admin_listen"], "/metrics")):
             async with session.get(f"https://{address}{path}", ssl=trust) as resp:
                 assert resp.status == 200
