@@ -47,7 +47,13 @@ from typing import Any, TypeVar, cast
 import asyncpg  # type: ignore[import-untyped]
 
 from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
-from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
+from gateway.policy.records import (
+    Outcome,
+    OutcomeKind,
+    RejectionRecord,
+    Verdict,
+    WriteContext,
+)
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
@@ -268,7 +274,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         for facts, attempt in reserved:
             self._reserved_until.add(attempt, facts.timeout + RESERVATION_GRACE_S)
         results = await asyncio.gather(
-            *(self.record_outcome(f, a, Outcome("released")) for f, a in reserved),
+            *(self.record_outcome(f, a, Outcome(OutcomeKind.RELEASED)) for f, a in reserved),
             return_exceptions=True,
         )
         self.uncertain_released += sum(1 for r in results if r is True)
