@@ -87,7 +87,8 @@ class SQLiteExecutor:
     def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
         self._writer = writer
         self._reader = reader
-        self._pending: list[tuple[TxFn, asyncio.Future[Any], float]] = []  # + when queued
+        # (fn, its caller's future, when queued, dropped if its caller went away)
+        self._pending: list[tuple[TxFn, asyncio.Future[Any], float, bool]] = []
         # The write connection's busy timeout in ms (None: not known, set it again).
         self._busy_ms: int | None = round(BUSY_TIMEOUT_S * 1000)
         self._flusher: asyncio.Task[None] | None = None
@@ -120,23 +121,28 @@ class SQLiteExecutor:
             raise StoreUnavailable(f"cannot open SQLite database {path}: {exc}") from exc
         return cls(writer, reader)
 
-    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def run(
+        self, fn: Callable[[sqlite3.Connection], T], *, drop_cancelled: bool = False
+    ) -> T:
         """Run `fn` atomically inside the next group-committed write transaction.
 
         Returns once the batch holding it is durably committed. An exception `fn`
         raises rolls back only `fn`'s own changes and is re-raised here. `fn` may
         run twice (see `_write_batch`): it must act only through `conn`.
+        `drop_cancelled`: not run at all when its caller is cancelled before its
+        batch begins (a write decision nobody waits for must not reserve a key).
         """
         if self._closed:
             raise StoreUnavailable("store is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._pending.append((fn, future, loop.time()))
+        self._pending.append((fn, future, loop.time(), drop_cancelled))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="sqlite-group-commit")
         # No shield needed: a caller cancelled here cancels only `future`; `fn` is
         # queued and commits with its batch all the same (the flush loop skips
-        # answering a future that is done).
+        # answering a future that is done), unless `drop_cancelled` and its batch
+        # has not begun yet.
         return await future
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -153,7 +159,10 @@ class SQLiteExecutor:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            fns = [fn for fn, _, _ in batch]
+            batch = [op for op in batch if not (op[3] and op[1].done())]
+            if not batch:
+                continue
+            fns = [fn for fn, _, _, _ in batch]
             busy_ms = busy_budget_ms(loop.time() - batch[0][2])
             change = None if busy_ms == self._busy_ms else busy_ms
             self._busy_ms = None  # unknown until the batch has set it
@@ -172,7 +181,7 @@ class SQLiteExecutor:
                     failed = [op for op in batch if op[2] <= cutoff]
                 err = StoreUnavailable(f"SQLite write failed: {exc}")
                 err.__cause__ = exc
-                for _, future, _ in failed:
+                for _, future, _, _ in failed:
                     if not future.done():
                         future.set_exception(err)
                 if isinstance(exc, asyncio.CancelledError):
@@ -181,7 +190,7 @@ class SQLiteExecutor:
             self._busy_ms = busy_ms
             self.batches += 1
             self.operations += len(batch)
-            for (_, future, _), (ok, value) in zip(batch, outcomes, strict=True):
+            for (_, future, _, _), (ok, value) in zip(batch, outcomes, strict=True):
                 if future.done():
                     continue
                 if ok:

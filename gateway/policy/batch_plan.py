@@ -88,6 +88,31 @@ class BatchState:
         return max(untils, default=None)
 
 
+def batch_state(
+    now: float,
+    leases: Iterable[LeaseRow],
+    marks: Iterable[tuple[str, int]],
+    barriers: Iterable[tuple[str, int, float]],
+    keys: Iterable[tuple[KeyRecord, float | None]],
+) -> BatchState:
+    """The state decisions read, assembled alike from the rows every backend reads:
+    the jobs' leases and marks; per (job, generation) the latest barrier of an
+    older attempt still on the wire, from the rows the decisions cannot change
+    (keyless attempts, keys outside the decisions); and the decisions' own key
+    rows with their `barrier_until`, which a reservation replaces."""
+    state = BatchState(now=now)
+    state.leases.update((lease.job_id, lease) for lease in leases)
+    state.marks.update(marks)
+    state.barriers.extend(Barrier(job, generation, until) for job, generation, until in barriers)
+    for record, barrier_until in keys:
+        ident = (record.destination, record.key)
+        state.records[ident] = record
+        barrier = key_barrier(record, barrier_until)
+        if barrier is not None:
+            state.key_barriers[ident] = barrier
+    return state
+
+
 def key_barrier(record: KeyRecord, barrier_until: float | None) -> Barrier | None:
     """The barrier a stored key row holds: only while in flight (its own column)."""
     if record.state is not KeyState.IN_FLIGHT or barrier_until is None:

@@ -8,7 +8,8 @@ raises fails every operation of that batch.
 
 An operation whose caller was cancelled before its batch began is dropped when
 `drop_cancelled` (a write decision nobody waits for must not reserve a key);
-otherwise it is still run (an outcome must be recorded all the same).
+otherwise it is still run (an outcome must be recorded all the same). The queue's
+setting, unless `submit` says otherwise for its item.
 """
 
 from __future__ import annotations
@@ -43,19 +44,21 @@ class GroupCommit(Generic[I]):
         self._max_batch = max_batch
         self._in_flight = in_flight
         self._drop_cancelled = drop_cancelled
-        self._pending: list[tuple[I, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[I, asyncio.Future[Any], bool]] = []
         self._flushers: set[asyncio.Task[None]] = set()
         self._running = 0
         self._closed = False
         self.batches = 0
         self.operations = 0
 
-    async def submit(self, item: I) -> Any:
-        """Run `item` in the next batch; its answer, once that batch is done."""
+    async def submit(self, item: I, *, drop_cancelled: bool | None = None) -> Any:
+        """Run `item` in the next batch; its answer, once that batch is done.
+        `drop_cancelled`: this item's own setting (None: the queue's)."""
         if self._closed:
             raise StoreUnavailable("store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
+        drop = self._drop_cancelled if drop_cancelled is None else drop_cancelled
+        self._pending.append((item, future, drop))
         if self._running < self._in_flight:
             # Counted from here to the loop's last step (not to the task's done
             # callback, which runs later): a caller answered by the last batch and
@@ -76,24 +79,23 @@ class GroupCommit(Generic[I]):
         while self._pending:
             batch = self._pending[: self._max_batch]
             del self._pending[: self._max_batch]
-            if self._drop_cancelled:
-                batch = [(item, future) for item, future in batch if not future.done()]
-                if not batch:
-                    continue
+            batch = [op for op in batch if not (op[2] and op[1].done())]
+            if not batch:
+                continue
             try:
-                answers = await self._run([item for item, _ in batch])
+                answers = await self._run([item for item, _, _ in batch])
             except asyncio.CancelledError:
-                for _, future in batch:
+                for _, future, _ in batch:
                     future.cancel()
                 raise
             except Exception as exc:
-                for _, future in batch:
+                for _, future, _ in batch:
                     if not future.done():
                         future.set_exception(exc)
                 continue
             self.batches += 1
             self.operations += len(batch)
-            for (_, future), answer in zip(batch, answers, strict=True):
+            for (_, future, _), answer in zip(batch, answers, strict=True):
                 if future.done():
                     continue
                 if isinstance(answer, BaseException):

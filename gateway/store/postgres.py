@@ -222,7 +222,8 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         self._check_open()
-        rejection_id: int = await self._decisions.submit(Log(record))
+        # Logged even when its caller went away: the rejection happened all the same.
+        rejection_id: int = await self._decisions.submit(Log(record), drop_cancelled=False)
         return rejection_id
 
     async def close(self) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.policy import batch_plan
-from gateway.policy.batch_plan import Barrier, BatchState, KeyId
+from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import WriteFacts
 from gateway.policy.plan import Reservation, WritePlan
 from gateway.policy.records import RejectionRecord, Verdict, WriteContext
@@ -216,22 +216,17 @@ def _read_args(facts: Sequence[WriteFacts]) -> tuple[list[Any], ...]:
 
 
 def _batch_state(row: Any) -> BatchState:
-    now: float = row["now"]
-    state = BatchState(now=now)
-    for job, owner, generation, lease_state, until, ttl in row["leases"]:
-        state.leases[job] = LeaseRow(job, owner, generation, State(lease_state), until, ttl)
-    state.marks.update((job, mark) for job, mark in row["marks"])
-    for job, generation, until in (*row["keyed"], *row["keyless"]):
-        state.barriers.append(Barrier(job, generation, until))
     width = len(KEY_COLUMNS)
-    for values in row["records"]:
-        record = key_record(values[:width])
-        ident: KeyId = (record.destination, record.key)
-        state.records[ident] = record
-        barrier = batch_plan.key_barrier(record, values[width])
-        if barrier is not None:
-            state.key_barriers[ident] = barrier
-    return state
+    return batch_plan.batch_state(
+        row["now"],
+        leases=(
+            LeaseRow(job, owner, generation, State(lease_state), until, ttl)
+            for job, owner, generation, lease_state, until, ttl in row["leases"]
+        ),
+        marks=((job, mark) for job, mark in row["marks"]),
+        barriers=(*row["keyed"], *row["keyless"]),
+        keys=((key_record(values[:width]), values[width]) for values in row["records"]),
+    )
 
 
 def _apply_args(

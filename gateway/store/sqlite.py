@@ -14,13 +14,10 @@ from typing import Any
 
 import orjson
 
-from gateway.policy.decision import (
-    Fencing,
-    KeyRecord,
-    StoredState,
-    WriteFacts,
-)
-from gateway.policy.plan import Reservation, plan_write
+from gateway.policy import batch_plan
+from gateway.policy.batch_plan import BatchState
+from gateway.policy.decision import KeyRecord, WriteFacts
+from gateway.policy.plan import Reservation
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import sqlite_admin
 from gateway.store.records import (
@@ -72,7 +69,9 @@ class SQLiteStore(sqlite_admin.SQLiteAdmin, SQLiteLeaseStore):
 
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
         clock = self.clock
-        return await self._executor.run(lambda c: _decide_tx(c, facts, context, clock()))
+        return await self._executor.run(
+            lambda c: _decide_tx(c, facts, context, clock()), drop_cancelled=True
+        )
 
     async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         clock = self.clock
@@ -126,7 +125,8 @@ def _nothing(conn: sqlite3.Connection) -> None:
 def _decide_tx(
     conn: sqlite3.Connection, facts: WriteFacts, context: WriteContext, now: float
 ) -> Verdict:
-    plan = plan_write(facts, context, _read_state(conn, facts, now), now, new_attempt_id)
+    state = _read_state(conn, facts, now)
+    (plan,) = batch_plan.plan_batch([(facts, context)], state, new_attempt_id)
     if plan.reservation is not None:
         _reserve(conn, plan.reservation)
         return plan.verdict()
@@ -134,36 +134,43 @@ def _decide_tx(
     return plan.verdict(_insert_rejection(conn, plan.rejection, now))
 
 
-# The whole stored state a decision reads, in one statement: the job's lease and
-# mark, the latest deadline of an older generation still on the wire (a keyed
-# write's in its key's row, a keyless one's in the attempts table), and the key's
-# record. ?1 job, ?2 generation, ?3 now, ?4 destination, ?5 key (NULL: none).
+# The rows a decision reads, as the PostgreSQL batch reads them, assembled by the
+# same `batch_plan.batch_state`: the job's mark and lease, the key's row with its
+# `barrier_until`, and per older generation of the job the latest barrier still on
+# the wire (a keyed write's in its key's row, other than this write's own key; a
+# keyless one's in the attempts table). ?1 job, ?2 generation, ?3 now,
+# ?4 destination, ?5 key (NULL: none).
 _STATE_SQL = (
     "SELECT (SELECT highest_generation FROM fences WHERE job_id = ?1), "
-    "(SELECT max(d) FROM (SELECT max(barrier_until) AS d FROM idempotency "
-    "WHERE job_id = ?1 AND state = 'in_flight' AND generation < ?2 AND barrier_until > ?3 "
-    "UNION ALL SELECT max(deadline) FROM attempts WHERE job_id = ?1 AND generation < ?2 "
-    "AND deadline > ?3)), "
     "l.job_id, l.owner, l.generation, l.state, l.lease_until, l.ttl, "
     + ", ".join(f"k.{c}" for c in KEY_COLUMNS)
-    + " FROM (SELECT 1) LEFT JOIN leases AS l ON l.job_id = ?1 "
+    + ", k.barrier_until FROM (SELECT 1) LEFT JOIN leases AS l ON l.job_id = ?1 "
     "LEFT JOIN idempotency AS k ON k.destination = ?4 AND k.key = ?5"
 )
+_BARRIERS_SQL = (
+    "SELECT job_id, generation, max(barrier_until) FROM idempotency "
+    "WHERE job_id = ?1 AND state = 'in_flight' AND generation < ?2 AND barrier_until > ?3 "
+    "AND NOT (destination = ?4 AND key IS ?5) GROUP BY generation "
+    "UNION ALL SELECT job_id, generation, max(deadline) FROM attempts "
+    "WHERE job_id = ?1 AND generation < ?2 AND deadline > ?3 GROUP BY generation"
+)
+_KEY_END = 7 + len(KEY_COLUMNS)
 
 
-def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> StoredState:
-    row = conn.execute(
-        _STATE_SQL, (facts.job_id, facts.generation, now, facts.destination, facts.key)
-    ).fetchone()
-    lease = None
-    if row[2] is not None and facts.fencing is Fencing.LEASE:
-        lease = LeaseRow(row[2], row[3], row[4], State(row[5]), row[6], row[7])
-    return StoredState(
-        lease=lease,
-        highest_generation=row[0],
-        older_in_flight_until=row[1],
-        record=None if row[8] is None else key_record(row[8:]),
+def _read_state(conn: sqlite3.Connection, facts: WriteFacts, now: float) -> BatchState:
+    args = (facts.job_id, facts.generation, now, facts.destination, facts.key)
+    row = conn.execute(_STATE_SQL, args).fetchone()
+    return batch_plan.batch_state(
+        now,
+        leases=() if row[1] is None else (_lease(row),),
+        marks=() if row[0] is None else ((facts.job_id, row[0]),),
+        barriers=conn.execute(_BARRIERS_SQL, args).fetchall(),
+        keys=() if row[7] is None else ((key_record(row[7:_KEY_END]), row[_KEY_END]),),
     )
+
+
+def _lease(row: tuple[Any, ...]) -> LeaseRow:
+    return LeaseRow(row[1], row[2], row[3], State(row[4]), row[5], row[6])
 
 
 def _reserve(conn: sqlite3.Connection, r: Reservation) -> None:
