@@ -1,0 +1,99 @@
+"""PostgreSQL tells every process of each settlement (SPEC 2 "Waiting"): what a
+held write in another replica is woken by. Each way an attempt stops blocking is
+told once it commits; a reservation is not; a lost listening connection is
+opened again."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from gateway.policy.records import Outcome
+from gateway.store.postgres import PostgresStore
+from gateway.store.postgres_notify import parse_payload
+from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
+from tests.harness import eventually
+from tests.pg import fresh_database
+
+pytestmark = pytest.mark.postgres
+
+Heard = list[tuple[str, str | None, str]]
+
+
+async def _listening(url: str) -> set[int]:
+    """The backends of the sessions listening (their last statement a LISTEN)."""
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+        return {row["pid"] for row in rows}
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def stores() -> AsyncIterator[tuple[str, PostgresStore, PostgresStore, Heard]]:
+    """Two stores on one database (two replicas); the first listens."""
+    async with fresh_database() as url:
+        listener, writer = await PostgresStore.open(url), await PostgresStore.open(url)
+        heard: Heard = []
+        watch = asyncio.create_task(listener.watch_settlements(lambda *s: heard.append(s)))
+        try:
+            await eventually(lambda: _listening(url), what="the listener")
+            yield url, listener, writer, heard
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await listener.close()
+            await writer.close()
+
+
+async def test_each_way_of_settling_is_told_and_a_reservation_is_not(
+    stores: tuple[str, PostgresStore, PostgresStore, Heard],
+) -> None:
+    _, _, store, heard = stores
+    kinds = {"k1": COMPLETED, "k2": Outcome("released"), "k3": Outcome("unknown")}
+    for key, outcome in kinds.items():
+        verdict = await store.decide_write(write(key=key), CONTEXT)
+        assert await store.record_outcome(write(key=key), verdict.attempt, outcome)
+    keyless = await store.decide_write(write(key=None, job_id="job-2"), CONTEXT)
+    await store.decide_write(write(key="k4"), CONTEXT)  # reserved, still in flight
+    assert await store.record_outcome(write(key=None, job_id="job-2"), keyless.attempt, COMPLETED)
+    expected = {("pay", "k1", "job-1"), ("pay", "k2", "job-1"), ("pay", "k3", "job-1")}
+    expected.add(("pay", None, "job-2"))
+    await eventually(lambda: set(heard) == expected, what="every settlement told")
+    assert len(heard) == 4  # k4's reservation told nobody
+
+
+async def test_a_lost_listening_connection_is_opened_again(
+    stores: tuple[str, PostgresStore, PostgresStore, Heard],
+) -> None:
+    url, _, store, heard = stores
+    (lost,) = await _listening(url)
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("SELECT pg_terminate_backend($1)", lost)
+    finally:
+        await conn.close()
+
+    async def back() -> bool:
+        return bool(await _listening(url) - {lost})
+
+    await eventually(back, what="the listener back")
+    verdict = await store.decide_write(write(), CONTEXT)
+    assert await store.record_outcome(write(), verdict.attempt, COMPLETED)
+    await eventually(lambda: heard == [("pay", "key-1", "job-1")], what="the settlement told")
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ("job-1\npay\nkey-1", ("pay", "key-1", "job-1")),
+        ("job-1\npay", ("pay", None, "job-1")),
+        ("something else", None),
+    ],
+)
+def test_payloads(payload: str, expected: tuple[str, str | None, str] | None) -> None:
+    assert parse_payload(payload) == expected

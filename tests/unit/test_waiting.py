@@ -1,0 +1,183 @@
+"""The waiter registry (SPEC 2 "Waiting") with a decision the test plays: what wakes
+a held write, that it is then decided again by the same call, and its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from gateway.policy.decision import (
+    Fencing,
+    Forward,
+    KeyRecord,
+    KeyState,
+    Reject,
+    Replay,
+    WriteFacts,
+)
+from gateway.policy.records import Verdict
+from gateway.store.records import JobState
+from gateway.telemetry.metrics import Metrics
+from gateway.write.waiting import Waiters
+from leases.reasons import Reason
+
+FACTS = WriteFacts(
+    destination="pay",
+    method="POST",
+    path="/x",
+    query="",
+    job_id="job-1",
+    generation=2,
+    owner=None,
+    key="key-1",
+    fingerprint="fp",
+    fencing=Fencing.LEASE,
+    upstream_idempotent=False,
+    timeout=10.0,
+)
+IN_PROGRESS = Verdict(Reject(Reason.REQUEST_IN_PROGRESS, "in flight", retry_after=60))
+BARRED = Verdict(Reject(Reason.OLDER_GENERATION_IN_FLIGHT, "older", retry_after=60))
+RECORD = KeyRecord("pay", "key-1", KeyState.COMPLETED, "fp", "a", 1, "job-1", 1, None, 0, 0, 0)
+REPLAY = Verdict(Replay(RECORD))
+
+
+def decisions(*verdicts: Verdict) -> tuple[Callable[[], Awaitable[Verdict]], list[Verdict]]:
+    """A decision answering `verdicts` in turn; the list of those given so far."""
+    given: list[Verdict] = []
+
+    async def decide() -> Verdict:
+        verdict = verdicts[len(given)]
+        given.append(verdict)
+        return verdict
+
+    return decide, given
+
+
+def never_gone() -> bool:
+    return False
+
+
+async def held(waiters: Waiters, n: int = 1) -> None:
+    for _ in range(200):
+        if waiters.count == n:
+            return
+        await asyncio.sleep(0.005)
+    pytest.fail(f"{n} writes never held")
+
+
+async def test_a_settlement_of_its_key_wakes_it_and_it_is_decided_again() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    decide, given = decisions(IN_PROGRESS, REPLAY)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone))
+    await held(waiters)
+    waiters.settled("pay", "other-key", "job-9")  # someone else's: still held
+    await asyncio.sleep(0.01)
+    assert len(given) == 1
+    waiters.settled("pay", "key-1", "job-1")
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is REPLAY and waited.result == "replayed" and waited.applied
+    assert waiters.count == 0
+
+
+async def test_a_barred_write_is_woken_by_its_job() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    forward = Verdict(Forward(), attempt="a2")
+    decide, _ = decisions(BARRED, forward)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone))
+    await held(waiters)
+    waiters.settled("other", None, "job-1")  # a keyless attempt of the job, elsewhere
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is forward and waited.result == "forwarded"
+
+
+async def test_a_settlement_during_the_decision_is_not_missed() -> None:
+    """Checked by hand: watching only after the decision, this write waits its
+    whole cap (the test times out)."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    given: list[Verdict] = []
+
+    async def decide() -> Verdict:
+        if not given:
+            waiters.settled("pay", "key-1", "job-1")  # committed just after the read
+            given.append(IN_PROGRESS)
+            return IN_PROGRESS
+        given.append(REPLAY)
+        return REPLAY
+
+    waited = await asyncio.wait_for(waiters.decide(FACTS, 30, decide, never_gone), 5)
+    assert waited.verdict is REPLAY and len(given) == 2
+
+
+async def test_one_more_than_the_limit_is_answered_at_once() -> None:
+    waiters = Waiters(limit=1, metrics=Metrics())
+    first = asyncio.create_task(waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone))
+    await held(waiters)
+    decide, given = decisions(IN_PROGRESS)
+    waited = await waiters.decide(FACTS, 30, decide, never_gone)
+    assert waited.verdict is IN_PROGRESS and not waited.applied and waited.result is None
+    assert len(given) == 1
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert waiters.count == 0  # a cancelled handler leaves nothing behind
+
+
+async def test_a_worker_gone_away_ends_the_wait_without_deciding_again() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    gone = False
+    decide, given = decisions(IN_PROGRESS)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, lambda: gone))
+    await held(waiters)
+    gone = True
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.result == "disconnected" and len(given) == 1
+
+
+async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
+    """A reservation whose gateway died settles by its deadline alone (nobody tells)."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    soon = Verdict(dataclasses.replace(IN_PROGRESS.decision, retry_after=0))
+    unknown = Verdict(Reject(Reason.OUTCOME_UNKNOWN, "unknown"))
+    decide, _ = decisions(soon, unknown)
+    waited = await asyncio.wait_for(waiters.decide(FACTS, 30, decide, never_gone), 5)
+    assert waited.verdict is unknown and waited.result == "refused"
+
+
+class PolledStore:
+    """What the poll reads: the key in flight until `settle()`, no job attempts."""
+
+    def __init__(self) -> None:
+        self.record: KeyRecord | None = dataclasses.replace(
+            RECORD, state=KeyState.IN_FLIGHT, deadline=1e12
+        )
+        self.reads = 0
+
+    def clock(self) -> float:
+        return 0.0
+
+    async def key_record(self, destination: str, key: str) -> KeyRecord | None:
+        self.reads += 1
+        return self.record
+
+    async def job_state(self, job_id: str) -> JobState | None:
+        return None
+
+
+async def test_a_poll_of_the_keys_row_wakes_it_when_nothing_else_tells() -> None:
+    store = PolledStore()
+    waiters = Waiters(limit=10, metrics=Metrics(), store=store, poll_s=0.01)
+
+    async def decide() -> Verdict:
+        return IN_PROGRESS if store.record is not None else REPLAY
+
+    tasks = [asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone)) for _ in (1, 2)]
+    await held(waiters, 2)
+    reads = store.reads
+    await asyncio.sleep(0.05)
+    assert store.reads > reads  # polled while in flight, and still held
+    assert waiters.count == 2
+    store.record = None  # settled by another process
+    done = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert [w.result for w in done] == ["replayed", "replayed"]
