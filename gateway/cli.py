@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate("gateway.admin.cli.keys", "keys", args)
     if args.command == "init":
         return _delegate("gateway.config.starter", "init", args)
+    if args.command == "upstream":
+        return _delegate("gateway.tools.upstream", "upstream", args)
     parser.print_help(sys.stderr)
     return 2
 
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         "dir", nargs="?", default="config", metavar="DIR", help="where (default: ./config)"
     )
     add_admin_parsers(commands)  # rejections, keys
+    _add_upstream(commands)
     # Listed for --help only: main() hands `chaos ...` over before parsing.
     commands.add_parser("chaos", help="the fault-injection run (see `sinkgate chaos --help`)")
     return parser
@@ -106,6 +109,22 @@ def _add_serve(commands: Any) -> None:
     )
 
 
+def _add_upstream(commands: Any) -> None:
+    upstream = commands.add_parser(
+        "upstream", help="run a small recording upstream that answers and logs every write"
+    )
+    upstream.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    upstream.add_argument(
+        "--port", type=_count(65535, low=0), default=9000, help="port (default: 9000)"
+    )
+    upstream.add_argument(
+        "--status",
+        type=_count(599, low=200),
+        default=201,
+        help="the status every write is answered with (default: 201)",
+    )
+
+
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -114,16 +133,16 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _count(high: int) -> Callable[[str], int]:
-    """An argparse type: a whole number in 1..`high`."""
+def _count(high: int, low: int = 1) -> Callable[[str], int]:
+    """An argparse type: a whole number in `low`..`high`."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not 1 <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be 1..{high}, got {value}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low}..{high}, got {value}")
         return value
 
     return parse

@@ -145,7 +145,7 @@ async def run_walk(where: Path, check: Callable[[Step, str], None]) -> None:
 async def _ready(
     ports: dict[str, str], procs: list[asyncio.subprocess.Process], where: Path
 ) -> None:
-    """The gateway answers /healthz and the upstream its record."""
+    """The gateway answers /healthz and the upstream its list of writes."""
 
     def gone() -> str | None:
         for number, proc in enumerate(procs):
@@ -164,7 +164,7 @@ async def _ready(
                 async with session.get(f"http://127.0.0.1:{ports['8480']}/healthz") as resp:
                     if resp.status != 200:
                         return False
-                async with session.get(f"http://127.0.0.1:{ports['9000']}/_chaos/record") as resp:
+                async with session.get(f"http://127.0.0.1:{ports['9000']}/_writes") as resp:
                     return resp.status == 200
             except aiohttp.ClientConnectionError:
                 return False
