@@ -31,6 +31,7 @@ from gateway.store import open_store
 from gateway.store.protocol import SettlementFeed, Store
 from gateway.store.records import Clock
 from gateway.supervisor import Slot, announce_reload
+from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
 from gateway.write.route import WriteGateway
@@ -42,6 +43,8 @@ log = structlog.get_logger("gateway.app")
 
 WRITES: web.AppKey[WriteGateway] = web.AppKey("writes", WriteGateway)
 RELOADER: web.AppKey[Reloader] = web.AppKey("reloader", Reloader)
+# The write route's handler, in a span when tracing is on.
+WRITE_HANDLER: web.AppKey[traces.WriteHandler] = web.AppKey("write_handler")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -77,7 +80,7 @@ def write_front(app: web.Application) -> Front:
             if target is None:
                 return await handle_app(request)
             assert isinstance(request, web.Request)  # the application's request factory
-            return await app[WRITES].handle(request, target)
+            return await app[WRITE_HANDLER](request, target)
 
         return handle
 
@@ -92,7 +95,7 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
     target = parse_target(request.raw_path)
     if target is not None:
         continued = hdrs.EXPECT in request.headers
-        return await request.app[WRITES].handle(request, target, continued=continued)
+        return await request.app[WRITE_HANDLER](request, target, continued=continued)
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -128,8 +131,15 @@ def create_app(
         app[STORE] = store if store is not None else await _open_configured_store(config, clock)
         upstreams = Upstreams(config.destinations)
         waiters = _waiters(config, app[STORE], app[METRICS])
-        writes = WriteGateway(config, app[STORE], upstreams, app[METRICS], waiters)
+        writes = WriteGateway(
+            config,
+            traces.traced_write_store(app[STORE]),
+            traces.traced_upstreams(upstreams),
+            app[METRICS],
+            waiters,
+        )
         app[WRITES] = writes
+        app[WRITE_HANDLER] = traces.traced_write_handler(writes.handle)
         app[RELOADER].attach(writes, audit=app[STORE].record_audit)
         feed = _watch_settlements(app[STORE], waiters)
         try:

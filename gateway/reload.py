@@ -102,10 +102,7 @@ class Reloader:
                 **{name: getattr(new, name) for name in RELOADED},
             )
             if self._writes is not None:
-                await self._writes.upstreams.replace(destinations)
-                for name in destinations:
-                    self._writes.track(name)
-                self._writes.config = applied
+                await self._writes.apply(applied)
             self.config = applied
             result = _difference(old.destinations, destinations, refused)
             log.info(

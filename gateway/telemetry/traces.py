@@ -4,7 +4,7 @@ Tracing is on only when the `sinkgate[otel]` extra is installed and
 `OTEL_TRACES_EXPORTER` names an exporter (`configure_from_env`, called once by
 `sinkgate serve`). Off, `TRACER` is None and nothing here is ever called on the
 write path: the route checks that one name before its log line, and
-`instrument_writes` / `traced_lease_handler` hand back the untouched objects, so
+the `traced_*` wrappers hand back the untouched objects, so
 no span, no context extraction and no extra await happen per write.
 
 On, a write is a server span `sinkgate.write` continuing the worker's
@@ -12,14 +12,15 @@ On, a write is a server span `sinkgate.write` continuing the worker's
 span whose context the upstream receives as `traceparent`) and
 `sinkgate.store.record`; each lease call is a server span `sinkgate.lease.<op>`.
 The spans are made by wrapping the write handler, the store and the upstream pool
-the write route holds, so the route itself only hands over its log fields.
+the app gives the write route (`gateway.app`), so the route itself only hands over
+its log fields.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 import structlog
 from aiohttp import web
@@ -27,6 +28,17 @@ from aiohttp import web
 from leases import tracing as lease_tracing
 
 log = structlog.get_logger("gateway.traces")
+
+T = TypeVar("T")
+
+
+class WriteHandler(Protocol):
+    """The write route's handler (`WriteGateway.handle`)."""
+
+    def __call__(
+        self, request: web.Request, target: Any, *, continued: bool = False
+    ) -> Awaitable[web.StreamResponse]: ...
+
 
 # None: tracing is off. The only name the write path reads when it is.
 TRACER: Any = None
@@ -173,15 +185,13 @@ def annotate_lease(fields: dict[str, Any]) -> None:
 # --- the write path --------------------------------------------------------------------
 
 
-def instrument_writes(writes: Any) -> None:
-    """Trace the write route's handler, store calls and forwards; nothing when off."""
+def traced_write_handler(handle: WriteHandler) -> WriteHandler:
+    """The write route's handler inside a server span; `handle` itself when off."""
     tracer = TRACER
     if tracer is None:
-        return
+        return handle
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
-
-    handle = writes.handle
 
     async def traced_handle(
         request: web.Request, target: Any, *, continued: bool = False
@@ -196,9 +206,19 @@ def instrument_writes(writes: Any) -> None:
             _end_server_span(span, response)
             return response
 
-    writes.handle = traced_handle
-    writes.store = _TracedStore(writes.store, tracer)
-    writes.upstreams = _TracedUpstreams(writes.upstreams, tracer)
+    return traced_handle
+
+
+def traced_write_store(store: T) -> T:
+    """The write route's store with a child span per call; `store` itself when off."""
+    tracer = TRACER
+    return store if tracer is None else cast(T, _TracedStore(store, tracer))
+
+
+def traced_upstreams(upstreams: T) -> T:
+    """The upstream pools, each forward in a client span; `upstreams` itself when off."""
+    tracer = TRACER
+    return upstreams if tracer is None else cast(T, _TracedUpstreams(upstreams, tracer))
 
 
 class _TracedStore:

@@ -12,6 +12,7 @@ complete-looking one).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,9 +26,16 @@ log = structlog.get_logger("gateway.write")
 CHUNK = 64 * 1024
 
 
-async def relay(
-    request: web.Request, answer: UpstreamAnswer, fields: dict[str, Any]
-) -> web.StreamResponse:
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """The answer as sent, how many body bytes went out, and what broke it off."""
+
+    response: web.StreamResponse
+    relayed_bytes: int
+    relay_error: str | None = None
+
+
+async def relay(request: web.Request, answer: UpstreamAnswer) -> Relayed:
     """Send `answer`'s status, headers, buffered part and the rest of its body."""
     rest = answer.rest
     assert rest is not None
@@ -35,6 +43,7 @@ async def relay(
     if answer.content_length is not None:
         response.content_length = answer.content_length
     relayed = 0
+    error: str | None = None
     try:
         await response.prepare(request)
         await response.write(answer.body)
@@ -44,17 +53,16 @@ async def relay(
             relayed += len(chunk)
         await response.write_eof()
         rest.release()
-        fields["relayed_bytes"] = relayed
     except aiohttp.ClientError as exc:  # the upstream broke off mid-body
         # Fixed words: a client error's repr quotes the forwarded request's headers.
-        fields.update(relayed_bytes=relayed, relay_error=f"upstream: {type(exc).__name__}")
+        error = f"upstream: {type(exc).__name__}"
         _abort(request)
     except ConnectionError as exc:  # the worker went away: nothing more to send
-        fields.update(relayed_bytes=relayed, relay_error=f"worker: {type(exc).__name__}")
+        error = f"worker: {type(exc).__name__}"
         _abort(request)
     finally:
         rest.close()  # no-op after release(); else the connection is not reused
-    return response
+    return Relayed(response, relayed, error)
 
 
 def _abort(request: web.Request) -> None:

@@ -7,15 +7,17 @@ here touches the store or the upstream.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 from gateway.config.model import DestinationConfig
 from gateway.errors import Rejection
+from gateway.http.problem import invalid_request
 from gateway.policy.decision import WriteFacts, fingerprint
 from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
 from leases.model import IDENT, MAX_GENERATION, VISIBLE
@@ -56,6 +58,46 @@ def parse_target(raw_path: str) -> Target | None:
     if path == "/":
         path = ""
     return Target(unquote(name), path, query)
+
+
+def check_shape(headers: CIMultiDictProxy[str]) -> None:
+    """Refuse what the parser would have (a header value not UTF-8) and a transfer
+    coding other than chunked (RFC 9112 6.1: 501; the body is read de-chunked
+    only, and would go on still coded)."""
+    unsendable = header_not_utf8(headers)
+    if unsendable is not None:
+        raise invalid_request(f"the value of header {unsendable} is not UTF-8")
+    coding = headers.get(hdrs.TRANSFER_ENCODING)
+    if coding is not None and coding.strip().lower() != "chunked":
+        raise invalid_request("only the chunked transfer coding is understood", status=501)
+
+
+def checked_destination(
+    request: web.Request, target: Target, destinations: Mapping[str, DestinationConfig]
+) -> DestinationConfig:
+    """SPEC 2 steps 1-3: the destination named, the method it allows, a path that
+    stays under its upstream."""
+    destination = destinations.get(target.destination)
+    if destination is None:
+        raise Rejection(
+            Reason.UNKNOWN_DESTINATION,
+            f"no destination named {target.destination!r}",
+            destination=target.destination,
+        )
+    if request.method not in destination.methods:
+        raise Rejection(
+            Reason.METHOD_NOT_ALLOWED,
+            f"{request.method} is not allowed for {destination.name}",
+            headers={"Allow": ", ".join(sorted(destination.methods))},
+            destination=destination.name,
+        )
+    if path_escapes(target.path):
+        raise Rejection(
+            Reason.INVALID_PATH,
+            "the path climbs above the upstream's base path or names another host",
+            destination=destination.name,
+        )
+    return destination
 
 
 def write_facts(

@@ -10,17 +10,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import replace
 from typing import Any
 
 import structlog
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
-from gateway.http.problem import invalid_request, problem_response
+from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
 from gateway.policy.outcome import Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
@@ -29,13 +30,14 @@ from gateway.store.protocol import WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
+from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
 from gateway.write.prefer import applied_wait, wait_preference
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
 from gateway.write.request import (
     Target,
-    header_not_utf8,
-    path_escapes,
+    check_shape,
+    checked_destination,
     raw_write_path,
     valid_fencing,
     write_facts,
@@ -79,7 +81,6 @@ class WriteGateway:
         self.body_budget = BodyBudget(config.max_body_buffer)
         for name in config.destinations:
             self.track(name)
-        traces.instrument_writes(self)  # spans around handle, store and upstreams, if on
 
     def track(self, name: str) -> None:
         """Count `name`'s writes in flight; the gauge reads the count when scraped,
@@ -94,95 +95,77 @@ class WriteGateway:
             return  # there at 0 all the same: the child is made
         gauge.set_function(lambda: in_flight[name])
 
+    async def apply(self, config: Config) -> None:
+        """A reload's config: pools for added and changed destinations, counts for
+        new ones. A write already past its checks keeps the destination it had."""
+        await self.upstreams.replace(config.destinations)
+        for name in config.destinations:
+            self.track(name)
+        self.config = config
+
     async def handle(
         self, request: web.Request, target: Target, *, continued: bool = False
     ) -> web.StreamResponse:
-        """The write's answer. `continued`: an `Expect: 100-continue` was already
-        answered (by the application's router); otherwise it is answered here, only
-        once steps 1-4 passed, so that a refused write's body is never sent."""
+        """The write's answer, by SPEC 2's steps. `continued`: an `Expect:
+        100-continue` was already answered (by the application's router); otherwise
+        it is answered here, only once steps 1-4 passed, so that a refused write's
+        body is never sent."""
         started = time.perf_counter()
-        facts: WriteFacts | None = None
-        fields: dict[str, Any] = {
-            "destination": target.destination,
-            "method": request.method,
-            "job_id": None,  # SPEC 10: on every decision's line, null until known
-            "generation": None,
-            "key": None,
-        }
+        facts: WriteFacts | None = None  # known once step 5 passed
         try:
-            unsendable = header_not_utf8(request.headers)
-            if unsendable is not None:  # a malformed request, as the parser's refusals
-                raise invalid_request(f"the value of header {unsendable} is not UTF-8")
-            coding = request.headers.get(hdrs.TRANSFER_ENCODING)
-            if coding is not None and coding.strip().lower() != "chunked":
-                # RFC 9112 6.1: a transfer coding not understood is a 501. The
-                # body is read de-chunked only, and would go on still coded.
-                raise invalid_request("only the chunked transfer coding is understood", status=501)
-            destination = self._destination(request, target)
-            body = await self._read_body(request, destination, continued)
-            body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log
-            context = WriteContext(
-                remote=request.remote, body_sha256=body_digest.hex(), body_bytes=len(body)
-            )
-            try:
-                facts = write_facts(request, target, destination, body_digest)
-            except Rejection as rejection:
-                await self._record(request, rejection, destination.name, context)
-                raise
-            fields.update(job_id=facts.job_id, generation=facts.generation, key=facts.key)
-            response = await self._write(request, destination, facts, context, body, fields)
+            check_shape(request.headers)
+            destination = checked_destination(request, target, self.config.destinations)
+            await self._authorize(request, destination)
+            checked = await self._checked(request, target, destination, continued)
+            facts = checked.facts
+            written = await self._write(request, destination, checked)
         except Rejection as rejection:
-            if facts is None:  # refused before its facts: what of the headers is valid
-                job_id, generation, _, key = valid_fencing(request.headers)
-                fields.update(job_id=job_id, generation=generation, key=key)
-                # SPEC 2: the members "where known", as the rejection-log row has them
-                for name, value in (("job_id", job_id), ("generation", generation)):
-                    if value is not None:
-                        rejection.members.setdefault(name, value)
-            response = problem_response(rejection)
-            fields.update(
-                decision="rejected",
-                reason=rejection.reason,
-                rejection_id=rejection.members.get("rejection_id"),
-            )
-            self.metrics.child(self.metrics.rejections, rejection.reason).inc()
-        _preference_applied(response, fields)
-        fields["status"] = response.status
-        fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
-        metrics = self.metrics
+            written = self._refused(request, rejection, facts)
+        _preference_applied(written.response, written.decided)
+        total_ms = round((time.perf_counter() - started) * 1000, 3)
+        self._log(request, target, facts, written, total_ms)
+        return written.response
+
+    def _refused(
+        self, request: web.Request, rejection: Rejection, facts: WriteFacts | None
+    ) -> Written:
+        """The problem answer of a write refused outside the store's decision."""
+        if facts is None:  # refused before its facts: what of the headers is valid
+            job_id, generation, _, _ = valid_fencing(request.headers)
+            # SPEC 2: the members "where known", as the rejection-log row has them
+            for name, value in (("job_id", job_id), ("generation", generation)):
+                if value is not None:
+                    rejection.members.setdefault(name, value)
+        self.metrics.child(self.metrics.rejections, rejection.reason).inc()
+        rejection_id = rejection.members.get("rejection_id")
+        return Written(problem_response(rejection), "rejected", rejection.reason, rejection_id)
+
+    def _log(
+        self,
+        request: web.Request,
+        target: Target,
+        facts: WriteFacts | None,
+        written: Written,
+        total_ms: float,
+    ) -> None:
+        """Count the write and write its one line (SPEC 10)."""
+        who: tuple[str | None, int | None, str | None]
+        if facts is not None:
+            who = (facts.job_id, facts.generation, facts.key)
+        else:
+            job_id, generation, _, key = valid_fencing(request.headers)
+            who = (job_id, generation, key)
+        line = WriteLine(target.destination, request.method, *who, written, total_ms)
         # Only configured names become label values: `/to/<anything>` must not
         # grow the metric series without bound.
         label = target.destination if target.destination in self.in_flight else "(unknown)"
-        metrics.child(metrics.writes, label, fields.get("decision", "rejected")).inc()
+        self.metrics.child(self.metrics.writes, label, written.decision).inc()
+        fields = line.fields()
         if traces.TRACER is not None:
             traces.annotate(fields)  # the span gets the fields, the line the trace ids
         info_line(log, "write_decision", fields)
-        return response
 
     # --- steps 1-5: request shape, nothing stored unless recorded as a rejection ---------
-
-    def _destination(self, request: web.Request, target: Target) -> DestinationConfig:
-        destination = self.config.destinations.get(target.destination)
-        if destination is None:
-            raise Rejection(
-                Reason.UNKNOWN_DESTINATION,
-                f"no destination named {target.destination!r}",
-                destination=target.destination,
-            )
-        if request.method not in destination.methods:
-            raise Rejection(
-                Reason.METHOD_NOT_ALLOWED,
-                f"{request.method} is not allowed for {destination.name}",
-                headers={"Allow": ", ".join(sorted(destination.methods))},
-                destination=destination.name,
-            )
-        if path_escapes(target.path):
-            raise Rejection(
-                Reason.INVALID_PATH,
-                "the path climbs above the upstream's base path or names another host",
-                destination=destination.name,
-            )
-        return destination
 
     async def _authorize(self, request: web.Request, destination: DestinationConfig) -> None:
         tokens = destination.worker_tokens
@@ -199,70 +182,66 @@ class WriteGateway:
         await self._record(request, rejection, destination.name, None)
         raise rejection
 
-    async def _read_body(
-        self, request: web.Request, destination: DestinationConfig, continued: bool
-    ) -> bytes:
-        await self._authorize(request, destination)
+    async def _checked(
+        self,
+        request: web.Request,
+        target: Target,
+        destination: DestinationConfig,
+        continued: bool,
+    ) -> Checked:
+        """The body read (step 4's `100 Continue` sent first) and step 5's facts."""
+        name = destination.name
         if not continued:
-            await continue_if_expected(request, destination.max_body, destination=destination.name)
-        return await read_body(
-            request, destination.max_body, budget=self.body_budget, destination=destination.name
+            await continue_if_expected(request, destination.max_body, destination=name)
+        body = await read_body(
+            request, destination.max_body, budget=self.body_budget, destination=name
         )
+        body_digest = hashlib.sha256(body).digest()  # once: fingerprint and log
+        context = WriteContext(
+            remote=request.remote, body_sha256=body_digest.hex(), body_bytes=len(body)
+        )
+        try:
+            facts = write_facts(request, target, destination, body_digest)
+        except Rejection as rejection:
+            await self._record(request, rejection, name, context)
+            raise
+        return Checked(facts, context, body)
 
     # --- steps 6-8 ----------------------------------------------------------------------
 
     async def _write(
-        self,
-        request: web.Request,
-        destination: DestinationConfig,
-        facts: WriteFacts,
-        context: WriteContext,
-        body: bytes,
-        fields: dict[str, Any],
-    ) -> web.StreamResponse:
+        self, request: web.Request, destination: DestinationConfig, checked: Checked
+    ) -> Written:
+        """Decide (step 6), then answer the refusal or replay, or forward (7-8)."""
+        facts = checked.facts
         self._admit(destination)
         try:
-            verdict = await self._decide_or_wait(request, destination, facts, context, fields)
+            decided = await self._decide_or_wait(request, destination, checked)
+            verdict = decided.verdict
             decision = verdict.decision
             if isinstance(decision, Reject):
                 self.metrics.child(self.metrics.rejections, decision.reason).inc()
-                fields.update(
-                    decision="rejected", reason=decision.reason, rejection_id=verdict.rejection_id
+                rejection = _reject(decision, facts, verdict.rejection_id)
+                return Written(
+                    problem_response(rejection),
+                    "rejected",
+                    decision.reason,
+                    verdict.rejection_id,
+                    decided=decided,
                 )
-                return problem_response(_reject(decision, facts, verdict.rejection_id))
             if isinstance(decision, Replay):
                 self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
-                fields.update(decision="replayed", reason=Reason.DUPLICATE)
-                return _replay(decision)
+                return Written(_replay(decision), "replayed", Reason.DUPLICATE, decided=decided)
             assert isinstance(decision, Forward) and verdict.attempt is not None
-            fields.update(decision="forwarded", reason=None, attempt=verdict.attempt)
-            # Shielded: a worker that goes away, or a handler cancelled at shutdown,
-            # cannot erase what the destination did.
-            task = asyncio.ensure_future(
-                self._forward(request, destination, facts, verdict.attempt, body, fields)
-            )
-            self.forwards.add(task)
-            task.add_done_callback(self.forwards.discard)
-            try:
-                answer = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                task.add_done_callback(_close_stream)  # nobody will relay it
-                raise
-            if isinstance(answer, UpstreamAnswer):
-                # The outcome is recorded: the rest of the body is only relayed.
-                _preference_applied(answer, fields)
-                return await relay(request, answer, fields)
-            return answer
+            return await self._forward_shielded(request, destination, checked, decided)
         finally:
             self._release(destination)
 
-    async def _decide(
-        self, facts: WriteFacts, context: WriteContext, fields: dict[str, Any]
-    ) -> Verdict:
+    async def _decide(self, facts: WriteFacts, context: WriteContext) -> Decided:
         """Step 6 in the store, timed; an unreachable store is a rejection."""
         store_started = time.perf_counter()
         try:
-            return await self.store.decide_write(facts, context)
+            verdict = await self.store.decide_write(facts, context)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("decide").inc()
             raise Rejection(
@@ -271,18 +250,43 @@ class WriteGateway:
         finally:
             elapsed = time.perf_counter() - store_started
             self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
-            fields["store_ms"] = round(elapsed * 1000, 3)
+        return Decided(verdict, round(elapsed * 1000, 3))
 
-    async def _decide_or_wait(
+    async def _forward_shielded(
         self,
         request: web.Request,
         destination: DestinationConfig,
-        facts: WriteFacts,
-        context: WriteContext,
-        fields: dict[str, Any],
-    ) -> Verdict:
+        checked: Checked,
+        decided: Decided,
+    ) -> Written:
+        """Forward under a shield: a worker that goes away, or a handler cancelled at
+        shutdown, cannot erase what the destination did. An answer too long to
+        buffer is relayed once its outcome is recorded."""
+        attempt = decided.verdict.attempt
+        assert attempt is not None
+        task = asyncio.ensure_future(self._forward(request, destination, checked, attempt))
+        self.forwards.add(task)
+        task.add_done_callback(self.forwards.discard)
+        try:
+            answer, reason, sent = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_close_stream)  # nobody will relay it
+            raise
+        if isinstance(answer, UpstreamAnswer):
+            _preference_applied(answer, decided)  # the outcome is recorded: only relayed
+            relayed = await relay(request, answer)
+            answer = relayed.response
+            sent = replace(
+                sent, relayed_bytes=relayed.relayed_bytes, relay_error=relayed.relay_error
+            )
+        return Written(answer, "forwarded", reason, decided=decided, attempt=attempt, sent=sent)
+
+    async def _decide_or_wait(
+        self, request: web.Request, destination: DestinationConfig, checked: Checked
+    ) -> Decided:
         """Step 6's decision; under `Prefer: wait`, a refusal for what is still in
         flight is held and decided again as it settles (`gateway.write.waiting`)."""
+        facts, context = checked.facts, checked.context
         prefer = request.headers.get("Prefer")
         cap = (
             0
@@ -292,22 +296,27 @@ class WriteGateway:
             )
         )
         if cap == 0:
-            return await self._decide(facts, context, fields)
+            return await self._decide(facts, context)
+        last: list[Decided] = []  # each decision taken while waiting; the line times the last
+
+        async def decide() -> Verdict:
+            last.append(await self._decide(facts, context))
+            return last[-1].verdict
+
         self._release(destination)  # a held write is not in flight: it holds no place
         try:
             waited = await self.waiters.decide(
-                facts,
-                cap,
-                lambda: self._decide(facts, context, fields),
-                lambda: request.transport is None,
+                facts, cap, decide, lambda: request.transport is None
             )
         finally:
             self._admit(destination, check=False)  # admitted once, on arrival
-        if waited.applied:
-            fields["prefer_wait"] = cap
-        if waited.result is not None:
-            fields.update(wait=waited.result, waited_ms=round(waited.seconds * 1000, 3))
-        return waited.verdict
+        return Decided(
+            waited.verdict,
+            last[-1].store_ms,
+            prefer_wait=cap if waited.applied else None,
+            wait=waited.result,
+            waited_ms=None if waited.result is None else round(waited.seconds * 1000, 3),
+        )
 
     def _admit(self, destination: DestinationConfig, *, check: bool = True) -> None:
         name = destination.name
@@ -330,25 +339,19 @@ class WriteGateway:
             self.metrics.child(self.metrics.in_flight, destination.name).dec()
 
     async def _forward(
-        self,
-        request: web.Request,
-        destination: DestinationConfig,
-        facts: WriteFacts,
-        attempt: str,
-        body: bytes,
-        fields: dict[str, Any],
-    ) -> web.StreamResponse | UpstreamAnswer:
-        """Forward and record the outcome; an answer too long to buffer comes back
-        as the `UpstreamAnswer` still to be relayed."""
+        self, request: web.Request, destination: DestinationConfig, checked: Checked, attempt: str
+    ) -> tuple[web.StreamResponse | UpstreamAnswer, str | None, Sent]:
+        """Forward and record the outcome: the answer (one too long to buffer comes
+        back as the `UpstreamAnswer` still to be relayed), the refusal's reason
+        when the forward failed, and what was sent."""
+        facts = checked.facts
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
-        sent = time.perf_counter()
-        answer: UpstreamAnswer | None = None
-        rejection: Rejection | None = None
+        sent_at = time.perf_counter()
         result: Answered | NotAnswered
         try:
             answer = await self.upstreams.send(
-                destination, facts.method, url, headers, body, destination.max_replay_body
+                destination, facts.method, url, headers, checked.body, destination.max_replay_body
             )
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
@@ -357,21 +360,24 @@ class WriteGateway:
             result = NotAnswered(failure.failure.maybe_sent)
             rejection = Rejection(str(failure.failure), failure.detail, **_write_members(facts))
         outcome = policy_outcome(result, destination)
-        upstream_s = time.perf_counter() - sent
+        upstream_s = time.perf_counter() - sent_at
         metrics = self.metrics
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
         metrics.child(metrics.upstream_outcomes, destination.name, outcome.kind).inc()
-        fields.update(upstream_ms=round(upstream_s * 1000, 3), outcome=outcome.kind)
-        fields["outcome_recorded"] = await self._record_outcome(facts, attempt, outcome)
+        recorded = await self._record_outcome(facts, attempt, outcome)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
-        if rejection is not None:
-            fields["reason"] = rejection.reason
-            return problem_response(rejection)
-        assert answer is not None
-        fields["upstream_status"] = answer.status
+        upstream_ms = round(upstream_s * 1000, 3)
+        if isinstance(result, NotAnswered):
+            sent = Sent(upstream_ms, outcome.kind, recorded)
+            return problem_response(rejection), rejection.reason, sent
+        sent = Sent(upstream_ms, outcome.kind, recorded, upstream_status=answer.status)
         if answer.rest is not None:
-            return answer
-        return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+            return answer, None, sent
+        return (
+            web.Response(status=answer.status, body=answer.body, headers=answer.headers),
+            None,
+            sent,
+        )
 
     async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         """Whether `outcome` is now the key's (False: the store failed, or another
@@ -427,10 +433,10 @@ class WriteGateway:
 
 
 def _preference_applied(
-    answer: web.StreamResponse | UpstreamAnswer, fields: dict[str, Any]
+    answer: web.StreamResponse | UpstreamAnswer, decided: Decided | None
 ) -> None:
     """SPEC 2: every answer to a write whose `Prefer: wait` was honoured says so."""
-    cap = fields.get("prefer_wait")
+    cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
         answer.headers["Preference-Applied"] = f"wait={cap}"
 

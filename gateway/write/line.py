@@ -1,0 +1,112 @@
+"""What each step of a write returns, and the one log line made of it (SPEC 10).
+
+The steps of `WriteGateway.handle` return these frozen values; the line is
+assembled once, at the end, from what they returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.policy.decision import WriteFacts
+from gateway.policy.records import OutcomeKind, Verdict, WriteContext
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A write past steps 1-5: its facts, what is recorded with a rejection, its body."""
+
+    facts: WriteFacts
+    context: WriteContext
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """Step 6: the store's verdict, and how long the store took (its last call).
+    Under `Prefer: wait`: the wait honoured (`prefer_wait`, seconds), and how the
+    wait ended (`wait`) after how long, if the write had to wait."""
+
+    verdict: Verdict
+    store_ms: float
+    prefer_wait: int | None = None
+    wait: str | None = None
+    waited_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """Steps 7-8: what forwarding a write did."""
+
+    upstream_ms: float
+    outcome: OutcomeKind
+    outcome_recorded: bool
+    upstream_status: int | None = None
+    relayed_bytes: int | None = None
+    relay_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A write's answer, and how it was decided: `forwarded`, `replayed` or `rejected`."""
+
+    response: web.StreamResponse
+    decision: str
+    reason: str | None = None
+    rejection_id: int | None = None
+    decided: Decided | None = None  # None: refused before the store decided
+    attempt: str | None = None
+    sent: Sent | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteLine:
+    """The `write_decision` line: who wrote (null until known), and what was done."""
+
+    destination: str
+    method: str
+    job_id: str | None
+    generation: int | None
+    key: str | None
+    written: Written
+    total_ms: float
+
+    def fields(self) -> dict[str, Any]:
+        """The line's fields, in the order they are read; a step that did not run
+        leaves its fields out."""
+        written = self.written
+        fields: dict[str, Any] = {
+            "destination": self.destination,
+            "method": self.method,
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "key": self.key,
+        }
+        decided = written.decided
+        if decided is not None:
+            fields["store_ms"] = decided.store_ms
+            for name in ("prefer_wait", "wait", "waited_ms"):
+                value = getattr(decided, name)
+                if value is not None:
+                    fields[name] = value
+        fields["decision"] = written.decision
+        fields["reason"] = written.reason
+        if written.decision == "rejected":
+            fields["rejection_id"] = written.rejection_id
+        if written.attempt is not None:
+            fields["attempt"] = written.attempt
+        sent = written.sent
+        if sent is not None:
+            fields["upstream_ms"] = sent.upstream_ms
+            fields["outcome"] = sent.outcome
+            fields["outcome_recorded"] = sent.outcome_recorded
+            for name in ("upstream_status", "relayed_bytes", "relay_error"):
+                value = getattr(sent, name)
+                if value is not None:
+                    fields[name] = value
+        fields["status"] = written.response.status
+        fields["total_ms"] = self.total_ms
+        return fields
