@@ -57,7 +57,7 @@ __all__ = [
 MAX_KEY_LENGTH = 255
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _OWN_HEADERS = frozenset(
-    {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
+    {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization", "prefer"}
 )
 
 
@@ -120,6 +120,7 @@ class FencedWriter:
         max_retries: int = 5,
         max_retry_wait: float = 5.0,
         timeout: float = 60.0,
+        wait: int = 5,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         base = URL(gateway_url) if isinstance(gateway_url, str) else None
@@ -134,6 +135,8 @@ class FencedWriter:
         for name, value in (("max_retry_wait", max_retry_wait), ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0")
+        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
+            raise ValueError("wait must be a whole number of seconds >= 0")
         if token is not None and not (isinstance(token, str) and VISIBLE.fullmatch(token)):
             raise ValueError("token must be visible ASCII")
         self._base = str(base.with_query(None).with_fragment(None)).rstrip("/")
@@ -141,6 +144,7 @@ class FencedWriter:
         self._session = session
         self._owns_session = session is None
         self._token = token
+        self._prefer = f"wait={wait}" if wait > 0 else None
         self.max_retries = max_retries
         self.max_retry_wait = float(max_retry_wait)
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -177,7 +181,11 @@ class FencedWriter:
         step: str | None = None,
     ) -> WriteResult:
         """Send one write; retry while an older generation or the same key is in
-        flight (honouring `Retry-After`, at most `max_retries` times).
+        flight, at most `max_retries` times. Each write asks the gateway to hold it
+        until that settles (`Prefer: wait`, up to `wait` seconds); a refusal that
+        says the wait was applied is retried at once (the gateway has waited),
+        one that does not (an older gateway, `max_wait = "0s"`, too many waiting)
+        after its `Retry-After`.
 
         Raises `LeaseLost` (from a lost `Hold`) before sending, `GatewayRejected`
         subclasses for gateway refusals, `ValueError` for bad arguments.
@@ -210,7 +218,8 @@ class FencedWriter:
             if rejection.reason not in _RETRIED or retries >= self.max_retries:
                 raise rejection
             retries += 1
-            await self._sleep(self._backoff(rejection.retry_after, retries))
+            if "Preference-Applied" not in answer_headers:
+                await self._sleep(self._backoff(rejection.retry_after, retries))
 
     def _headers(
         self, given: Mapping[str, str] | None, content_type: str | None, key: str
@@ -224,6 +233,8 @@ class FencedWriter:
         if content_type is not None and "Content-Type" not in sent:
             sent["Content-Type"] = content_type
         sent["Idempotency-Key"] = key
+        if self._prefer is not None:
+            sent["Prefer"] = self._prefer
         if self._token is not None:
             sent["Authorization"] = f"Bearer {self._token}"
         return sent

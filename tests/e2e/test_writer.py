@@ -338,6 +338,31 @@ async def test_retries_stop_after_max_retries_and_raise(fake: FakeGateway) -> No
     assert len(fake.seen) == 4 and sleeps.waits == [1.0, 1.0, 1.0]
 
 
+async def test_each_write_asks_the_gateway_to_wait(fake: FakeGateway) -> None:
+    async with FencedWriter(fake.url, LEASE) as w:
+        await w.post("d", "/x", step="s")
+    async with FencedWriter(fake.url, LEASE, wait=20) as w:
+        await w.post("d", "/x", step="s")
+    async with FencedWriter(fake.url, LEASE, wait=0) as w:
+        await w.post("d", "/x", step="s")
+    assert [s.headers.get("Prefer") for s in fake.seen] == ["wait=5", "wait=20", None]
+
+
+async def test_a_refusal_after_the_gateways_own_wait_is_retried_at_once(
+    fake: FakeGateway,
+) -> None:
+    """The gateway held the write already: no second wait on top of its own."""
+    sleeps = Sleeps()
+    held = rejected("request_in_progress", 409, retry_after=3)
+    held.headers["Preference-Applied"] = "wait=5"
+    fake.script = [held, rejected("request_in_progress", 409, retry_after=2)]
+    fake.script.append(web.Response(status=201))
+    async with FencedWriter(fake.url, LEASE, sleep=sleeps) as w:
+        assert (await w.post("d", "/x", step="s")).status == 201
+    assert sleeps.waits == [2.0]  # only the answer without Preference-Applied waits
+    assert len(fake.seen) == 3
+
+
 async def test_max_retries_zero_raises_at_once(fake: FakeGateway) -> None:
     fake.script = [rejected("request_in_progress", 409, retry_after=1)]
     async with FencedWriter(fake.url, LEASE, max_retries=0) as w:
@@ -400,6 +425,7 @@ async def test_two_workers_on_different_generations_send_the_same_derived_key(
         {"step": "s", "json": {"x": float("nan")}},
         {"step": "s", "headers": {"fencing-token": "9"}},
         {"step": "s", "headers": {"Idempotency-Key": "other"}},
+        {"step": "s", "headers": {"prefer": "wait=600"}},
     ],
 )
 async def test_bad_arguments_raise_value_error_and_send_nothing(
@@ -485,6 +511,8 @@ async def test_an_unreachable_gateway_is_gateway_unavailable() -> None:
         ("http://gw", LEASE, {"max_retries": -1}),
         ("http://gw", LEASE, {"max_retries": True}),
         ("http://gw", LEASE, {"max_retry_wait": -1}),
+        ("http://gw", LEASE, {"wait": -1}),
+        ("http://gw", LEASE, {"wait": 1.5}),
         ("http://gw", LEASE, {"token": "has space"}),
     ],
 )
