@@ -14,8 +14,33 @@ _DESCRIPTION = (
     "and idempotency checks (SPEC 2). `path` may contain `/` and may be empty. "
     "Answers carrying `Sinkgate-Rejected` are the gateway's own (problem+json); "
     "every other answer, of any status, is the upstream's, relayed as it is "
-    "(`Idempotent-Replayed: true` on a replay)."
+    "(`Idempotent-Replayed: true` on a replay). With `Prefer: wait=N`, a write "
+    "that would be refused `request_in_progress` or `older_generation_in_flight` "
+    "is held until what blocks it settles (at most N seconds, capped by the "
+    "destination's `max_wait`), then decided again: replayed, forwarded or refused."
 )
+
+# SPEC 2 "Waiting": the preference a write may send, and the answer's word that
+# it was applied.
+_PREFER = {
+    "name": "Prefer",
+    "in": "header",
+    "required": False,
+    "description": (
+        "RFC 7240 preferences; only `wait=N` is read (N whole seconds, 1 or more; "
+        "malformed or 0: no wait). Other preferences are ignored."
+    ),
+    "schema": {"type": "string", "examples": ["wait=10"]},
+}
+_PREFERENCE_APPLIED = {
+    "description": (
+        "`wait=M`, M the wait applied in seconds (the preference capped by the "
+        "destination's `max_wait`): on every answer to a write whose `Prefer: wait` "
+        "was honoured from the fence check on; absent when it was not (no or a "
+        'malformed preference, `max_wait = "0s"`, or `[server] max_waiting` reached).'
+    ),
+    "schema": {"type": "string", "pattern": "^wait=[1-9][0-9]*$"},
+}
 
 
 def write_operation(method: str) -> dict[str, Any]:
@@ -29,6 +54,7 @@ def write_operation(method: str) -> dict[str, Any]:
             path_param("destination", STRING),
             path_param("path", STRING),
             *_fencing_header_params(),
+            _PREFER,
         ],
         "requestBody": {"required": False, "content": {"*/*": {"schema": {}}}},
         "responses": {
@@ -39,7 +65,8 @@ def write_operation(method: str) -> dict[str, Any]:
                     "Idempotent-Replayed": {
                         "description": "`true` on a replay of a stored answer",
                         "schema": {"type": "string", "enum": ["true"]},
-                    }
+                    },
+                    "Preference-Applied": _PREFERENCE_APPLIED,
                 },
             },
         },
@@ -47,8 +74,9 @@ def write_operation(method: str) -> dict[str, Any]:
 
 
 def _refusals() -> dict[str, Any]:
-    """The gateway's own answers on the write route, by status."""
-    return {
+    """The gateway's own answers on the write route, by status; each may say a
+    `Prefer: wait` was applied."""
+    refusals = {
         "400": problem(
             "fencing headers, key or path malformed, or a request the HTTP parser refuses",
             Reason.MISSING_FENCING_TOKEN,
@@ -81,6 +109,9 @@ def _refusals() -> dict[str, Any]:
         ),
         "504": problem("no upstream answer within the timeout", Reason.UPSTREAM_TIMEOUT),
     }
+    for status in ("409", "422", "502", "503", "504"):
+        refusals[status]["headers"]["Preference-Applied"] = _PREFERENCE_APPLIED
+    return refusals
 
 
 def _header(name: str, required: bool, schema: dict[str, Any], description: str = "") -> Any:

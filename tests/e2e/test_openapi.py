@@ -122,6 +122,14 @@ def test_the_document_is_valid_openapi_3_1() -> None:
     } <= document["paths"].keys()
 
 
+def test_the_write_route_documents_prefer_wait_and_preference_applied() -> None:
+    """SPEC 2 "Waiting": the request header and the answer's, on replays and refusals."""
+    post = build_document()["paths"]["/to/{destination}/{path}"]["post"]
+    assert "Prefer" in {p["name"] for p in post["parameters"]}
+    for status in ("default", "409"):
+        assert "Preference-Applied" in post["responses"][status]["headers"]
+
+
 @pytest.fixture(scope="module")
 def served_schema(live: Live) -> BaseSchema:
     return schemathesis.openapi.from_url(f"{live.main}/openapi.json")
