@@ -1,4 +1,4 @@
-"""The README's two middleware examples of "Fencing at the destination" work as
+"""The two middleware examples of docs/destination-fence.md of "Fencing at the destination" work as
 printed (only the database path is moved into the test's directory)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 from tests.e2e.test_fence_middleware import asgi_call
 from tests.harness import serving
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "destination-fence.md"
 
 
 def example(marker: str, tmp_path: Path) -> dict[str, Any]:
-    """Run the README block after `marker` as a module (its `__main__` guard off)."""
-    text = README.read_text(encoding="utf-8")
+    """Run the page's block after `marker` as a module (its `__main__` guard off)."""
+    text = PAGE.read_text(encoding="utf-8")
     match = re.search(r"```python\n(.*?)```", text[text.index(marker) :], re.S)
     assert match is not None, marker
     code = match.group(1)

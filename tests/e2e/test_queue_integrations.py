@@ -239,7 +239,7 @@ async def test_arq_maps_completed_and_held_runs(gw: Any) -> None:
 
 
 def readme_celery_example() -> str:
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "queues.md").read_text(encoding="utf-8")
     marker = text.index("<!-- celery-example")
     match = re.search(r"```python\n(.*?)```", text[marker:], re.S)
     assert match is not None, "the Celery example block is missing"

@@ -1,4 +1,4 @@
-"""The README's sample Prometheus alert rules: `promtool` accepts them, and the
+"""The sample Prometheus alert rules of docs/operating.md: `promtool` accepts them, and the
 unknown-outcome alert fires on a queue that stays non-empty (and not before).
 
 Needs `promtool` (Debian's `prometheus` package); skipped with the reason when it
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 UNIT_TEST = """
 rule_files: [rules.yml]
@@ -47,9 +47,9 @@ tests:
 
 
 def readme_rules() -> str:
-    """The YAML block of the README's "What to alert on"."""
-    text = README.read_text()
-    section = text[text.index("### What to alert on") :]
+    """The YAML block of the page's "What to alert on"."""
+    text = PAGE.read_text()
+    section = text[text.index("## What to alert on") :]
     match = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert match is not None, "no yaml block under 'What to alert on'"
     return match.group(1)

@@ -1,4 +1,5 @@
-"""The README's "worker in 20 lines" runs as printed against a live gateway."""
+"""The "worker in 20 lines" of docs/workers-python.md runs as printed against a
+live gateway."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 
 from tests.harness import destination, make_config, recording_upstream, running_gateway
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "workers-python.md"
 
 
 def worker_example() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     marker = text.index("<!-- worker-example")
     match = re.search(r"```python\n(.*?)```", text[marker:], re.S)
     assert match is not None, "the worker example block is missing"

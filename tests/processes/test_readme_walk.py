@@ -28,6 +28,15 @@ from tests.harness import eventually, free_port
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = README.parent / "docs"
+
+
+def user_docs() -> str:
+    """The README and every page of docs/ but the contract (SPEC.md), as one text."""
+    pages = sorted(p for p in DOCS.glob("*.md") if p.name != "SPEC.md")
+    return "\n".join(p.read_text(encoding="utf-8") for p in [README, *pages])
+
+
 PORTS = ("8480", "8481", "9000")  # main listener, admin listener, the walk's upstream
 
 _BLOCK = re.compile(r"<!-- walk(: background)? -->\n```console\n(.*?)```", re.S)
@@ -172,11 +181,11 @@ async def _ready(
         await eventually(up, within=60, what="the walk's gateway and upstream")
 
 
-# --- every other command of the README ----------------------------------------------
+# --- every other command of the README and the docs -------------------------------
 
-# A command shown outside the walk -> the test that runs it (the same program with
-# the same flags, shorter where it would take minutes) and a piece of that test's
-# source proving it. The walk's own commands need no entry.
+# A command shown outside the walk (in the README or a page of docs/) -> the test
+# that runs it (the same program with the same flags, shorter where it would take
+# minutes) and a piece of that test's source proving it. The walk's own commands need no entry.
 RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     "python3 -m pip install . && sinkgate demo": (
         "tests/processes/test_demo.py",
@@ -278,8 +287,8 @@ NOT_RUN: dict[str, str] = {
 
 
 def shown_commands(text: str) -> list[str]:
-    """Every command of the README's `sh` blocks (comments and `\\` joins undone), and
-    the `$ ` lines of its `console` blocks outside the walk."""
+    """Every command of the `sh` blocks of `text` (comments and `\\` joins undone),
+    and the `$ ` lines of its `console` blocks outside the walk."""
     walk = {step.command for step in walk_steps(text)}
     commands = [
         line[2:]
@@ -314,13 +323,12 @@ def test_the_suite_command_is_exactly_what_ci_runs() -> None:
     assert "npm --prefix clients/typescript test" in command
 
 
-def test_every_command_in_the_readme_is_run_by_a_test() -> None:
-    readme = README.read_text(encoding="utf-8")
-    ci_command = suite_command(readme)
-    for command in shown_commands(readme):
+def test_every_command_in_the_docs_is_run_by_a_test() -> None:
+    ci_command = suite_command(README.read_text(encoding="utf-8"))
+    for command in shown_commands(user_docs()):
         if command == ci_command or command in NOT_RUN:
             continue
         command = re.sub(r"^(OTEL_\w+=\S+ )+", "", command)  # the variables the test sets
-        assert command in RUN_ELSEWHERE, f"no test runs this README command: {command}"
+        assert command in RUN_ELSEWHERE, f"no test runs this command of the docs: {command}"
         path, proof = RUN_ELSEWHERE[command]
         assert proof in (README.parent / path).read_text(encoding="utf-8"), (command, path)
