@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config.reference import reference
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -62,3 +64,12 @@ def test_every_relative_link_leads_somewhere(page: Path) -> None:
         elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
             dead.append(f"{target}: no such heading in {linked.name}")
     assert not dead, f"{page.relative_to(REPO)}: " + "; ".join(dead)
+
+
+def test_the_configuration_reference_is_generated_from_the_key_declarations() -> None:
+    """docs/configuration.md is `gateway.config.keys` rendered; a key added, renamed
+    or given another default there changes the page (regenerate it with
+    `python3 -m gateway.config.reference docs/configuration.md`)."""
+    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert page == reference()
+    assert "| `max_in_flight` | `256` |" in page  # a destination key, its default
