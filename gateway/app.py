@@ -255,7 +255,7 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
 def refuse_open_admin(config: Config) -> None:
     """SystemExit if the admin listener reaches beyond loopback without a token."""
     admin_host = config.admin_listen[0]
-    if not admin_bind_allowed(admin_host, config.admin_token):
+    if not admin_bind_allowed(admin_host, config.admin_token or bool(config.admin_operators)):
         raise SystemExit(
             f"refusing to start: no admin token in ${config.admin_token_env} and the admin "
             f"listener {admin_host} is not loopback-only"
@@ -336,7 +336,9 @@ async def _start_listeners(
     listen = slot.listen if slot else config.listen
     admin_listen = slot.admin_listen if slot else config.admin_listen
     await web.TCPSite(runner, *listen, ssl_context=tls, reuse_port=shared).start()
-    admin_app = create_admin_app(app[STORE], app[METRICS], token=config.admin_token)
+    admin_app = create_admin_app(
+        app[STORE], app[METRICS], token=config.admin_token, operators=config.admin_operators
+    )
     reload = app[RELOADER].handle if slot is None else _reload_all(app[RELOADER])
     admin_app.router.add_post("/admin/reload", reload)
     admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
@@ -399,7 +401,12 @@ def _start_janitor(config: Config, app: web.Application) -> asyncio.Task[None]:
             app[METRICS],
             idempotency_ttl=config.idempotency_ttl,
             rejections_ttl=config.rejections_ttl,
-            retention=lambda: (reloader.config.idempotency_ttl, reloader.config.rejections_ttl),
+            audit_ttl=config.audit_ttl,
+            retention=lambda: (
+                reloader.config.idempotency_ttl,
+                reloader.config.rejections_ttl,
+                reloader.config.audit_ttl,
+            ),
         ),
         name="janitor",
     )

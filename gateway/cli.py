@@ -28,6 +28,7 @@ from gateway.config.model import (
     format_size,
     load_config,
     redact_url,
+    short_tokens,
 )
 from gateway.errors import ConfigError, GatewayError
 from gateway.supervisor import Slot, Supervisor, reserve
@@ -186,9 +187,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     json = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(args.log_level, json=json)
-    structlog.get_logger("sinkgate.cli").info(
-        "config_loaded", config=str(config.source), destinations=sorted(config.destinations)
-    )
+    log = structlog.get_logger("sinkgate.cli")
+    log.info("config_loaded", config=str(config.source), destinations=sorted(config.destinations))
+    for warning in config_warnings(config):
+        log.warning("config_warning", warning=warning)
     workers = args.workers or config.workers
     if workers == 1:
         return _run_gateway(config)
@@ -279,8 +281,9 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def config_warnings(config: Config) -> list[str]:
-    """What is valid but most likely not meant; `check-config` prints it and exits 0."""
-    found = []
+    """What is valid but most likely not meant; `check-config` prints it and exits 0,
+    `serve` logs it."""
+    found = [what for what, exposed in short_tokens(config) if not exposed]
     for _, dest in sorted(config.destinations.items()):
         for header in dest.headers_named_like_keys:
             found.append(

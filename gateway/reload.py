@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.models import ReloadAnswer
+from gateway.admin.session import operator_of
 from gateway.config.keys import RELOADED, RESTART_ONLY
 from gateway.config.model import Config, DestinationConfig, load_config
 from gateway.config.reader import format_duration
@@ -78,9 +79,12 @@ class Reloader:
         self._writes = writes
         self._audit = audit
 
-    async def reload(self, trigger: str, *, remote: str | None = None) -> Reloaded:
+    async def reload(
+        self, trigger: str, *, remote: str | None = None, operator: str | None = None
+    ) -> Reloaded:
         """Apply the files as they are now; `ConfigError` (logged) if they do not load.
-        `remote` is who asked (the admin route's client), for the audit log."""
+        `remote` and `operator` are who asked (the admin route's client and the name
+        its token has), for the audit log."""
         async with self._lock:  # one at a time: each compares with the last applied
             old = self.config
             try:
@@ -114,19 +118,25 @@ class Reloader:
                 removed=list(result.removed),
                 idempotency_ttl_s=applied.idempotency_ttl,
                 rejections_ttl_s=applied.rejections_ttl,
+                audit_ttl_s=applied.audit_ttl,
+                operator=operator,
             )
             self._metrics.reloads.labels("applied").inc()
             retention = tuple(
                 f"{name} {format_duration(getattr(old, name))} -> "
                 f"{format_duration(getattr(new, name))}"
-                for name in ("idempotency_ttl", "rejections_ttl")
+                for name in ("idempotency_ttl", "rejections_ttl", "audit_ttl")
                 if getattr(new, name) != getattr(old, name)
             )
-            await self._record(trigger, result, remote, retention)
+            await self._record(trigger, result, (remote, operator), retention)
             return result
 
     async def _record(
-        self, trigger: str, result: Reloaded, remote: str | None, retention: tuple[str, ...]
+        self,
+        trigger: str,
+        result: Reloaded,
+        who: tuple[str | None, str | None],
+        retention: tuple[str, ...],
     ) -> None:
         if self._audit is None:
             return
@@ -142,7 +152,13 @@ class Reloader:
             if names
         )
         text = f"{trigger}: {note or 'no change'}"
-        entry: dict[str, Any] = {"action": "reload", "note": text, "remote": remote}
+        remote, operator = who
+        entry: dict[str, Any] = {
+            "action": "reload",
+            "note": text,
+            "remote": remote,
+            "operator": operator,
+        }
         self._unaudited.append(entry)
         if await self._write_unaudited():
             return
@@ -197,7 +213,9 @@ class Reloader:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """`POST /admin/reload`: 200 with the destinations, or 400 `invalid_config`."""
         try:
-            result = await self.reload("admin", remote=request.remote)
+            result = await self.reload(
+                "admin", remote=request.remote, operator=operator_of(request)
+            )
         except ConfigError as exc:
             return problem_response(
                 Rejection(

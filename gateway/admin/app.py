@@ -34,6 +34,7 @@ from gateway.admin.page.operator import OperatorPage
 from gateway.admin.query import only_params
 from gateway.admin.rejections import RejectionsApi
 from gateway.admin.session import SessionAuth
+from gateway.admin.throttle import FailureThrottle
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.models import OK
 from gateway.http.problem import problem_response, router_refusal
@@ -58,14 +59,24 @@ def create_admin_app(
     metrics: Metrics,
     *,
     token: str | None,
+    operators: tuple[tuple[str, str], ...] = (),
     clock: Callable[[], float] = time.time,
     gauge_interval: float | None = REFRESH_INTERVAL_S,
+    throttle: FailureThrottle | None = None,
 ) -> web.Application:
-    """The admin listener's app. `token=None` leaves /admin open (loopback only,
-    see `admin_bind_allowed`). `clock` only times login sessions. The unknown-keys
+    """The admin listener's app. `token=None` and no `operators` (name, token)
+    leave /admin open (loopback only, see `admin_bind_allowed`). `clock` times
+    login sessions and the failed-authentication `throttle`. The unknown-keys
     gauge is refreshed every `gauge_interval` seconds while the app runs (None:
     only after a resolve)."""
-    auth = SessionAuth(token, clock, login_page=_signin_instead)
+    auth = SessionAuth(
+        token,
+        clock,
+        login_page=_signin_instead,
+        operators=operators,
+        metrics=metrics,
+        throttle=throttle,
+    )
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     add_health_routes(app, lambda: store)
     gauge = UnknownKeysGauge(store, metrics)
@@ -162,7 +173,7 @@ def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) 
     app.router.add_get("/readyz", readyz)
 
 
-def admin_bind_allowed(host: str, token: str | None) -> bool:
+def admin_bind_allowed(host: str, token: str | bool | None) -> bool:
     """Whether the admin listener may bind `host`: always with a token, else only
     on loopback (127.0.0.0/8, ::1, localhost)."""
     if token:

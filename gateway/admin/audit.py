@@ -3,6 +3,7 @@ The page's audit view (`admin.page`) reads it through the same filters."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -61,17 +62,10 @@ def audit_page(entries: list[AuditEntry], limit: int) -> dict[str, Any]:
     return to_json(models.AuditPage(items=items, next_cursor=audit_cursor(entries, limit)))
 
 
-def _audit_model(entry: AuditEntry) -> models.AuditEntry:
-    return models.AuditEntry(
-        id=entry.id,
-        at=utc_time(entry.at),
-        action=entry.action,
-        destination=entry.destination,
-        key=entry.key,
-        attempt=entry.attempt,
-        note=entry.note,
-        remote=entry.remote,
-    )
+def _audit_model(entry: AuditEntry) -> Any:
+    """`models.AuditEntry`: the same fields, `at` as RFC 3339."""
+    fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    return models.AuditEntry(**{**fields, "at": utc_time(entry.at)})
 
 
 def audit_cursor(items: list[AuditEntry], limit: int) -> str | None:

@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.admin import models
 from gateway.admin.models import CONTENT_TYPE, NOTE_MAX, ResolveRequest
 from gateway.admin.query import only_params, parse_limit, parse_window, rfc3339, utc_time
+from gateway.admin.session import operator_of
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.problem import invalid_request
@@ -80,7 +81,8 @@ class KeysApi:
             raise invalid_request("the body must be application/json")
         raw = await read_uncoded_body(request, RESOLVE_REQUEST_MAX)
         destination, key = request.match_info["destination"], request.match_info["key"]
-        return parse_resolution(raw, destination, key, request.remote)
+        resolution = parse_resolution(raw, destination, key, request.remote)
+        return replace(resolution, operator=operator_of(request))
 
     async def apply(self, resolution: Resolution) -> KeyRecord:
         """Resolve in the store; refusals become 404/409 problems. Logged, and the
@@ -95,6 +97,7 @@ class KeysApi:
             key=resolution.key,
             attempt=resolution.attempt,
             outcome="applied" if resolution.applied else "not_applied",
+            operator=resolution.operator,
             remote=resolution.remote,
         )
         try:

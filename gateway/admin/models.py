@@ -7,12 +7,15 @@ documents them; the resolve route takes the fields `ResolveRequest` declares.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from gateway.http.models import IDENT_PATTERN, LeaseState, Seconds, Time
 from gateway.http.schema import Meta
 from gateway.policy.decision import KeyState
+from gateway.store import admin_records
 from gateway.store.admin_records import AUDIT_ACTIONS, MAX_BUCKETS, RESOLVE_OUTCOMES
 
 NOTE_MAX = 1000
@@ -139,23 +142,27 @@ class ResolveRequest:
     content_type: Annotated[str, Meta(pattern=f"^{CONTENT_TYPE}$")] = "application/json"
 
 
-@dataclass(frozen=True, slots=True)
-class AuditEntry:
-    """An operator action."""
+def _as_json(record: type, doc: str, **types: Any) -> type:
+    """A model with `record`'s fields, in order, some given another type (a time
+    in epoch seconds as RFC 3339): the record is declared once, its JSON with it."""
+    hints = typing.get_type_hints(record, include_extras=True)
+    members = [(f.name, types.get(f.name, hints[f.name])) for f in dataclasses.fields(record)]
+    model = dataclasses.make_dataclass(record.__name__, members, frozen=True, slots=True)
+    model.__doc__ = doc
+    return model
 
-    id: int
-    at: Time
-    action: Annotated[str, Meta(enum=AUDIT_ACTIONS)]
-    destination: str | None
-    key: str | None
-    attempt: str | None
-    note: str | None
-    remote: str | None
+
+AuditEntry = _as_json(
+    admin_records.AuditEntry,
+    "An operator action; `operator` names whose token made the call.",
+    at=Time,
+    action=Annotated[str, Meta(enum=AUDIT_ACTIONS)],
+)
 
 
 @dataclass(frozen=True, slots=True)
 class AuditPage:
-    items: list[AuditEntry]
+    items: list[AuditEntry]  # type: ignore[valid-type]  # derived above
     next_cursor: Cursor
 
 

@@ -1,9 +1,18 @@
-"""Who may use /admin: the bearer token, or a signed session cookie from the page's sign-in.
+"""Who may use /admin, and who they are: a bearer token, or a signed session
+cookie from the page's sign-in.
 
-Both are checked in constant time. The session is an expiry, a random nonce and
-an HMAC of both under the admin token, so rotating the token signs everyone out
+Tokens are the shared `[admin] token_env` one, which acts as `admin`, and one
+per named operator (`[admin.operators]`); a presented token is compared with
+every one of them in constant time, with no early exit, and names the operator
+it matched (`request["operator"]`, for the audit log and the log lines). The
+session is an expiry, a random nonce, the operator's name and an HMAC of them
+under a key derived from every token, so changing any token signs everyone out
 and nothing is stored server-side; signing out removes the browser's cookie, and
 a copy of it stays valid until its expiry.
+
+Failed authentications (a wrong bearer token, a wrong token in the sign-in form)
+are counted per remote address by a `FailureThrottle`: past its limit, further
+attempts from that address get 429 with Retry-After until its window passes.
 """
 
 from __future__ import annotations
@@ -13,16 +22,18 @@ import hmac
 import re
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 from aiohttp import web
 
 from gateway.admin.query import DECIMAL_ID
+from gateway.admin.throttle import FailureThrottle
 from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
 from gateway.http.auth import authorization, cross_site
 from gateway.http.problem import problem_response
+from gateway.telemetry.metrics import Metrics
 from leases.reasons import Reason
 
 log = structlog.get_logger("sinkgate.admin")
@@ -31,7 +42,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SESSION_COOKIE = "sinkgate_admin"
 SESSION_TTL_S = 12 * 3600
+SHARED_OPERATOR = "admin"  # the shared token's name in the audit log (SPEC 4)
+# The name the request authenticated as.
+OPERATOR: web.RequestKey[str] = web.RequestKey("operator", str)
 _NONCE = re.compile(r"[0-9a-f]{16}")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def wants_html(request: web.Request) -> bool:
@@ -50,61 +65,93 @@ class SessionAuth:
         clock: Callable[[], float],
         *,
         login_page: Callable[[web.Request], web.StreamResponse],
+        operators: Iterable[tuple[str, str]] = (),
+        metrics: Metrics | None = None,
+        throttle: FailureThrottle | None = None,
     ) -> None:
-        self._token = None if not token else token.encode("utf-8", "surrogatepass")
+        named = [(SHARED_OPERATOR, token)] if token else []
+        named += list(operators)
+        self._tokens = tuple((n, t.encode("utf-8", "surrogatepass")) for n, t in named)
+        self._names = frozenset(n for n, _ in named)
         self._clock = clock
         self._login_page = login_page  # what a browser gets instead of a 401 problem
+        self._metrics = metrics or Metrics()
+        self.throttle = throttle or FailureThrottle()
+        self._key = hashlib.sha256(
+            b"sinkgate-admin-key\0" + b"\0".join(n.encode() + b"=" + t for n, t in self._tokens)
+        ).digest()
 
     @property
     def open(self) -> bool:
-        return self._token is None
+        return not self._tokens
 
     @property
     def secret(self) -> bytes:
-        """The key of the page's HMACs (sessions, CSRF tokens); only with a token."""
-        assert self._token is not None
-        return self._token
+        """The key of the page's HMACs (sessions, CSRF tokens), derived from every
+        token; only with a token."""
+        assert self._tokens
+        return self._key
 
-    def check_token(self, presented: str) -> bool:
-        if self._token is None:
-            return True
-        return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), self._token)
+    def who(self, presented: str) -> str | None:
+        """The operator whose token `presented` is, or None. Every token is compared
+        whichever matches, so the time taken says nothing about which one did."""
+        given = presented.encode("utf-8", "surrogatepass")
+        found = None
+        for name, token in self._tokens:
+            if hmac.compare_digest(given, token):
+                found = name
+        return found
 
-    def new_session(self) -> str:
-        """`expiry.nonce.mac`: the nonce makes every sign-in's session (and so its
-        CSRF token) its own, also two in the same second."""
+    def new_session(self, operator: str) -> str:
+        """`expiry.nonce.mac.operator`: the nonce makes every sign-in's session (and
+        so its CSRF token) its own, also two in the same second."""
         expiry = int(self._clock()) + SESSION_TTL_S
         nonce = secrets.token_hex(8)
-        return f"{expiry}.{nonce}.{self._mac(expiry, nonce)}"
+        return f"{expiry}.{nonce}.{self._mac(expiry, nonce, operator)}.{operator}"
 
-    def authenticated(self, request: web.Request) -> bool:
-        if self._token is None:
-            return True
-        scheme, _, credentials = authorization(request.headers).partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
-            return self.check_token(credentials.strip())
-        return self._valid_session(request.cookies.get(SESSION_COOKIE, ""))
+    def refused(self, request: web.Request) -> web.Response | None:
+        """429 when the request's address is past its failure limit, else None."""
+        wait = self.throttle.retry_after(request.remote or "", self._clock())
+        if wait is None:
+            return None
+        self._metrics.admin_auth_failures.labels(result="throttled").inc()
+        log.warning("admin_auth_throttled", path=request.path, remote=request.remote)
+        response = problem_response(
+            Rejection(
+                Reason.UNAUTHORIZED,
+                f"too many failed authentications from this address; retry after {wait} s",
+                status=429,
+            )
+        )
+        response.headers["Retry-After"] = str(wait)
+        return response
 
-    def _valid_session(self, value: str) -> bool:
+    def failed(self, request: web.Request, event: str) -> None:
+        """Count and log a failed authentication of the request's address."""
+        self.throttle.failed(request.remote or "", self._clock())
+        self._metrics.admin_auth_failures.labels(result="refused").inc()
+        log.warning(event, path=request.path, remote=request.remote)
+
+    def _session_operator(self, value: str) -> str | None:
         expiry, _, rest = value.partition(".")
-        nonce, _, mac = rest.partition(".")
+        nonce, _, rest = rest.partition(".")
+        mac, _, name = rest.partition(".")
         if not DECIMAL_ID.fullmatch(expiry) or int(expiry) <= self._clock():
-            return False
-        if not _NONCE.fullmatch(nonce):
-            return False
-        expected = self._mac(int(expiry), nonce).encode()
-        return hmac.compare_digest(mac.encode("ascii", "replace"), expected)
+            return None
+        if not _NONCE.fullmatch(nonce) or name not in self._names:
+            return None
+        expected = self._mac(int(expiry), nonce, name).encode()
+        return name if hmac.compare_digest(mac.encode("ascii", "replace"), expected) else None
 
-    def _mac(self, expiry: int, nonce: str) -> str:
-        assert self._token is not None
-        message = f"sinkgate-admin-session:{expiry}:{nonce}".encode()
-        return hmac.new(self._token, message, hashlib.sha256).hexdigest()
+    def _mac(self, expiry: int, nonce: str, operator: str) -> str:
+        message = f"sinkgate-admin-session:{expiry}:{nonce}:{operator}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         guarded = path == "/admin" or path.startswith("/admin/")
-        if guarded and self._token is None and not loopback_host(request.host):
+        if guarded and self.open and not loopback_host(request.host):
             # No token: the listener is on loopback only, and a page whose name a
             # DNS rebinding points at 127.0.0.1 must not be served as if it were us.
             return _forbidden(
@@ -118,9 +165,30 @@ class SessionAuth:
                 request,
                 "a browser request from another site may not change anything here",
             )
-        if not guarded or path == "/admin/login" or self.authenticated(request):
+        if not guarded or path == "/admin/login" or self.open:
             return await handler(request)
-        log.warning("admin_unauthorized", path=path, remote=request.remote)
+        scheme, _, credentials = authorization(request.headers).partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            refusal = self.refused(request)
+            if refusal is not None:
+                return refusal
+            operator = self.who(credentials.strip())
+            if operator is None:
+                self.failed(request, "admin_unauthorized")
+                return self._unauthorized(request)
+        else:
+            operator = self._session_operator(request.cookies.get(SESSION_COOKIE, ""))
+            if operator is None:
+                log.warning("admin_unauthorized", path=path, remote=request.remote)
+                return self._unauthorized(request)
+        request[OPERATOR] = operator
+        structlog.contextvars.bind_contextvars(operator=operator)
+        try:
+            return await handler(request)
+        finally:
+            structlog.contextvars.unbind_contextvars("operator")
+
+    def _unauthorized(self, request: web.Request) -> web.StreamResponse:
         if wants_html(request):
             return self._login_page(request)
         response = problem_response(
@@ -128,6 +196,11 @@ class SessionAuth:
         )
         response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
         return response
+
+
+def operator_of(request: web.Request) -> str | None:
+    """The operator the request authenticated as (None on an open listener)."""
+    return request.get(OPERATOR)
 
 
 def _forbidden(event: str, request: web.Request, detail: str) -> web.Response:

@@ -28,6 +28,7 @@ from gateway.config.reader import (
 )
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
+from leases.model import VISIBLE
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -164,6 +165,30 @@ def boolean(t: Table, name: str) -> bool:
 
 def env_name(t: Table, name: str) -> str:
     return t.env_name(name)
+
+
+SHARED_OPERATOR = "admin"  # the name the shared token_env token acts under (SPEC 4)
+_OPERATOR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def operators(t: Table, name: str) -> tuple[tuple[str, str], ...]:
+    """`[admin.operators]`: name = the variable holding that person's token ->
+    ((name, token), ...). Names 1-64 of `[A-Za-z0-9._-]`; a variable unset or
+    empty, or two operators with one token, is an error (a token must say who)."""
+    table = t.table(name, None)
+    found: dict[str, str] = {}  # token -> name
+    for person in table.data:
+        if not _OPERATOR_NAME.fullmatch(person):
+            raise table.error(person, "an operator's name is 1-64 characters of A-Za-z0-9._-")
+        if person == SHARED_OPERATOR:
+            raise table.error(person, f"{person!r} is the name of the shared admin.token_env token")
+        token = secret(table, person, table.env_name(person), t.env)
+        if not VISIBLE.fullmatch(token):  # the token itself is never echoed
+            raise table.error(person, "the token has characters other than visible ASCII")
+        if token in found:
+            raise table.error(person, f"has the same token as operator {found[token]!r}")
+        found[token] = person
+    return tuple((person, token) for token, person in found.items())
 
 
 def tokens(t: Table, name: str) -> tuple[str, ...] | None:
@@ -352,12 +377,20 @@ ADMIN = Section(
         "variable holding the admin token",
         field="admin_token_env",
     ),
+    Key(
+        "operators",
+        operators,
+        (),
+        "name = variable holding that operator's token (named in the audit log)",
+        field="admin_operators",
+    ),
     restart=True,
 )
 RETENTION = Section(
     "retention",
     Key("idempotency_ttl", duration(), 24 * 3600.0, "how long a completed key is kept"),
     Key("rejections_ttl", duration(), 7 * 24 * 3600.0, "how long a rejection is kept"),
+    Key("audit_ttl", duration(), 365 * 24 * 3600.0, "how long an operator action is kept"),
 )
 DESTINATIONS = Section(
     "destinations",

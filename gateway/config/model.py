@@ -149,6 +149,9 @@ class Config:
     admin_token_env: str = DEFAULT_ADMIN_TOKEN_ENV
     idempotency_ttl: float = _RETENTION["idempotency_ttl"]
     rejections_ttl: float = _RETENTION["rejections_ttl"]
+    audit_ttl: float = _RETENTION["audit_ttl"]
+    # [admin.operators]: (name, token) per person, named in the audit log.
+    admin_operators: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     destinations: Mapping[str, DestinationConfig] = field(
         default_factory=lambda: MappingProxyType({})
     )
@@ -198,11 +201,11 @@ def load_config(
     st = keys.STORE.read(store)
     st["url"] = _absolute_sqlite(st["url"], source.parent)
     adm = keys.ADMIN.read(admin)
-    admin_token = _admin_token(server, srv["admin_listen"][0], adm["token_env"], env)
+    admin_token = _admin_token(server, srv["admin_listen"][0], adm, env)
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
     problems.raise_any()
-    return Config(
+    config = Config(
         source=source,
         **keys.SERVER.fields(srv),
         **keys.STORE.fields(st),
@@ -212,6 +215,10 @@ def load_config(
         destinations=MappingProxyType(destinations),
         display=file,
     )
+    refused = [what for what, exposed in short_tokens(config) if exposed]
+    if refused:
+        raise ConfigError(*refused)
+    return config
 
 
 def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
@@ -240,19 +247,62 @@ def _check_server(server: Table, srv: dict[str, Any]) -> None:
 
 
 def _admin_token(
-    server: Table, admin_host: str, token_env: str, env: Mapping[str, str]
+    server: Table, admin_host: str, admin: Mapping[str, Any], env: Mapping[str, str]
 ) -> str | None:
-    """The admin token from the environment; none is a problem beyond loopback.
-    Surrounding whitespace is not part of it (a bearer token is read without it, so
-    a token ending in a space could never be presented): blank counts as unset."""
+    """The admin token from the environment; none (and no operator) is a problem
+    beyond loopback. Surrounding whitespace is not part of it (a bearer token is
+    read without it, so a token ending in a space could never be presented):
+    blank counts as unset. An operator's token may not be the shared one: the
+    audit log would not know whom to name."""
+    token_env = admin["token_env"]
     admin_token = env.get(token_env, "").strip() or None
-    if admin_token is None and not is_loopback(admin_host):
+    if admin_token is None and not admin["operators"] and not is_loopback(admin_host):
         server.report(
             "admin_listen",
             f"listens beyond loopback on {show(admin_host)} but no admin token is "
             f"set (environment variable {token_env} is unset, empty or blank)",
         )
+    for name, token in admin["operators"]:
+        if token == admin_token:
+            server.problems.append(
+                ConfigError(
+                    f"{server.file}: admin.operators.{name}: has the same token as "
+                    f"admin.token_env ({token_env})"
+                )
+            )
     return admin_token
+
+
+MIN_TOKEN_LENGTH = 16
+
+
+def short_tokens(config: Config) -> list[tuple[str, bool]]:
+    """Each token shorter than `MIN_TOKEN_LENGTH`, said with its key, and whether
+    its listener reaches beyond loopback (then it is refused: a short token can be
+    guessed from the network; on loopback it is only warned about)."""
+    file = config.display or config.source.name
+    admin, main = "server.admin_listen", "server.listen"
+    found: list[tuple[str, str, str]] = []  # (where, token, listener)
+    if config.admin_token is not None:
+        found.append((f"{file}: admin.token_env", config.admin_token, admin))
+    found += [(f"{file}: admin.operators.{n}", t, admin) for n, t in config.admin_operators]
+    found += [(f"{file}: server.lease_tokens_env", t, main) for t in config.lease_tokens or ()]
+    for _, dest in sorted(config.destinations.items()):
+        where = f"{os.path.relpath(dest.source)}: worker_tokens_env"
+        found += [(where, t, main) for t in dest.worker_tokens or ()]
+    short: list[tuple[str, bool]] = []
+    for where, token, listener in dict.fromkeys(found):
+        if len(token) >= MIN_TOKEN_LENGTH:
+            continue
+        host = (config.admin_listen if listener == admin else config.listen)[0]
+        exposed = not is_loopback(host)
+        reach = "reaches beyond loopback" if exposed else "is loopback-only"
+        message = (
+            f"{where}: a token is shorter than {MIN_TOKEN_LENGTH} characters and "
+            f"{listener} {reach}: use a long random one (e.g. openssl rand -hex 24)"
+        )
+        short.append((message, exposed))
+    return short
 
 
 def _absolute_sqlite(url: str, base: Path) -> str:

@@ -17,6 +17,7 @@ from gateway.openapi.parts import (
     LIMIT,
     NOT_FOUND,
     STORE_DOWN,
+    THROTTLED,
     UNAUTHORIZED,
     WHEN,
     json_answer,
@@ -47,6 +48,7 @@ def admin_get(summary: str, model: type, params: list[dict[str, Any]]) -> dict[s
                 "200": json_answer(summary, ref(model)),
                 "400": INVALID,
                 "401": UNAUTHORIZED,
+                "429": THROTTLED,
                 "404": NOT_FOUND,
                 "503": STORE_DOWN,
             },
@@ -140,6 +142,7 @@ def _ops_paths() -> dict[str, Any]:
                 "200": json_answer("the reload was applied", ref(models.ReloadAnswer)),
                 "400": problem("the files do not validate", Reason.INVALID_CONFIG),
                 "401": UNAUTHORIZED,
+                "429": THROTTLED,
             },
         ),
     }
@@ -153,6 +156,7 @@ def _resolve_route() -> dict[str, Any]:
             "200": json_answer("the key after the change", ref(models.ResolvedKey)),
             "400": INVALID,
             "401": UNAUTHORIZED,
+            "429": THROTTLED,
             "404": NOT_FOUND,
             "409": problem(
                 "the key is not unknown, or another attempt holds it",

@@ -59,6 +59,9 @@ def json_body(model: type) -> dict[str, Any]:
 INVALID = problem("malformed request", Reason.INVALID_REQUEST)
 STORE_DOWN = problem("the store does not answer", Reason.STORE_UNAVAILABLE)
 UNAUTHORIZED = problem("missing or wrong admin token", Reason.UNAUTHORIZED)
+THROTTLED = problem(
+    "too many failed authentications from this address; see Retry-After", Reason.UNAUTHORIZED
+)
 NOT_FOUND = problem("nothing with this id", Reason.NOT_FOUND)
 
 

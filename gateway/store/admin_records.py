@@ -48,7 +48,10 @@ class AuditQuery:
 
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
-    """One row of the audit log."""
+    """An operator action: one row of the audit log, and (with `at` as RFC 3339)
+    an item of `GET /admin/audit` (SPEC 4), whose model `admin.models` derives
+    from this one. `operator` is the name whose token made the call (`admin` for
+    the shared token), None for a reload by SIGHUP."""
 
     id: int
     at: float
@@ -58,6 +61,7 @@ class AuditEntry:
     attempt: str | None
     note: str | None
     remote: str | None
+    operator: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class Resolution:
     applied: bool
     note: str
     remote: str | None = None
+    operator: str | None = None  # who settled it (SPEC 4 `[admin.operators]`)
     status: int = 200
     body: bytes = b""
     content_type: str = "application/json"
@@ -159,6 +164,7 @@ class OperatorStore(Protocol):
         attempt: str | None = None,
         note: str | None = None,
         remote: str | None = None,
+        operator: str | None = None,
     ) -> int:
         """Append an operator action to the audit log; returns its id."""
         ...

@@ -21,6 +21,8 @@ from gateway.telemetry.metrics import Metrics
 
 log = structlog.get_logger("sinkgate.janitor")
 
+AUDIT_TTL_S = 365 * 86400.0  # [retention] audit_ttl's default
+
 
 async def purge_once(
     store: PurgeStore,
@@ -28,12 +30,15 @@ async def purge_once(
     *,
     idempotency_ttl: float,
     rejections_ttl: float,
+    audit_ttl: float = AUDIT_TTL_S,
     batch: int = 500,
 ) -> tuple[int, int]:
     """One retention pass; returns (keys, rejections) deleted.
 
     The cut-offs are fixed at the start of the pass by the store's clock, so a
-    pass ends even while new records keep arriving.
+    pass ends even while new records keep arriving. Audit rows have their own
+    `audit_ttl`: the record of what operators decided is not noise to expire with
+    the rejections (SPEC 4).
     """
     if batch < 1:
         raise ValueError("batch must be at least 1")
@@ -52,8 +57,7 @@ async def purge_once(
         if k < batch and r < batch:
             break
         await asyncio.sleep(0)  # let queued writes in before the next batch
-    # The audit log is kept as long as the rejections it explains (SPEC 4).
-    audit = await _purge_audit(store, rejections_before, batch)
+    audit = await _purge_audit(store, now - audit_ttl, batch)
     metrics.purged.labels(kind="audit").inc(audit)
     if keys or rejections or audit:
         log.info(
@@ -85,29 +89,31 @@ async def run_janitor(
     *,
     idempotency_ttl: float,
     rejections_ttl: float,
+    audit_ttl: float = AUDIT_TTL_S,
     interval: float = 30.0,
     batch: int = 500,
-    retention: Callable[[], tuple[float, float]] | None = None,
+    retention: Callable[[], tuple[float, float, float]] | None = None,
 ) -> None:
     """Purge every `interval` seconds until cancelled; `retention`, if given, is
-    asked for (idempotency_ttl, rejections_ttl) before each purge (a reload may
-    have changed them).
+    asked for (idempotency_ttl, rejections_ttl, audit_ttl) before each purge (a
+    reload may have changed them).
 
     A store that does not answer is logged and retried at the next interval (the
     gateway already fails closed while it is down); any other error ends the
     task, and the app that watches it stops.
     """
-    if idempotency_ttl <= 0 or rejections_ttl <= 0 or interval <= 0:
-        raise ValueError("idempotency_ttl, rejections_ttl and interval must be positive")
+    if min(idempotency_ttl, rejections_ttl, audit_ttl, interval) <= 0:
+        raise ValueError("the ttls and the interval must be positive")
     while True:
         if retention is not None:
-            idempotency_ttl, rejections_ttl = retention()
+            idempotency_ttl, rejections_ttl, audit_ttl = retention()
         try:
             await purge_once(
                 store,
                 metrics,
                 idempotency_ttl=idempotency_ttl,
                 rejections_ttl=rejections_ttl,
+                audit_ttl=audit_ttl,
                 batch=batch,
             )
         except StoreUnavailable as exc:

@@ -59,8 +59,11 @@ CREATE TABLE IF NOT EXISTS audit (
     key text,
     attempt text,
     note text,
-    remote text
+    remote text,
+    operator text
 );
+-- v4: who made the call; rows from before it keep theirs, with no operator
+ALTER TABLE audit ADD COLUMN IF NOT EXISTS operator text;
 CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
 CREATE INDEX IF NOT EXISTS rejections_window ON rejections (at, reason, destination);
 """
@@ -88,11 +91,12 @@ _STATE_SQL = {
     KeyState.IN_FLIGHT: "state = 'in_flight' AND deadline > {}",
     KeyState.COMPLETED: "state = 'completed'",
 }
-_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
+_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote, operator"
 
 
 async def migrate(conn: Conn) -> None:
-    """The audit log and the summary index (schema v2); idempotent, under the schema lock."""
+    """The audit log (with its `operator`, v4) and the summary index (schema v2);
+    idempotent, under the schema lock."""
     await conn.execute(ADMIN_DDL)
 
 
@@ -156,9 +160,10 @@ class PostgresAdmin:
         attempt: str | None = None,
         note: str | None = None,
         remote: str | None = None,
+        operator: str | None = None,
     ) -> int:
         offset = self._offset()
-        row = (action, destination, key, attempt, note, remote)
+        row = (action, destination, key, attempt, note, remote, operator)
 
         async def insert(conn: Conn) -> int:
             return await _insert_audit(conn, await conn.fetchval(f"SELECT {_NOW}", offset), *row)
@@ -272,14 +277,16 @@ async def _resolve_tx(conn: Conn, r: Resolution, offset: float) -> KeyRecord:
             raise ResolveRefused(Reason.KEY_NOT_UNKNOWN, record)
         raise ResolveRefused(Reason.ATTEMPT_MISMATCH, record)
     action = "resolve_applied" if r.applied else "resolve_not_applied"
-    await _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
+    await _insert_audit(
+        conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote, r.operator
+    )
     return _record(row)
 
 
 async def _insert_audit(conn: Conn, now: float, *row: str | None) -> int:
     audit_id: int = await conn.fetchval(
-        "INSERT INTO audit (at, action, destination, key, attempt, note, remote) "
-        "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
+        "INSERT INTO audit (at, action, destination, key, attempt, note, remote, operator) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
         now,
         *row,
     )

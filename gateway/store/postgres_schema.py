@@ -14,7 +14,8 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # v2: the audit log and the summary's index (postgres_admin).
 # v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
 # through `idempotency_in_flight`); the attempts table holds keyless writes only.
-GATEWAY_SCHEMA_VERSION = 3
+# v4: the audit log names the operator of each action (`operator`).
+GATEWAY_SCHEMA_VERSION = 4
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS audit (
     key TEXT,
     attempt TEXT,
     note TEXT,
-    remote TEXT
+    remote TEXT,
+    operator TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
 CREATE INDEX IF NOT EXISTS rejections_window ON rejections (at, reason, destination);
@@ -74,14 +75,19 @@ SUMMARY_SQL = (
 # destination order for a GROUP BY destination, reading every key: named, the
 # (state, completed_at) index reads only the in-flight and unknown rows.
 _BY_STATE = "INDEXED BY idempotency_completed"
-_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote"
+_AUDIT_COLUMNS = "id, at, action, destination, key, attempt, note, remote, operator"
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """The audit log and the summary index (schema v2); idempotent, in the caller's transaction."""
+    """The audit log and the summary index (schema v2), and the audit log's
+    `operator` (v4: rows from before it keep theirs, with no operator); idempotent,
+    in the caller's transaction."""
     for statement in ADMIN_SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(audit)")}
+    if "operator" not in columns:
+        conn.execute("ALTER TABLE audit ADD COLUMN operator TEXT")
 
 
 class SQLiteAdmin:
@@ -107,8 +113,9 @@ class SQLiteAdmin:
         attempt: str | None = None,
         note: str | None = None,
         remote: str | None = None,
+        operator: str | None = None,
     ) -> int:
-        row = (action, destination, key, attempt, note, remote)
+        row = (action, destination, key, attempt, note, remote, operator)
         clock = self.clock
         return await self._executor.run(lambda c: _insert_audit(c, clock(), *row))
 
@@ -209,7 +216,7 @@ def _resolve_tx(conn: sqlite3.Connection, r: Resolution, now: float) -> KeyRecor
     if cursor.rowcount != 1:
         _refuse(_read_key(conn, r.destination, r.key), r, now)
     action = "resolve_applied" if r.applied else "resolve_not_applied"
-    _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote)
+    _insert_audit(conn, now, action, r.destination, r.key, r.attempt, r.note, r.remote, r.operator)
     record = _read_key(conn, r.destination, r.key) if r.applied else before
     assert record is not None  # the guard matched this very row in this transaction
     return record
@@ -226,8 +233,8 @@ def _refuse(record: KeyRecord | None, r: Resolution, now: float) -> None:
 
 def _insert_audit(conn: sqlite3.Connection, now: float, *row: str | None) -> int:
     cursor = conn.execute(
-        "INSERT INTO audit (at, action, destination, key, attempt, note, remote) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO audit (at, action, destination, key, attempt, note, remote, operator) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (now, *row),
     )
     assert cursor.lastrowid is not None

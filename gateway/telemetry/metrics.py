@@ -149,6 +149,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.admin_auth_failures = Counter(
+            "sinkgate_admin_auth_failures_total",
+            "Failed admin authentications (bearer token or sign-in form), by result: "
+            "refused (a wrong token), throttled (429: too many failures from the address).",
+            ["result"],
+            registry=r,
+        )
 
     def child(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the write path asks for the same few

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from gateway.store.admin_records import (
 )
 from gateway.store.janitor import purge_once
 from gateway.store.postgres import PostgresStore
+from gateway.store.records import RejectionQuery
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from gateway.telemetry.metrics import Metrics
 from tests.backends import Backend
@@ -280,11 +282,43 @@ async def test_the_janitor_never_purges_an_unknown_key_nor_a_young_resolution(
     assert (await store.key_record("pay", "key-1")).state is KeyState.COMPLETED
     assert len(await audit(store)) == 1
     store_backend.advance(DAY + 60)
-    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=7 * DAY)
-    assert len(await audit(store)) == 1  # audit rows are kept as long as rejections
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
+    assert len(await audit(store)) == 1  # audit rows have their own retention
+    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY)
     assert await audit(store) == []
     assert await store.key_record("pay", "key-1") is None
+
+
+async def test_audit_rows_outlive_a_short_rejections_ttl(store_backend: Backend) -> None:
+    """The record of what operators decided is kept for audit_ttl (default a year),
+    whatever rejections_ttl says: with the janitor purging the audit log by the
+    rejections' cut-off (as it once did), a one-minute rejections_ttl deleted a
+    resolve's row two minutes after it was written and this test fails."""
+    store = store_backend.store
+    await store.record_rejection(RejectionRecord(reason="stale_generation", detail="t"))
+    attempt = await unknown_key(store)
+    await store.resolve_key(resolution(attempt, False))
+    await store.record_audit(action="reload", note="admin: no change", operator="alice")
+    store_backend.advance(120)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    assert await store.list_rejections(RejectionQuery()) == []  # the noise is gone
+    assert len(await audit(store)) == 2  # the decisions are not
+    store_backend.advance(364 * DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    assert len(await audit(store)) == 2  # younger than the default audit_ttl (365d)
+    store_backend.advance(DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    assert await audit(store) == []
+
+
+async def test_the_audit_log_names_the_operator(store_backend: Backend) -> None:
+    store = store_backend.store
+    attempt = await unknown_key(store)
+    await store.resolve_key(replace(resolution(attempt, True), operator="alice"))
+    await store.record_audit(action="reload", note="sighup: no change")
+    resolved_by, reload_by = (await audit(store))[::-1]
+    assert (resolved_by.action, resolved_by.operator) == ("resolve_applied", "alice")
+    assert (reload_by.action, reload_by.operator) == ("reload", None)
 
 
 # --- audit and summary -------------------------------------------------------------------

@@ -187,7 +187,7 @@ async def test_run_janitor_asks_retention_before_each_purge(store, fake_clock):
         await completed(store, f"k-{i}")
     fake_clock.advance(2 * DAY)
     counting = CountingStore(store)
-    ttls = [(3 * DAY, 3 * DAY)]
+    ttls = [(3 * DAY, 3 * DAY, 3 * DAY)]
     task = asyncio.create_task(
         run_janitor(
             counting,
@@ -201,7 +201,7 @@ async def test_run_janitor_asks_retention_before_each_purge(store, fake_clock):
     try:
         await asyncio.wait_for(counting.purged.wait(), timeout=10)
         assert counting.calls[0] == (0, 0)  # younger than 3 days: kept
-        ttls.append((DAY, DAY))  # as a reload would
+        ttls.append((DAY, DAY, DAY))  # as a reload would
         while sum(keys for keys, _ in counting.calls) < 2:
             counting.purged.clear()
             await asyncio.wait_for(counting.purged.wait(), timeout=10)

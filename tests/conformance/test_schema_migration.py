@@ -1,5 +1,6 @@
-"""A gateway schema from before v3 upgraded on both backends: the key's row gains `barrier_until`,
-and an attempt a v1 gateway left in flight still bars newer generations."""
+"""Older gateway schemas upgraded on both backends: from v1, the key's row gains
+`barrier_until` and an attempt a v1 gateway left in flight still bars newer
+generations; from v3, the audit log gains `operator` and keeps every row."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.policy.decision import Forward, Reject
+from gateway.store.admin_records import AuditQuery
 from gateway.store.postgres import PostgresStore
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from tests.conformance.test_store_conformance import CONTEXT, write
@@ -91,3 +93,57 @@ async def test_postgres_v1_database_is_upgraded() -> None:
         finally:
             await conn.close()
         assert version == GATEWAY_SCHEMA_VERSION
+
+
+# A v3 audit log: no `operator` column, and rows written before there was one.
+_TO_V3_AUDIT = (
+    "ALTER TABLE audit DROP COLUMN operator",
+    "UPDATE sinkgate_schema SET version = 3 WHERE component = 'gateway'",
+    "INSERT INTO audit (at, action, destination, key, attempt, note, remote) "
+    "VALUES ({now}, 'resolve_applied', 'pay', 'k1', 'a1', 'checked at the PSP', '10.0.0.7')",
+    "INSERT INTO audit (at, action, note) VALUES ({now}, 'reload', 'sighup: no change')",
+)
+
+
+async def _check_audit_kept(store: SQLiteStore | PostgresStore) -> None:
+    """Every v3 row is there, with no operator; a new row names its operator."""
+    old = await store.list_audit(AuditQuery())
+    assert [(e.action, e.note, e.operator) for e in old] == [
+        ("reload", "sighup: no change", None),
+        ("resolve_applied", "checked at the PSP", None),
+    ]
+    assert old[1].remote == "10.0.0.7"
+    await store.record_audit(action="reload", note="admin: no change", operator="alice")
+    assert (await store.list_audit(AuditQuery()))[0].operator == "alice"
+
+
+async def test_sqlite_v3_audit_log_keeps_its_rows(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    await (await SQLiteStore.open(url)).close()
+    conn = sqlite3.connect(tmp_path / "g.db")
+    for statement in _TO_V3_AUDIT:
+        conn.execute(statement.format(now=time.time()))
+    conn.commit()
+    conn.close()
+    store = await SQLiteStore.open(url)
+    try:
+        await _check_audit_kept(store)
+    finally:
+        await store.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_v3_audit_log_keeps_its_rows() -> None:
+    async with fresh_database() as url:
+        await (await PostgresStore.open(url)).close()
+        conn = await asyncpg.connect(url)
+        try:
+            for statement in _TO_V3_AUDIT:
+                await conn.execute(statement.format(now=time.time()))
+        finally:
+            await conn.close()
+        store = await PostgresStore.open(url)
+        try:
+            await _check_audit_kept(store)
+        finally:
+            await store.close()

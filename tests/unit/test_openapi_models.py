@@ -132,7 +132,9 @@ def test_the_admin_answers_validate_against_their_routes() -> None:
     state = JobState("job-1", lease_row, 3, ({**in_flight, "started_at": NOW},), (_rejection(),))
     summary = Summary(NOW - 60, NOW, 30, NOW - 60, {"stale_generation": 2}, {"pay": 2},
                       {"pay": {"unknown": 1}}, {0: {"stale_generation": 2}})  # fmt: skip
-    audit = [AuditEntry(n, NOW, "resolve_applied", "pay", "k", "a", "why", None) for n in (2, 1)]
+    audit = [
+        AuditEntry(n, NOW, "resolve_applied", "pay", "k", "a", "why", None, "alice") for n in (2, 1)
+    ]
     applied = Resolution("pay", "k-1", "a" * 32, True, "checked upstream")
     released = dataclasses.replace(applied, applied=False)
     answers = [

@@ -27,7 +27,7 @@ from gateway.admin.rejections import (
     parse_rejection_query,
     rejection_item,
 )
-from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
+from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth, operator_of
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from gateway.store.protocol import AdminOpsStore
@@ -62,16 +62,24 @@ def _template(name: str) -> string.Template:
 
 
 def html_response(
-    title: str, body: str, *, status: int = 200, logout: bool = False, refresh: int = 0
+    title: str,
+    body: str,
+    *,
+    status: int = 200,
+    logout: bool = False,
+    refresh: int = 0,
+    who: str | None = None,
 ) -> web.Response:
     """A page in the layout; `refresh` > 0 reloads it every that many seconds
-    (a meta refresh: no script)."""
+    (a meta refresh: no script); `who` is the signed-in operator's name, shown in
+    the header."""
+    signed_in = f'<span class="who" id="signed-in">{html.escape(who)}</span>' if who else ""
     head = Safe(f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh > 0 else "")
     page = render(
         "admin_layout.html",
         title=title,
         body=Safe(body),
-        logout=Safe(_LOGOUT if logout else ""),
+        logout=Safe(signed_in + (_LOGOUT if logout else "")),
         head=head,
     )
     return web.Response(
@@ -151,21 +159,24 @@ class Page:
         target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
         if self._auth.open:
             raise web.HTTPSeeOther(target)
-        if not isinstance(token, str) or not token or not self._auth.check_token(token):
-            log.warning("admin_login_refused", remote=request.remote)
-            response = login_page(request, status=401, message="That token was not accepted.")
-            return response
+        throttled = self._auth.refused(request)
+        if throttled is not None:
+            return throttled
+        operator = self._auth.who(token) if isinstance(token, str) and token else None
+        if operator is None:
+            self._auth.failed(request, "admin_login_refused")
+            return login_page(request, status=401, message="That token was not accepted.")
         response = web.HTTPSeeOther(target)
         response.set_cookie(
             SESSION_COOKIE,
-            self._auth.new_session(),
+            self._auth.new_session(operator),
             max_age=SESSION_TTL_S,
             path="/admin",
             httponly=True,
             samesite="Strict",
             secure=request.secure,
         )
-        log.info("admin_login", remote=request.remote)
+        log.info("admin_login", operator=operator, remote=request.remote)
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:
@@ -204,6 +215,7 @@ class Page:
             body,
             status=400 if error else 200,
             logout=not self._auth.open,
+            who=operator_of(request),
             refresh=REFRESH_S if refresh else 0,
         )
 
@@ -231,7 +243,9 @@ class Page:
             fields=Safe(fields),
             links=Safe(" · ".join(links)),
         )
-        return html_response(f"rejection {found.id}", body, logout=not self._auth.open)
+        return html_response(
+            f"rejection {found.id}", body, logout=not self._auth.open, who=operator_of(request)
+        )
 
 
 # --- pieces of the listing -------------------------------------------------------------------

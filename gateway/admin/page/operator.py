@@ -11,6 +11,7 @@ time.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import html
@@ -29,7 +30,7 @@ from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import _KIND as REASON_KIND
 from gateway.admin.page.listing import PRESETS, Safe, html_response
 from gateway.admin.query import parse_time
-from gateway.admin.session import SESSION_COOKIE
+from gateway.admin.session import SESSION_COOKIE, operator_of
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from gateway.policy.decision import KeyRecord, KeyState
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from gateway.admin.session import SessionAuth
 
 QUEUE_LIMIT = 100
+_AUDIT_COLUMNS = ("at", "operator", "action", "destination", "key", "attempt", "note", "remote")
 _OPEN_SECRET = os.urandom(32)
 
 
@@ -59,6 +61,18 @@ class OperatorPage:
         self._auth = auth
         self._resolve = resolve
         self._kinds = REASON_KIND
+
+    def _respond(
+        self, request: web.Request, title: str, body: str, *, status: int = 200
+    ) -> web.Response:
+        """A page in the layout, with who is signed in."""
+        return html_response(
+            title,
+            Safe(body),
+            status=status,
+            logout=not self._auth.open,
+            who=operator_of(request),
+        )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/queue", self.queue)
@@ -135,9 +149,7 @@ class OperatorPage:
             "releases the key, so the worker's retry is forwarded.</p>"
             + (forms or '<p class="empty" id="queue-empty">Nothing waits for an operator.</p>')
         )
-        return html_response(
-            "unknown outcomes", Safe(body), status=status, logout=not self._auth.open
-        )
+        return self._respond(request, "unknown outcomes", body, status=status)
 
     def _resolve_form(self, record: Any, csrf: str, now: float) -> str:
         e = html.escape
@@ -191,6 +203,7 @@ class OperatorPage:
             resolution = parse_resolution(
                 json.dumps(body).encode(), destination, key, request.remote
             )
+            resolution = dataclasses.replace(resolution, operator=operator_of(request))
             await self._resolve(resolution)
         except Rejection as refused:
             return await self.queue(
@@ -227,7 +240,7 @@ class OperatorPage:
             + f"<p>{' · '.join(links)}</p>"
             + form
         )
-        return html_response(f"key {key}", Safe(body), logout=not self._auth.open)
+        return self._respond(request, f"key {key}", body)
 
     async def job(self, request: web.Request) -> web.Response:
         job_id = request.match_info["job_id"]
@@ -272,7 +285,7 @@ class OperatorPage:
             )
             + f"<p>{_link('/admin/jobs/' + quote(job_id, safe=''), 'JSON')}</p>"
         )
-        return html_response(f"job {job_id}", Safe(body), logout=not self._auth.open)
+        return self._respond(request, f"job {job_id}", body)
 
     async def audit(self, request: web.Request) -> web.Response:
         params = {k: v for k, v in request.query.items() if k != "format"}
@@ -288,10 +301,7 @@ class OperatorPage:
         cursor = audit_cursor(entries, query.limit)
         rows = "".join(
             '<tr class="audit">'
-            + "".join(
-                f"<td>{_cell(name, item)}</td>"
-                for name in ("at", "action", "destination", "key", "attempt", "note", "remote")
-            )
+            + "".join(f"<td>{_cell(name, item)}</td>" for name in _AUDIT_COLUMNS)
             + "</tr>"
             for item in (audit_item(e) for e in entries[: query.limit])
         )
@@ -308,12 +318,13 @@ class OperatorPage:
             '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
             f"<h2>Audit log</h2><p>since: {presets} · "
             f"{_link('/admin/audit?format=html', 'all')}</p>"
-            '<table id="audit"><thead><tr><th>when (UTC)</th><th>action</th><th>destination</th>'
-            "<th>key</th><th>attempt</th><th>note</th><th>remote</th></tr></thead><tbody>"
-            + (rows or '<tr><td colspan="7" class="empty">No operator actions.</td></tr>')
+            '<table id="audit"><thead><tr><th>when (UTC)</th><th>operator</th><th>action</th>'
+            "<th>destination</th><th>key</th><th>attempt</th><th>note</th><th>remote</th>"
+            "</tr></thead><tbody>"
+            + (rows or '<tr><td colspan="8" class="empty">No operator actions.</td></tr>')
             + f'</tbody></table><nav class="pager">{more}</nav>'
         )
-        return html_response("audit log", Safe(body), logout=not self._auth.open)
+        return self._respond(request, "audit log", body)
 
 
 def csrf_token(auth: SessionAuth, request: web.Request) -> str:

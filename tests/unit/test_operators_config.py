@@ -1,0 +1,100 @@
+"""`[admin.operators]`, `[retention] audit_ttl` and the token length rule (SPEC 5,
+issue 36.3): what loads, and the one-line errors of what does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import config_warnings
+from gateway.config.keys import RESTART_ONLY
+from gateway.config.model import load_config
+from tests.unit.test_config import config_error, write_config
+
+LONG = "a-token-long-enough-0123"
+ENV = {"TOKEN_ALICE": "alice-" + LONG, "TOKEN_BOB": "bob-" + LONG}
+
+
+def test_operators_are_read_by_name_and_audit_ttl_defaults_to_a_year(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path, '[admin.operators]\nalice = "TOKEN_ALICE"\n"bob.smith" = "TOKEN_BOB"\n'
+    )
+    config = load_config(path, ENV)
+    assert config.admin_operators == (
+        ("alice", ENV["TOKEN_ALICE"]),
+        ("bob.smith", ENV["TOKEN_BOB"]),
+    )
+    assert config.audit_ttl == 365 * 86400
+    assert "alice-" not in repr(config)  # tokens never in a repr
+    assert ("admin_operators", "admin.operators") in RESTART_ONLY  # as [admin]: restart
+
+
+def test_audit_ttl_is_read(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[retention]\naudit_ttl = "30d"\n')
+    assert load_config(path, {}).audit_ttl == 30 * 86400
+
+
+@pytest.mark.parametrize(
+    ("operators", "env", "message"),
+    [
+        ('"al ice" = "TOKEN_ALICE"', ENV, "an operator's name is 1-64 characters"),
+        ('admin = "TOKEN_ALICE"', ENV, "is the name of the shared admin.token_env token"),
+        ('alice = "TOKEN_NONE"', ENV, "environment variable TOKEN_NONE is not set"),
+        ('alice = "TOKEN_ALICE"', {"TOKEN_ALICE": " "}, "variable TOKEN_ALICE is empty"),
+        ('alice = "TOKEN_ALICE"\nbob = "TOKEN_BOB"', {"TOKEN_ALICE": LONG, "TOKEN_BOB": LONG},
+         "admin.operators.bob: has the same token as operator 'alice'"),
+        ('alice = 3', ENV, "expected a string"),
+    ],
+)  # fmt: skip
+def test_operator_errors_name_the_key(tmp_path: Path, operators: str, env, message: str) -> None:
+    path = write_config(tmp_path, f"[admin.operators]\n{operators}\n")
+    error = config_error(path, env)
+    assert message in error and error.startswith("gateway.toml: admin.operators")
+    assert LONG not in error  # a token is never echoed
+
+
+def test_an_operator_may_not_share_the_admin_token(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[admin.operators]\nalice = "TOKEN_ALICE"\n')
+    env = {"SINKGATE_ADMIN_TOKEN": ENV["TOKEN_ALICE"], **ENV}
+    assert "admin.operators.alice: has the same token as admin.token_env" in config_error(path, env)
+
+
+def test_operators_alone_protect_a_listener_beyond_loopback(tmp_path: Path) -> None:
+    server = '[server]\nadmin_listen = "0.0.0.0:8481"\n'
+    path = write_config(tmp_path, server + '[admin.operators]\nalice = "TOKEN_ALICE"\n')
+    assert load_config(path, ENV).admin_token is None
+
+
+@pytest.mark.parametrize(
+    ("gateway", "env", "where"),
+    [
+        ('[server]\nadmin_listen = "0.0.0.0:8481"\n', {"SINKGATE_ADMIN_TOKEN": "tiny-admin"},
+         "gateway.toml: admin.token_env"),
+        ('[server]\nadmin_listen = "10.1.2.3:8481"\n[admin.operators]\nalice = "T"\n',
+         {"T": "tiny-alice"}, "gateway.toml: admin.operators.alice"),
+        ('[server]\nlisten = "0.0.0.0:8480"\nlease_tokens_env = "L"\n', {"L": "tiny-1,tiny-2"},
+         "gateway.toml: server.lease_tokens_env"),
+    ],
+)  # fmt: skip
+def test_a_short_token_is_refused_beyond_loopback(tmp_path, gateway, env, where) -> None:
+    error = config_error(write_config(tmp_path, gateway), env)
+    assert error.startswith(f"{where}: a token is shorter than 16 characters")
+    assert "reaches beyond loopback" in error
+    assert "tiny" not in error  # a token is never echoed
+
+
+def test_a_short_worker_token_is_refused_beyond_loopback(tmp_path: Path) -> None:
+    destination = 'upstream = "http://127.0.0.1:9/"\nworker_tokens_env = "W"\n'
+    path = write_config(tmp_path, '[server]\nlisten = "0.0.0.0:8480"\n', pay=destination)
+    error = config_error(path, {"W": "w1"})
+    assert "destinations/pay.toml: worker_tokens_env: a token is shorter than 16" in error
+
+
+def test_a_short_token_on_loopback_is_a_warning(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "")
+    config = load_config(path, {"SINKGATE_ADMIN_TOKEN": "change-me"})
+    (warning,) = config_warnings(config)
+    assert warning.startswith("gateway.toml: admin.token_env: a token is shorter than 16")
+    assert "server.admin_listen is loopback-only" in warning
+    assert config_warnings(load_config(path, {"SINKGATE_ADMIN_TOKEN": LONG})) == []
