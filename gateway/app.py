@@ -87,6 +87,13 @@ def write_front(app: web.Application) -> Front:
     return front
 
 
+# The 404 of `/` on the main listener: where the writes and the API's description are.
+ROOT_HINT = (
+    "nothing is served at /: writes go to /to/{destination}/{path}, and the API is"
+    " described at /openapi.json"
+)
+
+
 @web.middleware
 async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Route `/to/...` on the raw target, before the router normalises dot segments
@@ -99,6 +106,8 @@ async def dispatch_writes(request: web.Request, handler: Handler) -> web.StreamR
     try:
         return await handler(request)
     except web.HTTPException as exc:
+        if isinstance(exc, web.HTTPNotFound) and request.path == "/":
+            return problem_response(Rejection(Reason.NOT_FOUND, ROOT_HINT))
         refusal = router_refusal(request, exc)
         if refusal is None:
             raise

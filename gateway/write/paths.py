@@ -69,6 +69,12 @@ def _without_dot_segments(path: str) -> str:
     return "/" + "/".join(kept)
 
 
+def has_nul(path: str) -> bool:
+    """True if `path` carries an encoded NUL byte, which has no use in a path and
+    cuts it short for an upstream written in C."""
+    return "%00" in path
+
+
 def path_escapes(path: str) -> bool:
     """True if `path` would climb above the base path or name another host."""
     return names_another_host(path) or climbs_above_base(path)

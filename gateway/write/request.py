@@ -6,6 +6,7 @@ here touches the store or the upstream.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from gateway.config.model import DestinationConfig
 from gateway.errors import Rejection
 from gateway.http.problem import invalid_request
 from gateway.policy.decision import WriteFacts, fingerprint
+from gateway.write.paths import has_nul
 from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
 from leases.model import IDENT, MAX_GENERATION, VISIBLE
 from leases.reasons import Reason
@@ -81,7 +83,7 @@ def checked_destination(
     if destination is None:
         raise Rejection(
             Reason.UNKNOWN_DESTINATION,
-            f"no destination named {target.destination!r}",
+            f"no destination named {target.destination!r}{_did_you_mean(target, destinations)}",
             destination=target.destination,
         )
     if request.method not in destination.methods:
@@ -97,7 +99,22 @@ def checked_destination(
             "the path climbs above the upstream's base path or names another host",
             destination=destination.name,
         )
+    if has_nul(target.path):
+        raise Rejection(
+            Reason.INVALID_PATH,
+            "the path has an encoded NUL byte (%00)",
+            destination=destination.name,
+        )
     return destination
+
+
+def _did_you_mean(target: Target, destinations: Mapping[str, DestinationConfig]) -> str:
+    """` (did you mean 'example'?)` for a name close to a configured one, as the
+    config errors hint at a misspelt key; "" when none is close."""
+    if len(target.destination) > 256:
+        return ""  # nobody misspells that much; and the comparison grows with it
+    close = difflib.get_close_matches(target.destination, destinations, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def write_facts(

@@ -44,6 +44,7 @@ from gateway.write.request import (
 )
 from gateway.write.upstream import (
     ForwardFailed,
+    SendFailure,
     UpstreamAnswer,
     Upstreams,
     forward_headers,
@@ -54,6 +55,12 @@ from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
+
+# What a worker whose keyed write timed out is told to expect (SPEC 2 step 8, SPEC 4).
+UNKNOWN_UNTIL_RESOLVED = (
+    "; the upstream may have acted on it, so the key's outcome is now unknown: a retry"
+    " gets 409 outcome_unknown until an operator settles it (admin resolve)"
+)
 
 
 class WriteGateway:
@@ -358,7 +365,14 @@ class WriteGateway:
             )
         except ForwardFailed as failure:
             result = NotAnswered(failure.failure.maybe_sent)
-            rejection = Rejection(str(failure.failure), failure.detail, **_write_members(facts))
+            detail = failure.detail
+            if (
+                failure.failure is SendFailure.TIMEOUT
+                and facts.key
+                and not facts.upstream_idempotent
+            ):
+                detail += UNKNOWN_UNTIL_RESOLVED
+            rejection = Rejection(str(failure.failure), detail, **_write_members(facts))
         outcome = policy_outcome(result, destination)
         upstream_s = time.perf_counter() - sent_at
         metrics = self.metrics

@@ -91,6 +91,37 @@ async def test_unknown_destination_is_404(gw: Gateway, upstream: RecordingUpstre
     assert upstream.received == []
 
 
+async def test_a_misspelt_destination_gets_a_did_you_mean(gw: Gateway) -> None:
+    doc = assert_rejected(await gw.write("/to/smal/x"), 404, "unknown_destination")
+    assert doc["detail"] == "no destination named 'smal' (did you mean 'small'?)"
+    doc = assert_rejected(await gw.write("/to/zzzzzz/x"), 404, "unknown_destination")
+    assert doc["detail"] == "no destination named 'zzzzzz'"
+
+
+async def test_an_encoded_nul_anywhere_in_the_path_is_refused_unforwarded(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """`..%00` is no dot segment, so the climbing check lets it through: without the
+    NUL rule (has_nul returning False, checked by hand) this goes out as /api/..%00/admin."""
+    await gw.claim("job-1")
+    for path in ("/to/pay/..%00/admin", "/to/pay/a%00", "/to/pay/%00/x"):
+        doc = assert_rejected(await gw.write(path), 400, "invalid_path")
+        assert "NUL" in doc["detail"]
+    assert upstream.received == []
+    status, _, _ = await gw.write("/to/pay/a%01")  # other escapes still go on
+    assert status == 201
+    assert [r.raw_path for r in upstream.received] == ["/api/a%01"]
+
+
+async def test_the_root_of_the_write_listener_points_at_the_write_route(gw: Gateway) -> None:
+    async with gw.session.get(gw.url + "/") as resp:
+        assert resp.status == 404
+        assert resp.content_type == "application/problem+json"
+        doc = await resp.json(content_type=None)
+    assert doc["reason"] == "not_found"
+    assert "/to/{destination}/{path}" in doc["detail"] and "/openapi.json" in doc["detail"]
+
+
 async def test_method_outside_the_destinations_methods_is_405(gw: Gateway) -> None:
     await gw.claim("job-1")
     refused = await gw.write("/to/small/x", method="DELETE", body=b"")
@@ -630,7 +661,9 @@ async def test_upstream_idempotent_destination_forwards_an_unknown_key_again(
 
 async def test_read_timeout_is_504_and_unknown(gw: Gateway, upstream: RecordingUpstream) -> None:
     await gw.claim("job-1")
-    assert_rejected(await gw.write("/to/quick/slow/1"), 504, "upstream_timeout")
+    doc = assert_rejected(await gw.write("/to/quick/slow/1"), 504, "upstream_timeout")
+    assert doc["detail"].startswith("no answer within the timeout; ")
+    assert "outcome is now unknown" in doc["detail"] and "admin resolve" in doc["detail"]
     assert_rejected(await gw.write("/to/quick/slow/1"), 409, "outcome_unknown")
     assert len(upstream.received) == 1
 
