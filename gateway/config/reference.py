@@ -85,8 +85,8 @@ def _default(key: keys.Key) -> str:
     kind = getattr(key.read, "__qualname__", "").split(".")[0]
     if value is None:
         return "unset"
-    if key.name == "upstream_headers":
-        return "none (a table)"
+    if value == ():  # a table of names (upstream_headers, operators): none set
+        return "none"
     if kind == "duration":
         return f'`"{format_duration(value)}"`'
     if kind == "size":
