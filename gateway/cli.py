@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     check = commands.add_parser("check-config", help="validate the config and print a summary")
     _add_config(check)
+    check.add_argument(
+        "--connect",
+        action="store_true",
+        help="also open the store and a connection to each destination's upstream",
+    )
     commands.add_parser("demo", help="run the worked example of a stale and a duplicate write")
     init = commands.add_parser("init", help="write a commented config to start from")
     init.add_argument(
@@ -239,7 +244,10 @@ def _run_gateway(
         return 0
     except LeaseError as exc:
         # The store could not be opened (unreachable, refused, unusable file).
-        _error(f"store {redact_url(config.store_url)}: {exc}")
+        from gateway.store.probe import missing_database_in
+
+        why = missing_database_in(config.store_url, exc) or exc
+        _error(f"store {redact_url(config.store_url)}: {why}")
         return 1
     except (GatewayError, OSError) as exc:
         # Other start-up failures (address in use, a refusal by the app): one
@@ -277,7 +285,40 @@ def _check_config(args: argparse.Namespace) -> int:
     for warning in config_warnings(config):
         _error(f"warning: {warning}")
     print(summary(config))
-    return 0
+    if not args.connect:
+        return 0
+    failed = asyncio.run(_connect(config))
+    return 1 if failed else 0
+
+
+async def _connect(config: Config) -> int:
+    """`check-config --connect`: the store and each upstream, one line each (on
+    stdout when it works, on stderr saying what to check when not); how many
+    failed."""
+    from gateway.store.probe import ProbeFailed, store_status
+    from gateway.write.probe import UpstreamUnreachable, upstream_status
+
+    failed = 0
+    store = _store_shown(config.store_url)
+    try:
+        print(f"connect       store {store}: {await store_status(config.store_url)}")
+    except ProbeFailed as exc:
+        _error(f"store {store}: {exc}")
+        failed += 1
+    width = max((len(name) for name in config.destinations), default=0)
+    results = await asyncio.gather(
+        *(upstream_status(dest) for dest in config.destinations.values()),
+        return_exceptions=True,
+    )
+    for (name, dest), result in sorted(zip(config.destinations.items(), results, strict=True)):
+        if isinstance(result, UpstreamUnreachable):
+            _error(f"destination {name}: upstream {dest.upstream}: {result}")
+            failed += 1
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            print(f"  {name:<{width}}  {dest.upstream}: {result}")
+    return failed
 
 
 def config_warnings(config: Config) -> list[str]:

@@ -1,0 +1,148 @@
+"""`check-config --connect`'s look at the store (SPEC 6): can it be opened, and is
+its schema current, older (serve upgrades it) or missing (serve creates it)?
+Read-only: nothing is created or changed. Also the one line `serve` prints for
+a PostgreSQL database that does not exist, naming it and how to create it.
+
+The driver is imported when a URL names it, as `open_store` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from gateway.errors import GatewayError
+from gateway.store.sqlite_schema import GATEWAY_SCHEMA_VERSION
+
+CONNECT_TIMEOUT_S = 5.0
+_VERSION_SQL = "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+_INVALID_CATALOG = "3D000"  # SQLSTATE: the database does not exist
+_UNDEFINED_TABLE = "42P01"
+_AUTH_FAILED = ("28000", "28P01")
+
+
+class ProbeFailed(GatewayError):
+    """The store cannot be used as configured; the message says what to check."""
+
+
+async def store_status(url: str) -> str:
+    """How the store is, in words (`schema current (v4)`); `ProbeFailed` when it
+    cannot be opened."""
+    if url.startswith("sqlite:///"):
+        return await asyncio.to_thread(_sqlite_status, url[len("sqlite:///") :])
+    return await _postgres_status(url)
+
+
+def schema_words(version: int | None) -> str:
+    """`missing`, `older`, `current` or (ProbeFailed) newer than this release."""
+    if version is None:
+        return "schema missing: serve creates it"
+    if version < GATEWAY_SCHEMA_VERSION:
+        return f"schema older (v{version}): serve upgrades it to v{GATEWAY_SCHEMA_VERSION}"
+    if version == GATEWAY_SCHEMA_VERSION:
+        return f"schema current (v{version})"
+    raise ProbeFailed(
+        f"its schema is v{version}, newer than this release's v{GATEWAY_SCHEMA_VERSION}: "
+        "run the release that wrote it, or a newer one"
+    )
+
+
+def _sqlite_status(path: str) -> str:
+    if path == ":memory:":
+        return "in memory: nothing to check"
+    file = Path(path)
+    if not file.exists():
+        parent = file.parent
+        if not parent.is_dir():
+            raise ProbeFailed(f"its directory {parent} does not exist: create it")
+        if not os.access(parent, os.W_OK):
+            raise ProbeFailed(f"its directory {parent} is not writable by this user")
+        return "file missing: serve creates it with the schema"
+    try:
+        conn = sqlite3.connect(f"file:{file}?mode=ro", uri=True, timeout=CONNECT_TIMEOUT_S)
+        try:
+            row = conn.execute(_VERSION_SQL).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return schema_words(None)
+        raise ProbeFailed(f"cannot be read: {exc}") from exc
+    except sqlite3.DatabaseError as exc:
+        raise ProbeFailed(f"is not a SQLite database: {exc}") from exc
+    return schema_words(None if row is None else int(row[0]))
+
+
+async def _postgres_status(url: str) -> str:
+    import asyncpg  # type: ignore[import-untyped]
+
+    try:
+        conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise ProbeFailed(postgres_trouble(url, exc)) from exc
+    try:
+        version = await conn.fetchval(_VERSION_SQL)
+    except asyncpg.PostgresError as exc:
+        if getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE:
+            return schema_words(None)
+        raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
+    finally:
+        await conn.close()
+    return schema_words(None if version is None else int(version))
+
+
+def postgres_trouble(url: str, exc: BaseException) -> str:
+    """What an error opening a PostgreSQL store means, and what to do about it."""
+    where = _server(url)
+    sqlstate = _sqlstate(exc)
+    if sqlstate == _INVALID_CATALOG:
+        return missing_database(url)
+    if sqlstate in _AUTH_FAILED:
+        return f"{where} refused the user: check the URL's user and password, and pg_hba.conf"
+    if isinstance(exc, TimeoutError):
+        return f"no answer from {where} within {CONNECT_TIMEOUT_S:g} s: check the host and port"
+    if isinstance(exc, OSError):
+        return f"cannot connect to {where} ({exc.strerror or exc}): is PostgreSQL running there?"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def missing_database(url: str) -> str:
+    """The line for a database that does not exist: which, and how to create it."""
+    parts = urlsplit(url)
+    name = unquote(parts.path.lstrip("/")) or unquote(parts.username or "") or "postgres"
+    user = f" -U {unquote(parts.username)}" if parts.username else ""
+    host = f" -h {parts.hostname}" if parts.hostname else ""
+    port = f" -p {parts.port}" if parts.port else ""
+    return (
+        f'database "{name}" does not exist on {_server(url)}: create it with '
+        f"`createdb{host}{port}{user} {name}` (or CREATE DATABASE {name}), then start again"
+    )
+
+
+def missing_database_in(url: str, exc: BaseException) -> str | None:
+    """`missing_database(url)` when `exc` (or what caused it) says the database
+    does not exist; else None."""
+    return missing_database(url) if _sqlstate(exc) == _INVALID_CATALOG else None
+
+
+def _sqlstate(exc: BaseException | None) -> str | None:
+    seen = 0
+    while exc is not None and seen < 10:  # the driver's error may be a cause or context
+        state = getattr(exc, "sqlstate", None)
+        if state:
+            return str(state)
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _server(url: str) -> str:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 5432
+    except ValueError:
+        port = 5432
+    return f"{parts.hostname or 'localhost'}:{port}"

@@ -1,0 +1,73 @@
+"""`check-config --connect`'s look at each destination's upstream (SPEC 6): a TCP
+connection, and a TLS handshake where the upstream is `https://`, with the
+destination's CA bundle and client certificate, as its forwards would make.
+Nothing is sent: the connection is closed once it is made."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+from urllib.parse import urlsplit
+
+from gateway.config.model import DestinationConfig
+from gateway.config.tls import destination_context
+from gateway.errors import GatewayError
+
+
+class UpstreamUnreachable(GatewayError):
+    """No connection to the upstream; the message says what to check."""
+
+
+async def upstream_status(dest: DestinationConfig) -> str:
+    """`connected (TCP)` or `connected (TLS, certificate verified)`; raises
+    `UpstreamUnreachable` saying what failed and what to check."""
+    parts = urlsplit(dest.upstream)
+    host = parts.hostname or ""
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    context = destination_context(dest) if tls else None
+    if tls and context is None:
+        context = ssl.create_default_context()
+    try:
+        async with asyncio.timeout(dest.connect_timeout):
+            _, writer = await asyncio.open_connection(
+                host, port, ssl=context, server_hostname=host if tls else None
+            )
+    except ssl.SSLCertVerificationError as exc:
+        raise UpstreamUnreachable(
+            f"TLS: its certificate was not accepted ({exc.verify_message}): check ca_file "
+            "(the CA the upstream's certificate chains to) and the host name"
+        ) from exc
+    except ssl.SSLError as exc:
+        raise UpstreamUnreachable(
+            f"TLS handshake failed ({exc.reason or exc}): does it speak HTTPS on port {port}? "
+            "A client certificate it wants goes in client_cert and client_key"
+        ) from exc
+    except TimeoutError as exc:
+        raise UpstreamUnreachable(
+            f"no connection to {host}:{port} within connect_timeout: check the host, the port "
+            "and any firewall"
+        ) from exc
+    except socket.gaierror as exc:
+        raise UpstreamUnreachable(f"cannot resolve {host}: {exc.strerror}") from exc
+    except OSError as exc:
+        raise UpstreamUnreachable(
+            f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "
+            "running, and is the port right?"
+        ) from exc
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (OSError, ssl.SSLError):
+        pass  # closing is all that is left
+    if not tls:
+        return "connected (TCP)"
+    verified = "certificate verified" if dest.tls_verify else "certificate NOT verified"
+    return f"connected (TLS, {verified})"
+
+
+def _why(exc: OSError) -> str:
+    """`Connection refused`, not asyncio's `Connect call failed (...)`."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)

@@ -1,0 +1,134 @@
+"""`sinkgate check-config --connect` (SPEC 6): the store's schema (current, older,
+missing) and a connection to each upstream, one line each; a failure exits 1
+saying what to check. And `serve` on a PostgreSQL database that does not exist."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway import cli
+from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
+from tests.e2e.test_init import sinkgate
+from tests.pg import PG_ADMIN_URL, database_url, fresh_database, pg_skip_reason, skip_or_fail
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port something listens on (the kernel accepts; nothing is read)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        yield server.getsockname()[1]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config(tmp_path: Path, store: str, **upstreams: str) -> Path:
+    (tmp_path / "destinations").mkdir(exist_ok=True)
+    for name, url in upstreams.items():
+        (tmp_path / "destinations" / f"{name}.toml").write_text(f'upstream = "{url}"\n')
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[store]\nurl = "{store}"\n')
+    return path
+
+
+async def check(path: Path, capfd: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = await asyncio.to_thread(cli.main, ["check-config", "--config", str(path), "--connect"])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+async def test_a_reachable_upstream_and_a_missing_sqlite_file(tmp_path, listening, capfd):
+    path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{listening}/api")
+    code, out, err = await check(path, capfd)
+    assert code == 0, err
+    assert "connect       store SQLite file" in out and "file missing: serve creates it" in out
+    assert f"  pay  http://127.0.0.1:{listening}/api: connected (TCP)" in out
+
+
+async def test_schema_current_and_older(tmp_path, listening, capfd):
+    path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{listening}/")
+    await (await SQLiteStore.open(f"sqlite:///{tmp_path / 'data.db'}")).close()
+    code, out, _ = await check(path, capfd)
+    assert code == 0 and f"schema current (v{GATEWAY_SCHEMA_VERSION})" in out
+    with sqlite3.connect(tmp_path / "data.db") as conn:
+        conn.execute("UPDATE sinkgate_schema SET version = 2 WHERE component = 'gateway'")
+    code, out, _ = await check(path, capfd)
+    assert code == 0 and "schema older (v2): serve upgrades it" in out
+
+
+async def test_an_unreachable_upstream_exits_1_naming_it(tmp_path, capfd):
+    port = closed_port()
+    path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{port}/")
+    code, _, err = await check(path, capfd)
+    assert code == 1
+    assert f"destination pay: upstream http://127.0.0.1:{port}: cannot connect to " in err
+    assert "(Connection refused)" in err
+    assert "is the upstream running, and is the port right?" in err
+
+
+async def test_an_untrusted_tls_upstream_says_to_check_ca_file(tmp_path, listening, capfd):
+    """A TCP listener that never answers the handshake is not TLS: it times out or
+    fails; a refused certificate is tested by the upstream TLS tests. Here: an
+    https:// upstream on a port speaking nothing reports a failure, not a crash."""
+    path = config(tmp_path, "sqlite:///data.db", pay=f"https://127.0.0.1:{listening}/")
+    (tmp_path / "destinations" / "pay.toml").write_text(
+        f'upstream = "https://127.0.0.1:{listening}/"\nconnect_timeout = "250ms"\ntimeout = "1s"\n'
+    )
+    code, _, err = await check(path, capfd)
+    assert code == 1 and "destination pay: upstream https://" in err
+    assert "within connect_timeout" in err
+
+
+async def test_postgres_schema_missing_then_current(tmp_path, listening, capfd):
+    async with fresh_database() as url:
+        path = config(tmp_path, url, pay=f"http://127.0.0.1:{listening}/")
+        code, out, err = await check(path, capfd)
+        assert code == 0, err
+        assert "schema missing: serve creates it" in out
+        from gateway.store.postgres import PostgresStore
+
+        await (await PostgresStore.open(url)).close()
+        code, out, _ = await check(path, capfd)
+        assert code == 0 and f"schema current (v{GATEWAY_SCHEMA_VERSION})" in out
+
+
+async def missing_database_url() -> str:
+    reason = await pg_skip_reason()
+    if reason is not None:
+        skip_or_fail(reason)
+    return database_url("sinkgate_no_such_database")
+
+
+async def test_a_missing_postgres_database_is_named_with_how_to_create_it(tmp_path, capfd):
+    url = await missing_database_url()
+    path = config(tmp_path, url)
+    code, _, err = await check(path, capfd)
+    assert code == 1
+    assert 'database "sinkgate_no_such_database" does not exist on 127.0.0.1:5432' in err
+    assert "createdb -h 127.0.0.1 -p 5432 -U postgres sinkgate_no_such_database" in err
+
+
+async def test_serve_on_a_missing_postgres_database_says_which_and_how(tmp_path, capfd):
+    url = await missing_database_url()
+    path = config(tmp_path, url)
+    result = await asyncio.to_thread(sinkgate, tmp_path, "serve", "--config", str(path))
+    err = result.stderr
+    assert result.returncode == 1
+    (line,) = [line for line in err.splitlines() if line.startswith("sinkgate: store")]
+    assert 'database "sinkgate_no_such_database" does not exist' in line
+    assert "createdb" in line and "InvalidCatalogNameError" not in line
+
+
+def test_the_admin_url_of_the_pg_tests_is_what_these_expect() -> None:
+    assert PG_ADMIN_URL.startswith("postgresql://postgres@127.0.0.1:5432/")
