@@ -4,6 +4,7 @@ without, side by side (issue 32's first target).
 
     python3 -m bench.waiting                    # 5 rounds, SQLite
     python3 -m bench.waiting --rounds 10 --store postgres
+    python3 -m bench.waiting --waiters 1000     # the second target (below)
 
 One upstream (`bench/upstream.py --latency-ms 200`) and one gateway (`sinkgate
 serve`, destination `bench`, lease fencing). Each round claims a fresh job and,
@@ -14,12 +15,19 @@ write through `FencedWriter` and, 10 ms later, its duplicate through a second
 `max_retry_wait`). Figures per mode: the duplicate's answer time minus the
 original's (median and max over the rounds), the requests the duplicate sent
 to the gateway, and whether it was a replay.
+
+`--waiters N` measures the second target instead: N duplicates, each on its own
+connection with `Prefer: wait=30`, held on one key whose original the upstream
+answers in `--hold-s` (6) seconds. Figures: the gateway's CPU (share of one
+core) over one second once all are held, and each duplicate's answer time
+minus the original's (p50, p99, max).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import statistics
 import sys
 import tempfile
@@ -93,6 +101,75 @@ async def measure(base: str, rounds: int) -> dict[str, list[dict[str, Any]]]:
     return results
 
 
+async def _all_held(session: aiohttp.ClientSession, metrics_url: str, waiters: int) -> None:
+    """Until the gateway says `waiters` writes are held (its /metrics)."""
+    while True:
+        async with session.get(metrics_url) as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            if line.startswith("sinkgate_waiting_writes ") and float(line.split()[1]) >= waiters:
+                return
+        await asyncio.sleep(0.1)
+
+
+async def many(base: str, admin: str, waiters: int, hold_s: float, gateway_pid: int) -> str:
+    """N duplicates held on one slow key: CPU while held, then how soon they are answered."""
+    leases = await HTTPLeaseStore.open(base)
+    try:
+        lease = await leases.claim("job-many", owner="bench", ttl=120)
+    finally:
+        await leases.close()
+    headers = {
+        "Content-Type": "application/json",
+        "Fencing-Job": lease.job_id,
+        "Fencing-Token": str(lease.generation),
+        "Idempotency-Key": "many-1",
+    }
+    url = f"{base}/to/bench/items"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def post(extra: dict[str, str]) -> tuple[float, int, bool]:
+            async with session.post(url, data=b"{}", headers={**headers, **extra}) as resp:
+                await resp.read()
+                replayed = resp.headers.get("Idempotent-Replayed") == "true"
+                return time.monotonic(), resp.status, replayed
+
+        original = asyncio.create_task(post({}))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        held = [asyncio.create_task(post({"Prefer": "wait=30"})) for _ in range(waiters)]
+        await _all_held(session, f"{admin}/metrics", waiters)
+        held_after = time.monotonic() - started
+        cpu_before, at = bench.cpu_seconds(gateway_pid), time.monotonic()
+        await asyncio.sleep(1.0)
+        cpu_share = (bench.cpu_seconds(gateway_pid) - cpu_before) / (time.monotonic() - at)
+        original_at, status, _ = await original
+        answers = await asyncio.gather(*held)
+    after = sorted((answered - original_at) * 1000 for answered, _, _ in answers)
+    replays = sum(1 for _, code, replayed in answers if replayed and code == status)
+    return (
+        f"{waiters} held on one key (all held {held_after:.1f} s after the first was sent): "
+        f"gateway CPU while held {cpu_share:.1%} of a core; "
+        f"answered after the original: p50 {statistics.median(after):.1f} ms, "
+        f"p99 {after[int(len(after) * 0.99) - 1]:.1f} ms, max {after[-1]:.1f} ms; "
+        f"replays {replays}/{waiters}"
+    )
+
+
+def _wait_listening(base: str, within: float = 30.0) -> None:
+    """Until `base` accepts connections (the slow upstream's answers are no signal)."""
+    host, port = base.rsplit("/", 1)[1].split(":")
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{base} did not listen within {within} s")
+
+
 def summary(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [f"{'mode':8} {'dup - original p50':>20} {'max':>10} {'requests':>9} {'replayed':>9}"]
     for mode, rows in results.items():
@@ -110,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite")
     parser.add_argument("--upstream-latency-ms", type=float, default=200.0)
+    parser.add_argument("--waiters", type=int, default=0)
+    parser.add_argument("--hold-s", type=float, default=6.0)
     args = parser.parse_args(argv)
+    if args.waiters:
+        args.upstream_latency_ms = args.hold_s * 1000
     procs = bench.Processes()
     with tempfile.TemporaryDirectory(prefix="sinkgate-waiting-") as tmp_dir:
         tmp = Path(tmp_dir)
@@ -124,24 +205,31 @@ def main(argv: list[str] | None = None) -> int:
                 ],
                 tmp / "upstream.log",
             )
-            bench.wait_ready(up)
+            _wait_listening(up.base)
             store_url = f"sqlite:///{tmp / 'data' / 'sinkgate.db'}"
             if args.store == "postgres":
                 db = f"sinkgate_waiting_{int(time.time())}"
                 asyncio.run(bench._pg(bench.PG_ADMIN_URL, f"CREATE DATABASE {db}"))
                 store_url = bench.pg_db_url(bench.PG_ADMIN_URL, db)
-            port = bench.free_port()
+            port, admin_port = bench.free_port(), bench.free_port()
             root = tmp / "gateway"
-            config = bench.write_gateway_config(root, port, bench.free_port(), store_url, up.base)
+            config = bench.write_gateway_config(root, port, admin_port, store_url, up.base)
             gateway = bench.Target("gateway", f"http://127.0.0.1:{port}", logfile=tmp / "gw.log")
             gateway.proc = procs.start(bench.gateway_command(config), tmp / "gw.log")
             bench.wait_ready(gateway, "/healthz")
-            results = asyncio.run(measure(gateway.base, args.rounds))
+            if args.waiters:
+                assert gateway.proc is not None
+                admin = f"http://127.0.0.1:{admin_port}"
+                text = asyncio.run(
+                    many(gateway.base, admin, args.waiters, args.hold_s, gateway.proc.pid)
+                )
+            else:
+                text = summary(asyncio.run(measure(gateway.base, args.rounds)))
         finally:
             procs.stop_all()
             if args.store == "postgres":
                 asyncio.run(bench._pg(bench.PG_ADMIN_URL, f"DROP DATABASE IF EXISTS {db}"))
-    print(summary(results))
+    print(text)
     return 0
 
 

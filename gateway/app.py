@@ -232,6 +232,7 @@ async def _stop(runner: GatewayRunner, grace: float) -> None:
         return
     if writes.forwards:
         log.info("draining_forwards", count=len(writes.forwards), grace_s=grace)
+    writes.waiters.stop()  # held writes get their 409 now, not at the end of their wait
     timer = asyncio.get_running_loop().call_later(grace, _abandon, writes)
     try:
         await runner.cleanup()

@@ -94,6 +94,7 @@ class Waiters:
         self._keys: dict[tuple[str, str], set[_Waiter]] = {}
         self._jobs: dict[str, set[_Waiter]] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def settled(self, destination: str, key: str | None, job_id: str) -> None:
         """An attempt of `job_id` (on `key`, if keyed) settled: its outcome was
@@ -114,7 +115,7 @@ class Waiters:
             verdict = await decide()
             if not waitable(verdict):
                 return Waited(verdict)
-            if self.count >= self.limit:
+            if self.count >= self.limit or self._stopping:
                 return Waited(verdict, applied=False)
             self._enter()
             try:
@@ -142,7 +143,7 @@ class Waiters:
             if waiter.gone():
                 return verdict, "disconnected"
             now = time.monotonic()
-            if now >= until and now < blocker_ends:
+            if (now >= until and now < blocker_ends) or self._stopping:
                 remaining = retry_after(blocker_ends - now)
                 return _with_retry_after(verdict, decision, remaining), "timed_out"
             self._unwatch(waiter)
@@ -235,6 +236,13 @@ class Waiters:
         state = await self._store.job_state(job_id)
         on_wire = [] if state is None else [a["generation"] for a in state.in_flight]
         _wake(w for w in waiters if not any(g < w.facts.generation for g in on_wire))
+
+    def stop(self) -> None:
+        """The gateway is stopping: every held write gets its refusal now (its
+        worker retries elsewhere), and no write waits any more."""
+        self._stopping = True
+        for waiters in (*self._keys.values(), *self._jobs.values()):
+            _wake(waiters)
 
     async def close(self) -> None:
         """Stop the ticker (the waiters themselves end with their handlers)."""

@@ -181,3 +181,19 @@ async def test_a_poll_of_the_keys_row_wakes_it_when_nothing_else_tells() -> None
     store.record = None  # settled by another process
     done = await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert [w.result for w in done] == ["replayed", "replayed"]
+
+
+async def test_a_stopping_gateway_answers_held_writes_at_once() -> None:
+    """Shutdown does not wait out anyone's wait: the 409, with a fresh Retry-After,
+    and the next write is not held at all."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    decide, given = decisions(IN_PROGRESS)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone))
+    await held(waiters)
+    waiters.stop()
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.result == "timed_out" and len(given) == 1
+    assert waited.verdict.decision.reason == Reason.REQUEST_IN_PROGRESS
+    assert 1 <= waited.verdict.decision.retry_after <= 60
+    late = await waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone)
+    assert not late.applied
