@@ -1,0 +1,28 @@
+// Enqueue an order for the BullMQ example's worker and print what its run returned.
+//
+//   node examples/bullmq/producer.mjs 1001 1999 [--twice]
+//
+// `--twice` enqueues the same order as two jobs: the second run finds the job
+// completed and returns { sinkgate: "job_completed", ... } instead of charging again.
+
+import { Queue, QueueEvents } from "bullmq";
+import { connection, QUEUE } from "./worker.mjs";
+
+const [orderId, amount] = process.argv.slice(2, 4).map(Number);
+if (!Number.isInteger(orderId) || !Number.isInteger(amount)) {
+  console.error("usage: node producer.mjs ORDER_ID AMOUNT [--twice]");
+  process.exit(2);
+}
+const times = process.argv.includes("--twice") ? 2 : 1;
+const queue = new Queue(QUEUE, { connection });
+const events = new QueueEvents(QUEUE, { connection });
+try {
+  await events.waitUntilReady();
+  for (let i = 0; i < times; i++) {
+    const job = await queue.add("ship-order", { orderId, amount });
+    console.log(`order ${orderId}, BullMQ job ${job.id}:`, await job.waitUntilFinished(events, 60_000));
+  }
+} finally {
+  await events.close();
+  await queue.close();
+}

@@ -1,0 +1,39 @@
+// The BullMQ example's worker: an order is charged and its receipt booked,
+// each at most once, under a lease per BullMQ job.
+//
+//   sinkgate serve --config examples/gateway.toml      # the gateway
+//   python3 -m examples.ledger                          # the destination, on :9100
+//   node examples/bullmq/worker.mjs                     # this worker (run two of them)
+//   node examples/bullmq/producer.mjs 1001 1999         # send one order
+//
+// BullMQ runs a job again when it believes its worker stalled; the lease lets
+// one run write at a time, and the step keys make a second run's writes
+// replays of the first's.
+
+import { Worker } from "bullmq";
+import { fencedProcessor } from "@sinkgate/leases/bullmq";
+
+export const QUEUE = "sinkgate-orders";
+export const connection = { host: process.env.EXAMPLE_REDIS_HOST ?? "127.0.0.1", port: 6379 };
+const GATEWAY = process.env.EXAMPLE_GATEWAY ?? "http://127.0.0.1:8480";
+
+const shipOrder = fencedProcessor(
+  GATEWAY,
+  async (job, writer) => {
+    const { orderId, amount } = job.data;
+    const charge = await writer.post("ledger", "/entries", { json: { order: orderId, charge: amount }, step: "charge" });
+    const receipt = await writer.post("ledger", "/entries", { json: { order: orderId, receipt: true }, step: "receipt" });
+    return { charge: charge.status, receipt: receipt.status, replayed: charge.replayed };
+  },
+  { ttl: 10, jobId: (job) => `order-${job.data.orderId}` },
+);
+
+if (import.meta.url === `file://${process.argv[1]}`) {
+  const worker = new Worker(QUEUE, shipOrder, { connection });
+  worker.on("completed", (job, result) => console.log(`job ${job.id} (order ${job.data.orderId}):`, result));
+  worker.on("failed", (job, error) => console.log(`job ${job?.id} failed: ${error.message}`));
+  console.log(`worker on queue ${QUEUE}, writing through ${GATEWAY}`);
+  for (const signal of ["SIGINT", "SIGTERM"]) {
+    process.on(signal, () => void worker.close().then(() => process.exit(0)));
+  }
+}
