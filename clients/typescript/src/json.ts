@@ -15,9 +15,13 @@ const SHORT_ESCAPES: Readonly<Record<string, string>> = {
   "\t": "\\t",
 };
 
+const NEEDS_ESCAPE = /[^\x20\x21\x23-\x5b\x5d-\x7e]/;
+const SURROGATE = /[\ud800-\udfff]/;
+
 /** A string as `json.dumps` (ensure_ascii) quotes it: everything outside
  * 0x20-0x7E escaped, non-BMP characters as their two UTF-16 surrogates. */
 export function pyString(text: string): string {
+  if (!NEEDS_ESCAPE.test(text)) return `"${text}"`;
   let out = '"';
   let plain = 0;
   for (let i = 0; i < text.length; i++) {
@@ -56,7 +60,9 @@ export function pyFloat(value: number): string {
 }
 
 function byCodePoint(a: string, b: string): number {
-  // Python sorts str keys by code point; JS's default compares UTF-16 units.
+  // Python sorts str keys by code point; JS compares UTF-16 units, which
+  // orders the same unless a surrogate meets a unit above it (U+E000-U+FFFF).
+  if (!(SURROGATE.test(a) || SURROGATE.test(b))) return a < b ? -1 : a > b ? 1 : 0;
   const x = Array.from(a, (c) => c.codePointAt(0) ?? 0);
   const y = Array.from(b, (c) => c.codePointAt(0) ?? 0);
   for (let i = 0; i < Math.min(x.length, y.length); i++) {
