@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import aiohttp
 import pytest
 import schemathesis
 from aiohttp import web
@@ -41,6 +42,7 @@ from tests.harness import (
     recording_upstream,
     running_gateway,
 )
+from tests.served import served
 
 ADMIN_TOKEN = "admin-secret-for-tests"
 MAX_EXAMPLES = 40
@@ -48,11 +50,11 @@ MAX_EXAMPLES = 40
 # The document as the live gateway serves it: its `servers` (the top-level one and
 # the admin paths' own) send each call to the right listener, with no base URL
 # given here (a tool pointed at /openapi.json needs nothing else).
-served = schemathesis.pytest.from_fixture("served_schema")
+served_document = schemathesis.pytest.from_fixture("served_schema")
 # The write route forwards to an upstream whose answers are, by design, not in
 # this document; it is covered by the hardening and end-to-end tests.
 # POST /admin/reload re-reads the files of a running `serve` (tests/e2e/test_reload.py).
-fuzzed = served.exclude(path_regex="^/to/").exclude(path="/admin/reload")
+fuzzed = served_document.exclude(path_regex="^/to/").exclude(path="/admin/reload")
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,20 @@ def test_the_gateway_serves_the_document_naming_its_own_listeners(live: Live) ->
     assert document["servers"][0]["url"] == live.main
     assert document["paths"]["/admin/rejections"]["servers"][0]["url"] == live.admin
     assert "8480" not in live.main and "8481" not in json.dumps(document)
+
+
+async def test_a_wildcard_listener_is_named_as_the_caller_reached_it(tmp_path: Path) -> None:
+    """`listen = "0.0.0.0:..."` is no address a tool can call: the served document
+    names the local address the request came in on, and the admin listener as bound
+    (its port 0 resolved)."""
+    config = replace(make_config(tmp_path), listen=("0.0.0.0", 0))
+    async with served(config) as info, aiohttp.ClientSession() as session:
+        port = info["listen"].rsplit(":", 1)[1]
+        async with session.get(f"http://127.0.0.1:{port}/openapi.json") as resp:
+            document = await resp.json()
+    assert document["servers"][0]["url"] == f"http://127.0.0.1:{port}"
+    admin = document["paths"]["/admin/rejections"]["servers"][0]["url"]
+    assert admin == f"http://{info['admin_listen']}" and not admin.endswith(":0")
 
 
 @fuzzed.parametrize()
