@@ -10,10 +10,11 @@ batch, and one batch is one short READ COMMITTED transaction on a pooled
 connection: BEGIN, the advisory locks of all its jobs and keys in one statement,
 all its state in one statement, the decisions in Python in arrival order, all
 their changes in one statement, COMMIT (durable); see `postgres_batch`. The
-outcomes recorded meanwhile go together in one statement, in a transaction of
-their own (`postgres_outcomes`). Both ask for custom plans first
-(`CUSTOM_PLANS`): a generic plan costed while the tables were small is kept
-per connection and went on hashing the whole key table as it grew. Each
+outcomes recorded meanwhile go together in one call of a server-side function,
+its own transaction, one round trip (`postgres_outcomes`). Both plan their
+statements for custom plans (`CUSTOM_PLANS`): a generic plan costed while the
+tables were small is kept per connection and went on hashing the whole key
+table as it grew. Each
 caller gets its own answer once its batch has committed. A batch that fails
 other than by the store being unreachable is run again one operation at a time,
 so an operation's failure is its own alone.
@@ -59,7 +60,6 @@ from gateway.store.batching import GroupCommit
 from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
 from gateway.store.postgres_notify import listen_settlements
 from gateway.store.postgres_outcomes import (
-    CUSTOM_PLANS_SQL,
     Recorded,
     ReservationDeadlines,
     record_outcomes,
@@ -287,8 +287,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         offset = self._offset()
         self._check_open()
         with driver_errors("PostgreSQL gateway write failed"):
-            async with transaction(self._pool, self._wait) as conn:
-                await conn.execute(CUSTOM_PLANS_SQL)
+            async with connection(self._pool, self._wait) as conn:  # one call, its own tx
                 return list(await record_outcomes(conn, batch, offset))
 
     async def _isolating(

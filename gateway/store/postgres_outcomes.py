@@ -1,9 +1,10 @@
-"""The outcomes of a batch of attempts on PostgreSQL, in one statement.
+"""The outcomes of a batch of attempts on PostgreSQL, in one round trip.
 
 The outcomes recorded while the previous batch is on its way go together in one
-statement, durable (see `DURABLE_FROM`), in a transaction of its own that first
-asks for custom plans (`CUSTOM_PLANS`): BEGIN, the setting, the statement,
-COMMIT, whatever the batch's size.
+statement inside a server-side function (`OUTCOMES_FUNCTION`), called on its own:
+the call is its transaction, durable (`DURABLE`) and planned for its arrays
+(`CUSTOM_PLANS`), one round trip whatever the batch's size (it was four: BEGIN,
+the setting, the statement, COMMIT).
 
 No advisory lock is needed: the statement first locks the rows it will change,
 `FOR UPDATE`, in (destination, key) order, the order in which a decision batch
@@ -25,16 +26,6 @@ from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
 from gateway.policy.records import Outcome
 from leases.postgres import DURABLE, STORE_NOW, Conn
 
-# Durability from within the statement: `set_config(..., is_local => true)`
-# lasts until the end of the transaction the statement is in, and
-# `synchronous_commit` is consulted only at its COMMIT, so evaluating this once,
-# anywhere in the statement, makes that commit wait for the WAL flush exactly as
-# `require_durable_commit` does (raised to `on` only when the server or role has
-# it `off`; stronger settings kept; no session state). The sub-select must be
-# read by the statement (`FROM (...) durable`): a plain SELECT CTE that nothing
-# references is never evaluated.
-DURABLE_FROM = f"FROM (SELECT {DURABLE}) durable"
-
 # Custom plans for the rest of the transaction. The batch statements join arrays
 # to the tables; a generic plan, made once per connection and kept, is costed on
 # the statistics of that moment. Made while the tables were small (a new
@@ -45,7 +36,6 @@ DURABLE_FROM = f"FROM (SELECT {DURABLE}) durable"
 # session state); it must be set before the statements it is for are planned,
 # i.e. by an earlier statement of the transaction.
 CUSTOM_PLANS = "set_config('plan_cache_mode', 'force_custom_plan', true)"
-CUSTOM_PLANS_SQL = f"SELECT {CUSTOM_PLANS}"
 
 
 class ReservationDeadlines:
@@ -85,8 +75,9 @@ class Recorded:
     outcome: Outcome
 
 
+# The statement recording a batch of outcomes, inside `OUTCOMES_FUNCTION`.
 # $1-$8 the keyed outcomes' columns, $9 the keyless attempts, $10 clock offset.
-# Returns the attempts whose key row was touched.
+# Yields the attempts whose key row was touched.
 _OUTCOMES_SQL = f"""
 WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$10")} AS now),
 held AS MATERIALIZED (
@@ -120,9 +111,31 @@ held AS MATERIALIZED (
     DELETE FROM attempts WHERE attempt = ANY($9::text[])
 )
 SELECT ARRAY(SELECT attempt FROM completed UNION ALL SELECT attempt FROM released
-    UNION ALL SELECT attempt FROM unknown)
-{DURABLE_FROM}
+    UNION ALL SELECT attempt FROM unknown) INTO touched
 """
+
+# One round trip per batch of outcomes: the statement in a server-side function,
+# called outside any explicit transaction (the call is its own transaction, and
+# COMMIT is part of it). The function's `SET plan_cache_mode` gives its statement a
+# custom plan every time (see `CUSTOM_PLANS`), and `DURABLE` raised inside it lasts
+# to that COMMIT (a SET clause restores only the variable it names). Created and
+# replaced by the schema migration (`postgres_schema`); the version in its name is
+# the call's, so replicas of two releases each call their own.
+OUTCOMES_FUNCTION = "sinkgate_record_outcomes_v1"
+OUTCOMES_FUNCTION_DDL = f"""
+CREATE OR REPLACE FUNCTION {OUTCOMES_FUNCTION}(text[], text[], text[], text[], int4[],
+    text[], bytea[], bool[], text[], float8)
+RETURNS text[] LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $fn$
+DECLARE
+    touched text[];
+BEGIN
+    PERFORM {DURABLE};
+    {_OUTCOMES_SQL.strip()};
+    RETURN touched;
+END
+$fn$;
+"""
+_CALL_SQL = f"SELECT {OUTCOMES_FUNCTION}({', '.join(f'${n}' for n in range(1, 11))})"
 
 _KINDS = ("completed", "released", "unknown")
 
@@ -136,7 +149,7 @@ async def record_outcomes(conn: Conn, batch: Sequence[Recorded], offset: float) 
             raise AssertionError(r.outcome.kind)
     touched = set(
         await conn.fetchval(
-            _OUTCOMES_SQL,
+            _CALL_SQL,
             [r.facts.destination for r in keyed],
             [r.facts.key for r in keyed],
             [r.attempt for r in keyed],

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from gateway.store import postgres_admin
 from gateway.store.postgres_notify import NOTIFY_DDL
+from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION_DDL
 from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 
 # v2: the audit log and the summary's index (postgres_admin).
 # v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
 # through `idempotency_in_flight`); the attempts table holds keyless writes only.
 # v4: the audit log names the operator of each action (`operator`).
-GATEWAY_SCHEMA_VERSION = 4
+# v5: a batch of outcomes is one call of a server-side function
+# (`postgres_outcomes.OUTCOMES_FUNCTION`), created and replaced here.
+GATEWAY_SCHEMA_VERSION = 5
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -94,5 +97,6 @@ async def init_schema(conn: Conn) -> None:
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
         await conn.execute(GATEWAY_DDL)
         await conn.execute(NOTIFY_DDL)
+        await conn.execute(OUTCOMES_FUNCTION_DDL)
         await postgres_admin.migrate(conn)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.policy.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
 from gateway.policy.records import Outcome, RejectionRecord
-from gateway.store import postgres_admin, sqlite_admin
+from gateway.store import postgres_admin, postgres_schema, sqlite_admin
 from gateway.store.admin_records import (
     AuditQuery,
     KeyQuery,
@@ -437,4 +437,4 @@ async def test_a_version_1_postgres_database_is_migrated() -> None:
             index = await conn.fetchval("SELECT to_regclass('rejections_window')::text")
         finally:
             await conn.close()
-        assert (version, index) == (GATEWAY_SCHEMA_VERSION, "rejections_window")
+        assert (version, index) == (postgres_schema.GATEWAY_SCHEMA_VERSION, "rejections_window")

@@ -21,9 +21,10 @@ from gateway.policy.decision import Forward, WriteFacts
 from gateway.policy.plan import WritePlan, plan_write
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
-from gateway.store import postgres_batch
+from gateway.store import postgres_batch, postgres_outcomes
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_batch import Log
+from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.records import RejectionQuery
 from leases.errors import StoreUnavailable
 from leases.postgres import DURABLE
@@ -278,9 +279,9 @@ async def test_outcomes_recorded_together_share_one_statement(store: PostgresSto
 
 # --- plans --------------------------------------------------------------------------------
 
-# What the batch statements look like in `pg_prepared_statements` (asyncpg prepares
-# and caches each one per connection).
-_BATCH_STATEMENTS = {"state": "k AS MATERIALIZED", "outcomes": "held AS MATERIALIZED"}
+# What the decision batch's state read looks like in `pg_prepared_statements`
+# (asyncpg prepares and caches each statement per connection).
+_BATCH_STATEMENTS = {"state": "k AS MATERIALIZED"}
 
 
 async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[str, list[int]]:
@@ -305,27 +306,58 @@ async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[
 async def test_batch_statements_are_planned_for_their_arrays_every_time(url: str) -> None:
     """A generic plan is made once per connection on the statistics of the moment and
     kept: made while the tables were small, it hashed the whole key table on every
-    batch once they had grown. The batch transactions ask for custom plans."""
+    batch once they had grown. The decision batch's transaction asks for custom
+    plans; the outcomes' function is declared with them (its statement's plans are
+    kept inside the function, out of `pg_prepared_statements`' sight)."""
     store = await PostgresStore.open(url, max_size=1)
     try:
         plans = await _plans_of_batch_statements(store, rounds=12)
+        async with store._pool.acquire() as conn:
+            config = await conn.fetchval(
+                "SELECT proconfig FROM pg_proc WHERE proname = $1", OUTCOMES_FUNCTION
+            )
     finally:
         await store.close()
-    assert plans == {"state": [0, 12], "outcomes": [0, 12]}
+    assert plans == {"state": [0, 12]}
+    assert config == ["plan_cache_mode=force_custom_plan"]
 
 
-async def test_without_custom_plans_the_server_settles_on_a_generic_plan(
-    url: str, monkeypatch: pytest.MonkeyPatch
+async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behind(
+    url: str,
 ) -> None:
-    """The protection switched off: after its first few executions the server keeps
-    a generic plan for a batch statement (the outcomes', here; whether the state
-    read's goes generic too depends on its costs), which the test above rules out."""
-    monkeypatch.setattr(postgres_store, "CUSTOM_PLANS_SQL", "SELECT 1")
-    lock_sql = postgres_batch._LOCK_SQL.replace(postgres_batch.CUSTOM_PLANS, "1")
-    monkeypatch.setattr(postgres_batch, "_LOCK_SQL", lock_sql)
-    store = await PostgresStore.open(url, max_size=1)
+    """Called with `synchronous_commit` off for the session, the outcomes' function
+    raises it for the transaction it is called in (its COMMIT waits for the WAL
+    flush); its own custom-plan setting ends with the call."""
+    store = await PostgresStore.open(url)
+    await store.close()
+    conn = await asyncpg.connect(url, server_settings={"synchronous_commit": "off"})
     try:
-        plans = await _plans_of_batch_statements(store, rounds=12)
+        async with conn.transaction():
+            await conn.fetchval(postgres_outcomes._CALL_SQL, *([[]] * 9), 0.0)
+            assert await conn.fetchval("SHOW synchronous_commit") == "on"
+            assert await conn.fetchval("SHOW plan_cache_mode") == "auto"
+        assert await conn.fetchval("SHOW synchronous_commit") == "off"
     finally:
-        await store.close()
-    assert any(generic > 0 for generic, _ in plans.values()), plans
+        await conn.close()
+
+
+async def test_without_custom_plans_the_server_settles_on_a_generic_plan(url: str) -> None:
+    """The protection switched off: the outcomes' statement prepared as a plain
+    statement, without the function's `plan_cache_mode`, is planned generic after
+    its first few executions (the state read stays custom by its costs here)."""
+    store = await PostgresStore.open(url, max_size=1)
+    await store.close()
+    plain = postgres_outcomes._OUTCOMES_SQL.replace(" INTO touched", "")
+    conn = await asyncpg.connect(url)
+    try:
+        statement = await conn.prepare(plain)
+        for n in range(12):
+            await statement.fetchval(
+                ["pay"], [f"k{n}"], ["a"], ["completed"], [201], ["[]"], [b""], [False], [], 0.0
+            )
+        generic = await conn.fetchval(
+            "SELECT generic_plans FROM pg_prepared_statements WHERE statement = $1", plain
+        )
+    finally:
+        await conn.close()
+    assert generic > 0

@@ -1,6 +1,8 @@
 """Older gateway schemas upgraded on both backends: from v1, the key's row gains
 `barrier_until` and an attempt a v1 gateway left in flight still bars newer
-generations; from v3, the audit log gains `operator` and keeps every row."""
+generations; from v3, the audit log gains `operator` and keeps every row. On
+PostgreSQL, a v4 database in use (keys completed and in flight) gains v5's outcomes
+function, through which the attempts a v4 gateway left in flight record theirs."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from pathlib import Path
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.policy.decision import Forward, Reject
+from gateway.policy.decision import Forward, KeyState, Reject, Replay
+from gateway.store import postgres_schema
 from gateway.store.admin_records import AuditQuery
 from gateway.store.postgres import PostgresStore
+from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
-from tests.conformance.test_store_conformance import CONTEXT, write
+from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
 from tests.pg import fresh_database
 
 # What a v1 gateway stored for a keyed write still on the wire: the key in flight
@@ -92,7 +96,7 @@ async def test_postgres_v1_database_is_upgraded() -> None:
             )
         finally:
             await conn.close()
-        assert version == GATEWAY_SCHEMA_VERSION
+        assert version == postgres_schema.GATEWAY_SCHEMA_VERSION
 
 
 # A v3 audit log: no `operator` column, and rows written before there was one.
@@ -147,3 +151,46 @@ async def test_postgres_v3_audit_log_keeps_its_rows() -> None:
             await _check_audit_kept(store)
         finally:
             await store.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
+    async with fresh_database() as url:
+        store = await PostgresStore.open(url)
+        try:
+            done = write(key="done")
+            verdict = await store.decide_write(done, CONTEXT)
+            assert verdict.attempt is not None
+            assert await store.record_outcome(done, verdict.attempt, COMPLETED)
+            keyed = await store.decide_write(write(job_id="job-2", key="open"), CONTEXT)
+            keyless = await store.decide_write(write(job_id="job-3", key=None), CONTEXT)
+        finally:
+            await store.close()
+        conn = await asyncpg.connect(url)
+        try:  # the database as the v4 release leaves it: no function, version 4
+            await conn.execute(f"DROP FUNCTION {OUTCOMES_FUNCTION}")
+            await conn.execute("UPDATE sinkgate_schema SET version = 4 WHERE component = 'gateway'")
+        finally:
+            await conn.close()
+        store = await PostgresStore.open(url)
+        try:
+            assert isinstance((await store.decide_write(done, CONTEXT)).decision, Replay)
+            for facts, left in (
+                (write(job_id="job-2", key="open"), keyed),
+                (write(job_id="job-3", key=None), keyless),
+            ):
+                assert left.attempt is not None
+                assert await store.record_outcome(facts, left.attempt, COMPLETED)
+            record = await store.key_record("pay", "open")
+            assert record is not None and record.state is KeyState.COMPLETED
+            assert (await store.job_state("job-3")).in_flight == ()  # type: ignore[union-attr]
+        finally:
+            await store.close()
+        conn = await asyncpg.connect(url)
+        try:
+            version = await conn.fetchval(
+                "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+            )
+        finally:
+            await conn.close()
+        assert version == postgres_schema.GATEWAY_SCHEMA_VERSION == 5
