@@ -340,7 +340,8 @@ SERVER = Section(
     "server",
     Key("listen", parsed(parse_listen), ("127.0.0.1", 8480), "writes, the lease API, /healthz"),
     Key("admin_listen", parsed(parse_listen), ("127.0.0.1", 8481), "/admin and /metrics"),
-    Key("max_in_flight", integer(1), 4096, "writes in flight at once, all destinations"),
+    Key("max_in_flight", integer(1), 4096, "writes on the wire at once, all destinations"),
+    Key("max_deciding", integer(1), 4096, "writes waiting for their store decision at once"),
     Key("max_body_buffer", size(), 64 * MiB, "request bodies still arriving, all writes"),
     Key("shutdown_grace", duration(allow_zero=True), 30.0, "time in-flight writes get on stop"),
     Key(
@@ -447,7 +448,7 @@ DESTINATION = Section(
         field="worker_tokens",
     ),
     Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
-    Key("max_in_flight", integer(1), 256, "writes in flight at once to this destination"),
+    Key("max_in_flight", integer(1), 256, "writes on the wire at once to this destination"),
     Key("max_wait", duration(allow_zero=True), 30.0, 'longest Prefer: wait honoured; "0s": never'),
     Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),
     Key("client_cert", pem_file, None, "PEM certificate for mutual TLS to the upstream"),

@@ -156,6 +156,7 @@ class Config:
         default_factory=lambda: MappingProxyType({})
     )
     max_in_flight: int = _SERVER["max_in_flight"]
+    max_deciding: int = _SERVER["max_deciding"]
     max_body_buffer: int = _SERVER["max_body_buffer"]
     shutdown_grace: float = _SERVER["shutdown_grace"]
     # None: open lease API

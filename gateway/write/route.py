@@ -23,7 +23,7 @@ from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
-from gateway.policy.outcome import Answered, NotAnswered
+from gateway.policy.outcome import RELEASED, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import WriteStore
@@ -79,8 +79,11 @@ class WriteGateway:
         self.upstreams = upstreams
         self.metrics = metrics
         self.waiters = waiters or Waiters(limit=config.max_waiting, metrics=metrics)
+        # Writes on the wire to each destination, and to all; writes waiting for
+        # their decision (neither counts the other).
         self.in_flight: dict[str, int] = {}
         self.in_flight_total = 0
+        self.deciding = 0
         # Shared between workers, the gauge is counted in their files: `_admit` and
         # `_release` move it. Otherwise it reads `in_flight` when scraped.
         self._shared_gauge = metrics.shared_directory is not None
@@ -221,28 +224,44 @@ class WriteGateway:
     ) -> Written:
         """Decide (step 6), then answer the refusal or replay, or forward (7-8)."""
         facts = checked.facts
-        self._admit(destination)
+        if self._full(destination):  # refused before anything is reserved
+            raise _overloaded(destination, "too many writes in flight")
+        decided = await self._deciding(request, destination, checked)
+        verdict = decided.verdict
+        decision = verdict.decision
+        if isinstance(decision, Reject):
+            self.metrics.child(self.metrics.rejections, decision.reason).inc()
+            rejection = _reject(decision, facts, verdict.rejection_id)
+            return Written(
+                problem_response(rejection),
+                "rejected",
+                decision.reason,
+                verdict.rejection_id,
+                decided=decided,
+            )
+        if isinstance(decision, Replay):
+            self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
+            return Written(_replay(decision), "replayed", Reason.DUPLICATE, decided=decided)
+        assert isinstance(decision, Forward) and verdict.attempt is not None
+        await self._admit(destination, facts, verdict.attempt)
         try:
-            decided = await self._decide_or_wait(request, destination, checked)
-            verdict = decided.verdict
-            decision = verdict.decision
-            if isinstance(decision, Reject):
-                self.metrics.child(self.metrics.rejections, decision.reason).inc()
-                rejection = _reject(decision, facts, verdict.rejection_id)
-                return Written(
-                    problem_response(rejection),
-                    "rejected",
-                    decision.reason,
-                    verdict.rejection_id,
-                    decided=decided,
-                )
-            if isinstance(decision, Replay):
-                self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
-                return Written(_replay(decision), "replayed", Reason.DUPLICATE, decided=decided)
-            assert isinstance(decision, Forward) and verdict.attempt is not None
             return await self._forward_shielded(request, destination, checked, decided)
         finally:
             self._release(destination)
+
+    async def _deciding(
+        self, request: web.Request, destination: DestinationConfig, checked: Checked
+    ) -> Decided:
+        """Step 6, counted among the writes waiting for their decision (at most
+        `[server] max_deciding`): they are not on the wire, so they take no place of
+        `max_in_flight`, but their queue is bounded all the same."""
+        if self.deciding >= self.config.max_deciding:
+            raise _overloaded(destination, "too many writes waiting for their decision")
+        self.deciding += 1
+        try:
+            return await self._decide_or_wait(request, destination, checked)
+        finally:
+            self.deciding -= 1
 
     async def _decide(self, facts: WriteFacts, context: WriteContext) -> Decided:
         """Step 6 in the store, timed; an unreachable store is a rejection."""
@@ -310,13 +329,13 @@ class WriteGateway:
             last.append(await self._decide(facts, context))
             return last[-1].verdict
 
-        self._release(destination)  # a held write is not in flight: it holds no place
+        self.deciding -= 1  # a held write is bounded by max_waiting, not max_deciding
         try:
             waited = await self.waiters.decide(
                 facts, cap, decide, lambda: request.transport is None
             )
         finally:
-            self._admit(destination, check=False)  # admitted once, on arrival
+            self.deciding += 1
         return Decided(
             waited.verdict,
             last[-1].store_ms,
@@ -325,15 +344,22 @@ class WriteGateway:
             waited_ms=None if waited.result is None else round(waited.seconds * 1000, 3),
         )
 
-    def _admit(self, destination: DestinationConfig, *, check: bool = True) -> None:
-        name = destination.name
-        if check and (
-            self.in_flight[name] >= destination.max_in_flight
+    def _full(self, destination: DestinationConfig) -> bool:
+        """Whether `max_in_flight` writes are on the wire already (to `destination`,
+        or to all destinations)."""
+        return (
+            self.in_flight[destination.name] >= destination.max_in_flight
             or self.in_flight_total >= self.config.max_in_flight
-        ):
-            raise Rejection(
-                Reason.OVERLOADED, "too many writes in flight", retry_after=1, destination=name
-            )
+        )
+
+    async def _admit(self, destination: DestinationConfig, facts: WriteFacts, attempt: str) -> None:
+        """Count a reserved write as on the wire; if the wire filled up while it was
+        decided, release its reservation (it was never sent) and refuse it."""
+        if self._full(destination):
+            await self._record_outcome(facts, attempt, RELEASED)
+            self.waiters.settled(facts.destination, facts.key, facts.job_id)
+            raise _overloaded(destination, "too many writes in flight")
+        name = destination.name
         self.in_flight[name] += 1
         self.in_flight_total += 1
         if self._shared_gauge:
@@ -453,6 +479,10 @@ def _preference_applied(
     cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
         answer.headers["Preference-Applied"] = f"wait={cap}"
+
+
+def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:
+    return Rejection(Reason.OVERLOADED, detail, retry_after=1, destination=destination.name)
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:

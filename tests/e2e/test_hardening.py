@@ -17,6 +17,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -687,6 +688,51 @@ async def test_past_max_in_flight_writes_get_503_overloaded_not_a_queue(
     upstream.release.set()
     assert [(await t)[0] for t in slow] == [201, 201]
     assert (await gw.write("/to/narrow/x", key="third"))[0] == 201
+
+
+async def test_writes_waiting_for_their_decision_take_no_place_on_the_wire(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """A burst on one key used to count as in flight while it waited for the store,
+    so the destination's other writers got 503 overloaded (300 writes of one key:
+    44 of them). Now `max_in_flight` (2 here) counts only writes on the wire: the
+    burst is decided (one forward, the rest in progress or replayed) and the other
+    writer goes through. Checked by hand: counting from before the decision, as
+    before, gives most of this burst and the other writer 503."""
+    await gw.claim("job-1")
+    burst = [gw.write("/to/narrow/x", key="same") for _ in range(60)]
+    results = await asyncio.gather(*burst, gw.write("/to/narrow/y", key="other"))
+    statuses = [status for status, _, _ in results]
+    assert 503 not in statuses
+    assert statuses[-1] == 201  # the other writer
+    refused = {headers.get("Sinkgate-Rejected") for status, headers, _ in results if status != 201}
+    assert refused <= {"request_in_progress"}
+    assert sorted(r.headers["Idempotency-Key"] for r in upstream.received) == ["other", "same"]
+
+
+async def test_past_max_deciding_writes_get_503_overloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writes waiting for their decision are bounded too (`[server] max_deciding`)."""
+    async with _recording_upstream() as up:
+        config = make_config(tmp_path, destination("pay", up.url + "/api"))
+        async with running_gateway(replace(config, max_deciding=1)) as gw:
+            await gw.claim("job-1")
+            writes = gw.app[WRITES]
+            decide, gate = writes.store.decide_write, asyncio.Event()
+
+            async def held(*args: Any) -> Any:
+                await gate.wait()
+                return await decide(*args)
+
+            monkeypatch.setattr(writes.store, "decide_write", held)
+            first = asyncio.create_task(gw.write("/to/pay/x", key="k1"))
+            await eventually(lambda: writes.deciding == 1, what="the first write deciding")
+            status, headers, _ = await gw.write("/to/pay/x", key="k2")
+            assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
+            gate.set()
+            assert (await first)[0] == 201
+            assert writes.deciding == 0
 
 
 # --- the security review's claims -------------------------------------------------------------
