@@ -258,6 +258,7 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     "sinkgate keys resolve payments inv-45-charge --not-applied "
     '--note "no charge for inv-45 at the PSP"': ("tests/e2e/test_keys_cli.py", '"--not-applied"'),
     "CI=true python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
+    "npm --prefix clients/typescript ci": (".ci/run", "npm --prefix clients/typescript ci"),
 }
 # Shown but run by no test, and why; a new command must go here or above.
 NOT_RUN: dict[str, str] = {
@@ -274,6 +275,9 @@ NOT_RUN: dict[str, str] = {
     "python3 -m examples.celery.destination": "the queue example test runs its own ledger",
     "python3 -m examples.arq.destination": "the queue example test runs its own ledger",
     "python3 -m tests.e2e.test_admin_browser docs": "needs chromium; writes docs/",
+    "cd your-worker && npm install /path/to/sinkgate/clients/typescript": (
+        "installs into the reader's own project; the TypeScript tests use the package in place"
+    ),
     "export SINKGATE_ADMIN_URL=http://127.0.0.1:8481 SINKGATE_ADMIN_TOKEN=...": "sets variables",
     "sinkgate chaos --jobs 3800 --workers 24 --duration 320 --gateways 3 --store-faults 0.2 "
     "--wire-faults 0.2 --seed 102 --store postgresql://postgres@127.0.0.1:5432/postgres": (
