@@ -28,6 +28,17 @@ MAX_GENERATION = 2**63 - 1
 # owners; IDENT adds the 1-256 length of job ids and owners (SPEC 2 step 5).
 VISIBLE = re.compile(r"[\x21-\x7e]+")
 IDENT = re.compile(r"[\x21-\x7e]{1,256}")
+# A Fencing-Token: a decimal generation, no sign or leading zero, at most 19
+# digits; `generation_of` also holds it to MAX_GENERATION (SPEC 2 step 5).
+TOKEN = re.compile(r"[1-9][0-9]{0,18}")
+
+
+def generation_of(token: str) -> int | None:
+    """The generation a Fencing-Token names, if it is a valid one; else None."""
+    if not TOKEN.fullmatch(token):
+        return None
+    generation = int(token)
+    return generation if generation <= MAX_GENERATION else None
 
 
 class State(StrEnum):

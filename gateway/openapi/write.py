@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openapi.parts import IDENT, STRING, path_param, problem
-from leases.model import LOST_REASONS
+from leases.model import LOST_REASONS, TOKEN
 from leases.reasons import Reason
 
 _DESCRIPTION = (
@@ -127,7 +127,7 @@ def _fencing_header_params() -> list[dict[str, Any]]:
         _header(
             "Fencing-Token",
             True,
-            {"type": "string", "pattern": "^[1-9][0-9]{0,18}$"},
+            {"type": "string", "pattern": f"^{TOKEN.pattern}$"},
             "The lease generation: `[1-9][0-9]*`, at most 2^63-1.",
         ),
         _header("Fencing-Owner", False, IDENT),

@@ -22,10 +22,9 @@ from gateway.http.problem import invalid_request
 from gateway.policy.decision import WriteFacts, fingerprint
 from gateway.write.paths import has_nul
 from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
-from leases.model import IDENT, MAX_GENERATION, VISIBLE
+from leases.model import IDENT, VISIBLE, generation_of
 from leases.reasons import Reason
 
-_TOKEN = re.compile(r"[1-9][0-9]{0,18}")
 _ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 
 
@@ -184,14 +183,6 @@ def _checked_key(key: str) -> str | None:
     return key if len(key) <= 255 and VISIBLE.fullmatch(key) else None
 
 
-def _checked_token(token: str) -> int | None:
-    """The generation a Fencing-Token names, if it is a valid one; else None."""
-    if not _TOKEN.fullmatch(token):
-        return None
-    generation = int(token)
-    return generation if generation <= MAX_GENERATION else None
-
-
 def _fencing(
     headers: CIMultiDictProxy[str], members: dict[str, Any]
 ) -> tuple[str, int, str | None]:
@@ -212,7 +203,7 @@ def _fencing(
             "Fencing-Job must be 1-256 visible ASCII characters",
             **members,
         )
-    generation = _checked_token(token)
+    generation = generation_of(token)
     if generation is None:
         raise Rejection(
             Reason.INVALID_FENCING_TOKEN,
@@ -257,7 +248,7 @@ def valid_fencing(
     owner = field_value(headers, "Fencing-Owner")
     return (
         job_id if IDENT.fullmatch(job_id) else None,
-        _checked_token(field_value(headers, "Fencing-Token")),
+        generation_of(field_value(headers, "Fencing-Token")),
         owner if IDENT.fullmatch(owner) else None,
         _checked_key(field_value(headers, "Idempotency-Key")),
     )

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..model import IDENT, MAX_GENERATION
+from ..model import IDENT, generation_of
 from ..reasons import Reason, status_of, title_of
 from .core import Fence, StaleToken
 from .database import FenceDatabase
@@ -24,7 +23,6 @@ from .database import FenceDatabase
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_TYPE_BASE = "urn:sinkgate:problem:"  # the gateway's own problem types
 REJECTED_HEADER = "Sinkgate-Rejected"
-_TOKEN = re.compile(r"[1-9][0-9]{0,18}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +85,13 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
         return refusal(
             Reason.INVALID_FENCING_TOKEN, "Fencing-Job must be 1-256 visible ASCII characters"
         )
-    if not _TOKEN.fullmatch(token) or int(token) > MAX_GENERATION:
+    generation = generation_of(token)
+    if generation is None:
         return refusal(
             Reason.INVALID_FENCING_TOKEN,
             "Fencing-Token must be a decimal integer from 1 to 2^63-1 without sign or leading zero",
         )
-    return job, int(token)
+    return job, generation
 
 
 class JobLocks:
