@@ -24,10 +24,14 @@ Heard = list[tuple[str, str | None, str]]
 
 
 async def _listening(url: str) -> set[int]:
-    """The backends of the sessions listening (their last statement a LISTEN)."""
+    """The backends of the sessions listening on this database (their last
+    statement a LISTEN; other tests' databases have theirs)."""
     conn = await asyncpg.connect(url)
     try:
-        rows = await conn.fetch("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+        rows = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %' "
+            "AND datname = current_database()"
+        )
         return {row["pid"] for row in rows}
     finally:
         await conn.close()
