@@ -5,6 +5,7 @@ without, side by side (issue 32's first target).
     python3 -m bench.waiting                    # 5 rounds, SQLite
     python3 -m bench.waiting --rounds 10 --store postgres
     python3 -m bench.waiting --waiters 1000     # the second target (below)
+    python3 -m bench.waiting --waiters 1000 --store postgres --workers 2   # two replicas
 
 One upstream (`bench/upstream.py --latency-ms 200`) and one gateway (`sinkgate
 serve`, destination `bench`, lease fencing). Each round claims a fresh job and,
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream-latency-ms", type=float, default=200.0)
     parser.add_argument("--waiters", type=int, default=0)
     parser.add_argument("--hold-s", type=float, default=6.0)
+    parser.add_argument("--workers", type=int, default=1, help="gateway processes (replicas)")
     args = parser.parse_args(argv)
     if args.waiters:
         args.upstream_latency_ms = args.hold_s * 1000
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             root = tmp / "gateway"
             config = bench.write_gateway_config(root, port, admin_port, store_url, up.base)
             gateway = bench.Target("gateway", f"http://127.0.0.1:{port}", logfile=tmp / "gw.log")
-            gateway.proc = procs.start(bench.gateway_command(config), tmp / "gw.log")
+            command = bench.gateway_command(config, args.workers)
+            gateway.proc = procs.start(command, tmp / "gw.log")
             bench.wait_ready(gateway, "/healthz")
             if args.waiters:
                 assert gateway.proc is not None
