@@ -89,7 +89,7 @@ def create_admin_app(
 
     keys = KeysApi(store, gauge)
     rejections, jobs, audit = RejectionsApi(store), JobsApi(store), AuditApi(store)
-    operator = OperatorPage(store, auth, resolve=keys.apply)
+    operator = OperatorPage(store, auth, resolve=keys.apply, metrics=metrics)
     page = Page(store, auth, glance=operator.glance)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)

@@ -21,6 +21,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from gateway.telemetry.refusals import Refusals
+
 # Children kept by `Metrics.child`; past this, label values are looked up each time.
 _MAX_CACHED_CHILDREN = 1000
 _WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -59,6 +61,8 @@ class Metrics:
         self._write_metrics(self.registry)
         self._upkeep_metrics(self.registry)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # Writes refused before their facts: rate-limited log lines, names asked for.
+        self.refusals = Refusals()
 
     def _write_metrics(self, r: CollectorRegistry) -> None:
         """The write path's: decisions, rejections, upstream outcomes and times."""

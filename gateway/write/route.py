@@ -170,6 +170,10 @@ class WriteGateway:
         # grow the metric series without bound.
         label = target.destination if target.destination in self.in_flight else "(unknown)"
         self.metrics.child(self.metrics.writes, label, written.decision).inc()
+        if facts is None and written.decision == "rejected":  # steps 1-4: nowhere else
+            self.metrics.refusals.note(
+                written.reason, target.destination, request.method, request.remote
+            )
         fields = line.fields()
         if traces.TRACER is not None:
             traces.annotate(fields)  # the span gets the fields, the line the trace ids

@@ -59,14 +59,17 @@ def form_fields(page: str, key: str) -> dict[str, str]:
 async def test_the_glance_presets_and_auto_refresh(browser):
     page = await (await browser.get("/admin/")).text()
     assert '<svg id="chart"' in page and "<script" not in page
-    assert re.search(r'id="total">3<', page) and re.search(r'id="unknown-count">2<', page)
+    # A replay (duplicate) is an answer from the store, not a rejection: apart.
+    assert re.search(r'id="total">2<', page) and re.search(r'id="replays">1<', page)
+    assert re.search(r'id="unknown-count">2<', page)
     assert "stale_generation <b>2</b>" in page
     for preset in ("15m", "1h", "24h", "7d"):
         assert f"since={preset}" in page
     assert 'http-equiv="refresh"' not in page
     refreshing = await (await browser.get("/admin/?since=5m&refresh=30")).text()
     assert '<meta http-equiv="refresh" content="30">' in refreshing
-    assert re.search(r'id="total">2<', refreshing)  # the last 5 minutes only
+    assert re.search(r'id="total">1<', refreshing)  # the last 5 minutes only
+    assert re.search(r'id="replays">1<', refreshing)
     assert "auto-refresh: on" in refreshing
 
 
@@ -152,3 +155,56 @@ async def test_the_key_view_spells_values_as_the_json_does(browser, store):
     text = await (await browser.get("/admin/keys/payments/done-1?format=html")).text()
     assert "[[&quot;ETag&quot;, &quot;\\&quot;e1\\&quot;&quot;]]" in text
     assert "<code>false</code>" in text and "False" not in text  # body_omitted
+
+
+# --- the job view, the chart, the tiles (issue 34) ------------------------------------------
+
+
+async def test_the_job_page_says_a_lease_past_its_time_is_expired(browser, store, fake_clock):
+    """Stored as `active`, read by the store's clock: the page said `active` with
+    `expires_in 0.0` a minute after the lease ended."""
+    await store.claim("job-9", owner="worker-a", ttl=30)
+    page = await (await browser.get("/admin/jobs/job-9?format=html")).text()
+    assert "<code>active</code>" in page
+    fake_clock.advance(90)
+    page = await (await browser.get("/admin/jobs/job-9?format=html")).text()
+    assert "<code>active</code>" not in page
+    assert re.search(r"<code>expired at \S+Z \(1m ago, by the store&#x27;s clock\)</code>", page)
+
+
+async def test_every_table_of_the_job_page_has_headers(browser):
+    page = await (await browser.get("/admin/jobs/job-1?format=html")).text()
+    table = page[page.index('<table id="job-rejections">') :]
+    assert table.index("<thead>") < table.index("<tbody>")
+    assert "<th>reason</th>" in table
+
+
+async def test_the_chart_zooms_to_fresh_data_with_ticks_and_a_title_per_bar(browser):
+    """Six minutes of data in a 24-hour window drew a one-pixel sliver: the chart
+    now draws where the data is, in buckets of seconds, not of 7 minutes."""
+    page = await (await browser.get("/admin/")).text()
+    chart = page[page.index('<svg id="chart"') : page.index("</svg>")]
+    width = int(re.search(r"per (\d+) (s|min)<", chart).group(1))
+    assert re.search(r"per \d+ s<", chart) and width < 60
+    titles = re.findall(r"<title>([^<]*)</title>", chart)
+    assert len(titles) == 3  # one per bar with data
+    assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)? to \d\d:\d\d(:\d\d)? \(\S+Z\): 1 — \w+ 1", t)
+               for t in titles)  # fmt: skip
+    assert len(re.findall(r'class="axis tick"', chart)) >= 2  # readable round times
+    assert "time: " in chart and "<script" not in page
+
+
+async def test_the_tile_of_refusals_before_the_fence_reads_the_metrics(store):
+    metrics = Metrics()
+    for _ in range(3):
+        metrics.rejections.labels("unknown_destination").inc()
+        metrics.refusals.note("unknown_destination", "exampel", "POST", "10.0.0.7")
+    metrics.rejections.labels("method_not_allowed").inc()
+    metrics.refusals.note("method_not_allowed", "payments", "GET", "10.0.0.7")
+    metrics.rejections.labels("stale_generation").inc()  # past the fence: in the log
+    app = create_admin_app(store, metrics, token=None, gauge_interval=None)
+    async with TestClient(TestServer(app)) as client:
+        page = await (await client.get("/admin/")).text()
+    assert re.search(r'id="early-count">4<', page)
+    assert "top: exampel (3), payments (1)" in page
+    assert 'title="method_not_allowed 1, unknown_destination 3"' in page

@@ -1106,3 +1106,19 @@ async def test_a_replay_keeps_the_content_type_whatever_replay_headers_lists(
             again = await gw.write("/to/pay/x", key="ct-1")
     assert first[1]["Content-Type"] == again[1]["Content-Type"] == "application/json"
     assert again[1]["Idempotent-Replayed"] == "true" and again[1]["X-Up"] == "1"
+
+
+async def test_a_refusal_before_the_fence_is_one_log_line_with_the_workers_address(
+    gw: Gateway,
+) -> None:
+    """A misspelt destination or a disallowed method reached no log but the
+    write's own line: it is said with the reason and the worker's address."""
+    with structlog.testing.capture_logs() as logs:
+        assert_rejected(await gw.write("/to/exampel/x"), 404, "unknown_destination")
+    (line,) = [entry for entry in logs if entry["event"] == "write_refused"]
+    assert (line["reason"], line["destination"], line["method"]) == (
+        "unknown_destination",
+        "exampel",
+        "POST",
+    )
+    assert line["remote"] == "127.0.0.1"

@@ -2,12 +2,16 @@
 
 Stacked bars, one per bucket of the summary, coloured by the reason's family
 (the same families as the reason labels of the listing); each bar carries a
-`<title>`, which browsers show as a tooltip without any script.
+`<title>` with its time and counts, which browsers show as a tooltip without any
+script. The time axis has ticks at round times (every 1 min .. 1 day, at most
+seven) in the gateway host's local time, its zone named; a page without script
+cannot know the browser's.
 """
 
 from __future__ import annotations
 
 import html
+import time
 
 from gateway.admin.query import rfc3339
 from gateway.store.admin_records import Summary
@@ -37,8 +41,6 @@ def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
         counts = summary.series.get(n, {})
         if counts:
             bars.extend(_bar(summary, n, counts, family_of, peak))
-    first = rfc3339(summary.since) or ""
-    last = rfc3339(summary.until) or ""
     axis = HEIGHT - BOTTOM
     return (
         f'<svg id="chart" class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
@@ -49,10 +51,48 @@ def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
         f'<text x="2" y="{TOP - 3}" class="axis">{peak} per {_width(summary.bucket_seconds)}'
         "</text>"
         + "".join(bars)
-        + f'<text x="2" y="{HEIGHT - 5}" class="axis">{html.escape(first[:16])}Z</text>'
-        f'<text x="{WIDTH - 2}" y="{HEIGHT - 5}" class="axis" text-anchor="end">'
-        f"{html.escape(last[:16])}Z</text></svg>"
+        + _ticks(summary.first_bucket, summary.first_bucket + count * summary.bucket_seconds)
+        + "</svg>"
     )
+
+
+# Tick spacings (seconds): the first that gives at most MAX_TICKS over the window.
+_TICK_STEPS = (60, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+MAX_TICKS = 7
+
+
+def _ticks(start: float, end: float) -> str:
+    """Tick marks and labels at round local times between `start` and `end`."""
+    span = max(end - start, 1.0)
+    step = next((s for s in _TICK_STEPS if span / s <= MAX_TICKS), 7 * 86400)
+    offset = time.localtime(start).tm_gmtoff  # round in local time, not UTC
+    first = ((start + offset) // step + 1) * step - offset
+    marks: list[str] = []
+    at = first
+    while at < end:
+        x = (at - start) / span * WIDTH
+        marks.append(
+            f'<line x1="{x:.1f}" y1="{HEIGHT - BOTTOM}" x2="{x:.1f}" y2="{HEIGHT - BOTTOM + 4}" '
+            'stroke="#8792a2"/>'
+            f'<text x="{x:.1f}" y="{HEIGHT - 5}" class="axis tick" text-anchor="middle">'
+            f"{html.escape(_label(at, step))}</text>"
+        )
+        at += step
+    zone = time.strftime("%Z", time.localtime(start))
+    marks.append(
+        f'<text x="{WIDTH - 2}" y="{TOP - 3}" class="axis" text-anchor="end">'
+        f"time: {html.escape(zone)}</text>"
+    )
+    return "".join(marks)
+
+
+def _label(at: float, step: int) -> str:
+    moment = time.localtime(at)
+    if step >= 86400:
+        return time.strftime("%a %d %b", moment)
+    if moment.tm_hour == 0 and moment.tm_min == 0:
+        return time.strftime("%d %b", moment)  # midnight: the new day's date
+    return time.strftime("%H:%M", moment)
 
 
 def _bar(
@@ -78,14 +118,22 @@ def _bar(
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(slot * 0.8, 0.6):.1f}" '
             f'height="{h:.1f}" fill="{colour}"/>'
         )
-    start = rfc3339(summary.first_bucket + n * summary.bucket_seconds) or ""
-    detail = ", ".join(f"{r} {c}" for r, c in sorted(counts.items()))
+    begins = summary.first_bucket + n * summary.bucket_seconds
+    detail = ", ".join(f"{r} {c}" for r, c in sorted(counts.items(), key=lambda rc: -rc[1]))
+    when = f"{_clock(begins)} to {_clock(begins + summary.bucket_seconds)}"
+    utc = (rfc3339(begins) or "")[:16]
     bars.append(
         f'<rect class="hit" x="{n * slot:.1f}" y="{TOP}" width="{slot:.1f}" '
-        f'height="{plot}" fill="transparent"><title>{html.escape(start[:16])}Z: '
-        f"{html.escape(detail)}</title></rect>"
+        f'height="{plot}" fill="transparent"><title>{html.escape(when)} '
+        f"({html.escape(utc)}Z): {sum(counts.values())} — {html.escape(detail)}</title></rect>"
     )
     return bars
+
+
+def _clock(at: float) -> str:
+    """A bar's edge in local time: `14:05` (`14:05:30` for buckets under a minute)."""
+    moment = time.localtime(at)
+    return time.strftime("%H:%M:%S" if moment.tm_sec else "%H:%M", moment)
 
 
 def _width(seconds: int) -> str:

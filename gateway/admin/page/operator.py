@@ -29,14 +29,16 @@ from gateway.admin.keys import RESOLVE_REQUEST_MAX, key_view, parse_key_query, p
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import _KIND as REASON_KIND
 from gateway.admin.page.listing import PRESETS, Safe, html_response
-from gateway.admin.query import parse_time
+from gateway.admin.query import parse_time, utc_time
 from gateway.admin.session import SESSION_COOKIE, operator_of
+from gateway.config.reader import format_duration
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from gateway.policy.decision import KeyRecord, KeyState
-from gateway.store.admin_records import Resolution, summary_fits
-from leases.model import IDENT
-from leases.reasons import Reason
+from gateway.store.admin_records import Resolution, Summary, summary_fits
+from gateway.telemetry.metrics import Metrics
+from leases.model import IDENT, LeaseRow, State
+from leases.reasons import REASONS, Family, Reason
 
 if TYPE_CHECKING:
     from gateway.admin.session import SessionAuth
@@ -56,10 +58,12 @@ class OperatorPage:
         auth: SessionAuth,
         *,
         resolve: Callable[[Resolution], Awaitable[KeyRecord]],
+        metrics: Metrics,
     ) -> None:
         self._store = store
         self._auth = auth
         self._resolve = resolve
+        self._metrics = metrics
         self._kinds = REASON_KIND
 
     def _respond(
@@ -81,7 +85,8 @@ class OperatorPage:
     # --- the glance ------------------------------------------------------------------------
 
     async def glance(self, since_text: str) -> str:
-        """Counts per reason, the queue size and the chart, over `since` (default 24 h)."""
+        """Over `since` (default 24 h): rejections and replays apart, the queue size,
+        the refusals before the fence, counts per reason and the chart."""
         now = self._store.clock()
         since = now - 86400.0
         if since_text:
@@ -93,31 +98,66 @@ class OperatorPage:
         if not summary_fits(since, now):  # near year 1: the listing shows the window
             since = now - 86400.0
         summary = await self._store.summary(since, now)
-        unknown = sum(s.get("unknown", 0) for s in summary.keys_by_state.values())
-        chips = "".join(
-            f'<a class="reason {self._kinds.get(r, "other")}" '
-            f'href="/admin/?{urlencode({"reason": r, "since": since_text or "24h"})}">'
-            f"{html.escape(r)} <b>{c}</b></a> "
-            for r, c in sorted(summary.by_reason.items(), key=lambda rc: -rc[1])
-        )
-        total = sum(summary.by_reason.values())
         window = since_text or "24h"
-        queue_class = "queue-size alert" if unknown else "queue-size"
         legend = "".join(
             f'<span class="swatch" style="background:{colour}"></span>{family} '
             for family, colour in FAMILY_COLOURS.items()
         )
         return (
-            '<section class="glance" id="glance">'
-            f'<div class="tiles"><div class="tile"><span class="big" id="total">{total}</span>'
+            '<section class="glance" id="glance"><div class="tiles">'
+            + self._tiles(summary, window)
+            + f'<div class="chips">{self._chips(summary, window)}</div></div>'
+            + rejections_chart(await self._zoomed(summary, now), self._kinds)
+            + f'<p class="legend">{legend}</p></section>'
+        )
+
+    def _tiles(self, summary: Summary, window: str) -> str:
+        replays = summary.by_reason.get(Reason.DUPLICATE, 0)
+        total = sum(summary.by_reason.values()) - replays
+        unknown = sum(s.get("unknown", 0) for s in summary.keys_by_state.values())
+        queue_class = "queue-size alert" if unknown else "queue-size"
+        replay_href = "/admin/?" + urlencode({"reason": Reason.DUPLICATE, "since": window})
+        early = before_the_fence(self._metrics)
+        names = ", ".join(f"{n} ({c})" for n, c in self._metrics.refusals.top(3))
+        return (
+            f'<div class="tile"><span class="big" id="total">{total}</span>'
             f"rejections in the last {html.escape(window)}</div>"
+            f'<div class="tile"><a href="{html.escape(replay_href)}">'
+            f'<span class="big" id="replays">{replays}</span></a>'
+            "replays (answered from the store)</div>"
             f'<div class="tile"><a class="{queue_class}" href="/admin/queue">'
             f'<span class="big" id="unknown-count">{unknown}</span></a>'
             "unknown outcomes waiting for an operator</div>"
-            f'<div class="chips">{chips or "<em>no rejections</em>"}</div></div>'
-            f"{rejections_chart(summary, self._kinds)}"
-            f'<p class="legend">{legend}</p></section>'
+            f'<div class="tile" id="early" title="{html.escape(_early_title(early))}">'
+            f'<span class="big" id="early-count">{sum(early.values())}</span>'
+            "refused before the fence since start (not in the log below)"
+            + (f'<br><small id="early-names">top: {html.escape(names)}</small>' if names else "")
+            + "</div>"
         )
+
+    def _chips(self, summary: Summary, window: str) -> str:
+        chips = "".join(
+            f'<a class="reason {self._kinds.get(r, "other")}" '
+            f'href="/admin/?{urlencode({"reason": r, "since": window})}">'
+            f"{html.escape(r)} <b>{c}</b></a> "
+            for r, c in sorted(summary.by_reason.items(), key=lambda rc: -rc[1])
+            if r != Reason.DUPLICATE
+        )
+        return chips or "<em>no rejections</em>"
+
+    async def _zoomed(self, summary: Summary, now: float) -> Summary:
+        """The summary the chart draws: where the data is, when it fills under a
+        quarter of the window (fresh data would be a sliver at the right edge)."""
+        filled = sorted(n for n, counts in summary.series.items() if counts)
+        if not filled:
+            return summary
+        start = summary.first_bucket + filled[0] * summary.bucket_seconds
+        if now - start >= (summary.until - summary.since) / 4:
+            return summary
+        # A margin of a tenth before the first bar, and at least a minute.
+        since = max(summary.since, start - max(60.0, (now - start) / 10))
+        zoomed: Summary = await self._store.summary(since, now)
+        return zoomed
 
     # --- the queue -------------------------------------------------------------------------
 
@@ -247,8 +287,11 @@ class OperatorPage:
         state = await self._store.job_state(job_id) if IDENT.fullmatch(job_id) else None
         if state is None:
             raise Rejection(Reason.NOT_FOUND, "no lease, fence, attempt or rejection for this job")
-        view = job_view(state, self._store.clock())
+        now = self._store.clock()
+        view = job_view(state, now)
         lease = view.pop("lease") or {}
+        if state.lease is not None:
+            lease["state"] = lease_state_now(state.lease, now)
         in_flight = view.pop("in_flight")
         recent = view.pop("recent_rejections")
         rows = "".join(
@@ -279,7 +322,9 @@ class OperatorPage:
             )
             + "<h3>Recent rejections</h3>"
             + (
-                f'<table id="job-rejections"><tbody>{rows}</tbody></table>'
+                '<table id="job-rejections"><thead><tr><th>rejection</th><th>when (UTC)</th>'
+                "<th>reason</th><th>gen</th><th>key</th></tr></thead>"
+                f"<tbody>{rows}</tbody></table>"
                 if rows
                 else '<p class="empty">none</p>'
             )
@@ -325,6 +370,37 @@ class OperatorPage:
             + f'</tbody></table><nav class="pager">{more}</nav>'
         )
         return self._respond(request, "audit log", body)
+
+
+def lease_state_now(lease: LeaseRow, now: float) -> str:
+    """The lease's state by the store's clock: an active lease past its
+    `lease_until` reads `expired, at ... (N s ago)`, not the `active` it is stored as."""
+    if lease.state is State.ACTIVE and lease.lease_until <= now:
+        ago = format_duration(max(1.0, round(now - lease.lease_until)))
+        return f"expired at {utc_time(lease.lease_until)} ({ago} ago, by the store's clock)"
+    return str(lease.state)
+
+
+# Refused at steps 1-4 of SPEC 2, before the fence, and not in the rejection log.
+EARLY_REASONS = tuple(
+    r for r, info in REASONS.items() if info.family is Family.REQUEST and not info.recorded
+)
+
+
+def before_the_fence(metrics: Metrics) -> dict[str, int]:
+    """Writes refused before the fence, by reason, from `sinkgate_rejections_total`
+    (this process, since it started)."""
+    counts: dict[str, int] = {}
+    for family in metrics.rejections.collect():
+        for sample in family.samples:
+            reason = sample.labels.get("reason", "")
+            if sample.name.endswith("_total") and reason in EARLY_REASONS and sample.value:
+                counts[reason] = int(sample.value)
+    return counts
+
+
+def _early_title(counts: dict[str, int]) -> str:
+    return ", ".join(f"{r} {c}" for r, c in sorted(counts.items())) or "none"
 
 
 def csrf_token(auth: SessionAuth, request: web.Request) -> str:

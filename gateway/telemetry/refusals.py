@@ -1,0 +1,76 @@
+"""Writes refused before their facts are known (SPEC 2 steps 1-4: an unknown
+destination, a method, auth, size, headers): they reach neither the store nor
+the rejection log, so they are said here.
+
+One `write_refused` log line per refusal, with the reason, the destination name
+as asked for, the method and the worker's address, at most `per_second` a
+second on average (bursts of `burst`): a flood cannot fill the disk. Lines
+dropped meanwhile are counted and said on the next line that is written
+(`suppressed`). The names asked for most are kept for the admin page, at most
+`names_max` of them (later new names count as `(other)`): `/to/<anything>` must
+not grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import structlog
+
+log = structlog.get_logger("sinkgate.write")
+
+NAME_MAX = 80  # characters of a name kept, in the log and the counts
+OTHER = "(other)"
+
+
+class Refusals:
+    """Counts and rate-limited log lines of writes refused before their facts."""
+
+    def __init__(
+        self,
+        *,
+        per_second: float = 10.0,
+        burst: int = 100,
+        names_max: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_second, self.burst, self.names_max = per_second, burst, names_max
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+        self.suppressed = 0  # lines dropped since the last one written
+        self.names: dict[str, int] = {}
+
+    def note(self, reason: str | None, destination: str, method: str, remote: str | None) -> None:
+        """One refused write: counted under its name, logged unless over the rate."""
+        name = destination[:NAME_MAX]
+        if name not in self.names and len(self.names) >= self.names_max:
+            name = OTHER
+        self.names[name] = self.names.get(name, 0) + 1
+        if not self._take():
+            self.suppressed += 1
+            return
+        extra = {"suppressed": self.suppressed} if self.suppressed else {}
+        self.suppressed = 0
+        log.warning(
+            "write_refused",
+            reason=reason,
+            destination=destination[:NAME_MAX],
+            method=method,
+            remote=remote,
+            **extra,
+        )
+
+    def top(self, n: int = 5) -> list[tuple[str, int]]:
+        """The `n` names refused most, most first."""
+        return sorted(self.names.items(), key=lambda item: (-item[1], item[0]))[:n]
+
+    def _take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.per_second)
+        self._last = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
