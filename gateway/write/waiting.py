@@ -146,8 +146,7 @@ class Waiters:
             if (now >= until and now < blocker_ends) or self._stopping:
                 remaining = retry_after(blocker_ends - now)
                 return _with_retry_after(verdict, decision, remaining), "timed_out"
-            self._unwatch(waiter)
-            waiter = self._watch(waiter.facts, waiter.gone)
+            self._rewatch(waiter)
             verdict = await decide()
             if not waitable(verdict):
                 return verdict, _result(verdict)
@@ -155,10 +154,22 @@ class Waiters:
     def _watch(self, facts: WriteFacts, gone: Gone) -> _Waiter:
         """A new waiter, woken by a settlement of its key or of its job."""
         waiter = _Waiter(facts, gone, asyncio.get_running_loop().create_future())
+        self._register(waiter)
+        return waiter
+
+    def _register(self, waiter: _Waiter) -> None:
+        facts = waiter.facts
         if facts.key is not None:
             self._keys.setdefault((facts.destination, facts.key), set()).add(waiter)
         self._jobs.setdefault(facts.job_id, set()).add(waiter)
-        return waiter
+
+    def _rewatch(self, waiter: _Waiter) -> None:
+        """`waiter`, woken, watches its key and job again before its next decision
+        (the same waiter: whoever unwatches it at the end finds it)."""
+        self._unwatch(waiter)
+        waiter.woken = asyncio.get_running_loop().create_future()
+        waiter.holding = False
+        self._register(waiter)
 
     def _narrow(self, waiter: _Waiter, reason: str) -> None:
         """Refused for `reason`: wait on what refused it only."""

@@ -60,6 +60,11 @@ def never_gone() -> bool:
     return False
 
 
+def nothing_left(waiters: Waiters) -> bool:
+    """No write watches anything any more (nothing kept for a key never settled again)."""
+    return waiters.count == 0 and not waiters._keys and not waiters._jobs
+
+
 async def held(waiters: Waiters, n: int = 1) -> None:
     for _ in range(200):
         if waiters.count == n:
@@ -79,7 +84,7 @@ async def test_a_settlement_of_its_key_wakes_it_and_it_is_decided_again() -> Non
     waiters.settled("pay", "key-1", "job-1")
     waited = await asyncio.wait_for(task, 5)
     assert waited.verdict is REPLAY and waited.result == "replayed" and waited.applied
-    assert waiters.count == 0
+    assert nothing_left(waiters)
 
 
 async def test_a_barred_write_is_woken_by_its_job() -> None:
@@ -91,6 +96,7 @@ async def test_a_barred_write_is_woken_by_its_job() -> None:
     waiters.settled("other", None, "job-1")  # a keyless attempt of the job, elsewhere
     waited = await asyncio.wait_for(task, 5)
     assert waited.verdict is forward and waited.result == "forwarded"
+    assert nothing_left(waiters)
 
 
 async def test_a_settlement_during_the_decision_is_not_missed() -> None:
@@ -109,6 +115,7 @@ async def test_a_settlement_during_the_decision_is_not_missed() -> None:
 
     waited = await asyncio.wait_for(waiters.decide(FACTS, 30, decide, never_gone), 5)
     assert waited.verdict is REPLAY and len(given) == 2
+    assert nothing_left(waiters)
 
 
 async def test_one_more_than_the_limit_is_answered_at_once() -> None:
@@ -121,7 +128,7 @@ async def test_one_more_than_the_limit_is_answered_at_once() -> None:
     assert len(given) == 1
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
-    assert waiters.count == 0  # a cancelled handler leaves nothing behind
+    assert nothing_left(waiters)  # a cancelled handler leaves nothing behind
 
 
 async def test_a_worker_gone_away_ends_the_wait_without_deciding_again() -> None:
@@ -133,6 +140,7 @@ async def test_a_worker_gone_away_ends_the_wait_without_deciding_again() -> None
     gone = True
     waited = await asyncio.wait_for(task, 5)
     assert waited.result == "disconnected" and len(given) == 1
+    assert nothing_left(waiters)
 
 
 async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
@@ -143,6 +151,7 @@ async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
     decide, _ = decisions(soon, unknown)
     waited = await asyncio.wait_for(waiters.decide(FACTS, 30, decide, never_gone), 5)
     assert waited.verdict is unknown and waited.result == "refused"
+    assert nothing_left(waiters)
 
 
 class PolledStore:
@@ -181,6 +190,7 @@ async def test_a_poll_of_the_keys_row_wakes_it_when_nothing_else_tells() -> None
     store.record = None  # settled by another process
     done = await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert [w.result for w in done] == ["replayed", "replayed"]
+    assert nothing_left(waiters)
 
 
 async def test_a_stopping_gateway_answers_held_writes_at_once() -> None:
