@@ -207,3 +207,28 @@ async def test_a_stopping_gateway_answers_held_writes_at_once() -> None:
     assert 1 <= waited.verdict.decision.retry_after <= 60
     late = await waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone)
     assert not late.applied
+
+
+async def test_a_poll_of_the_job_wakes_a_barred_write_once_no_older_attempt_is_on_the_wire() -> (
+    None
+):
+    store = PolledStore()
+    older = {"generation": 1, "attempt": "a1", "destination": "pay", "key": "k0"}
+    newer = {"generation": 2, "attempt": "a2", "destination": "pay", "key": "k9"}
+    on_wire = [older, newer]
+
+    async def job_state(job_id: str) -> JobState | None:
+        return JobState(job_id, None, 2, in_flight=tuple(on_wire))
+
+    store.job_state = job_state  # type: ignore[method-assign]
+    waiters = Waiters(limit=10, metrics=Metrics(), store=store, poll_s=0.01)
+    forward = Verdict(Forward(), attempt="a3")
+
+    async def decide() -> Verdict:
+        return BARRED if older in on_wire else forward
+
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone))
+    await held(waiters)
+    on_wire.remove(older)  # only its own generation's attempt is left: no barrier
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.result == "forwarded" and nothing_left(waiters)
