@@ -139,6 +139,7 @@ replay_headers = ["Content-Type", "X-Request-Id", "content-type"]
 forward_fencing_headers = false
 worker_tokens_env = "ORDERS_TOKENS"
 max_in_flight = 8
+max_wait = "0s"
 
 [upstream_headers]
 Authorization = { env = "ORDERS_API_TOKEN", format = "Bearer {}" }
@@ -164,6 +165,7 @@ X-Client = "sinkgate"
     )
     assert orders.upstream_header_names == ("Authorization", "X-Api-Key", "X-Client")
     assert orders.max_in_flight == 8
+    assert orders.max_wait == 0.0
 
 
 def test_every_gateway_key_is_read(tmp_path: Path) -> None:
@@ -175,6 +177,7 @@ listen = "[::1]:0"
 admin_listen = "0.0.0.0:9001"
 max_in_flight = 10
 shutdown_grace = "0s"
+max_waiting = 0
 [store]
 url = "postgresql://sinkgate@db.internal:5432/sinkgate"
 pool_size = 3
@@ -194,6 +197,7 @@ dir = "dests"
     assert config.listen == ("::1", 0)
     assert config.admin_listen == ("0.0.0.0", 9001)
     assert (config.max_in_flight, config.shutdown_grace) == (10, 0.0)
+    assert config.max_waiting == 0
     assert config.store_url == "postgresql://sinkgate@db.internal:5432/sinkgate"
     assert config.store_pool_size == 3
     assert (config.admin_token, config.admin_token_env) == (SECRET, "MY_ADMIN_TOKEN")
@@ -596,6 +600,10 @@ def test_the_connect_timeout_default_never_exceeds_a_shorter_timeout(
         (
             UPSTREAM + "max_in_flight = 0\n",
             "max_in_flight: must be >= 1",
+        ),
+        (
+            UPSTREAM + 'max_wait = "-1s"\n',
+            "max_wait:",
         ),
         (
             'upstream = "ftp://h/x"\n',
