@@ -192,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     json = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(args.log_level, json=json)
-    log = structlog.get_logger("sinkgate.cli")
+    log = structlog.get_logger("gateway.cli")
     log.info("config_loaded", config=str(config.source), destinations=sorted(config.destinations))
     for warning in config_warnings(config):
         log.warning("config_warning", warning=warning)

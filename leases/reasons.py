@@ -143,8 +143,3 @@ def title_of(reason: str) -> str:
 def status_of(reason: str) -> int:
     """The HTTP status the gateway answers `reason` with."""
     return REASONS[Reason(reason)].status
-
-
-def reasons_of(family: Family) -> tuple[Reason, ...]:
-    """Every reason of one family, in the table's order."""
-    return tuple(r for r, info in REASONS.items() if info.family is family)

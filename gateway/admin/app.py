@@ -41,10 +41,11 @@ from gateway.http.problem import problem_response, router_refusal
 from gateway.http.schema import to_json
 from gateway.store.protocol import AdminOpsStore, AdminStore
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tasks import watched
 from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
 from leases.reasons import Reason
 
-log = structlog.get_logger("sinkgate.admin")
+log = structlog.get_logger("gateway.admin")
 
 READY_TIMEOUT_S = 2.0
 
@@ -113,7 +114,7 @@ def _background(job: Coroutine[Any, Any, None]) -> Callable[[web.Application], A
     """A cleanup context running `job` while the app runs."""
 
     async def context(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(job, name="unknown-keys-gauge")
+        task = watched(job, "unknown-keys-gauge")
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -35,7 +35,7 @@ from gateway.telemetry.unknown_keys import UnknownKeysGauge
 from leases.model import IDENT
 from leases.reasons import Reason
 
-log = structlog.get_logger("sinkgate.admin")
+log = structlog.get_logger("gateway.admin")
 
 KEY_FILTERS = ("destination", "state", "job_id", "since", "until", "limit", "cursor")
 RESOLVE_BODY_MAX = 1024 * 1024  # the stored answer; the request may be a little larger

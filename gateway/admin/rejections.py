@@ -39,7 +39,7 @@ from gateway.store.records import RejectionQuery, StoredRejection
 from leases.model import IDENT, MAX_GENERATION
 from leases.reasons import Reason
 
-log = structlog.get_logger("sinkgate.admin")
+log = structlog.get_logger("gateway.admin")
 
 FILTERS = ("destination", "job_id", "reason", "since", "until", "limit", "cursor")
 SUMMARY_FILTERS = ("since", "until")

@@ -36,7 +36,7 @@ from gateway.http.problem import problem_response
 from gateway.telemetry.metrics import Metrics
 from leases.reasons import Reason
 
-log = structlog.get_logger("sinkgate.admin")
+log = structlog.get_logger("gateway.admin")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -34,7 +34,7 @@ from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease, LeaseRef
 from leases.reasons import Reason
 
-log = structlog.get_logger("gateway.lease_api")
+log = structlog.get_logger("gateway.http")
 
 MAX_BODY = 64 * 1024
 

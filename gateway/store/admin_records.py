@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.errors import GatewayError
 from gateway.policy.decision import KeyRecord, KeyState
 
 AUDIT_ACTIONS = ("resolve_applied", "resolve_not_applied", "reload")
@@ -84,7 +85,7 @@ class Resolution:
     content_type: str = "application/json"
 
 
-class ResolveRefused(Exception):
+class ResolveRefused(GatewayError):
     """The key could not be resolved; `reason` is `not_found`, `key_not_unknown` or
     `attempt_mismatch`, `record` the key as it is (None when there is none)."""
 

@@ -19,7 +19,7 @@ from gateway.errors import StoreUnavailable
 from gateway.store.protocol import PurgeStore
 from gateway.telemetry.metrics import Metrics
 
-log = structlog.get_logger("sinkgate.janitor")
+log = structlog.get_logger("gateway.store")
 
 AUDIT_TTL_S = 365 * 86400.0  # [retention] audit_ttl's default
 

@@ -15,7 +15,7 @@ import structlog
 from gateway.errors import StoreUnavailable
 from gateway.telemetry.metrics import Metrics
 
-log = structlog.get_logger("sinkgate.metrics")
+log = structlog.get_logger("gateway.telemetry")
 
 REFRESH_INTERVAL_S = 15.0
 

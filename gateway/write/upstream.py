@@ -16,6 +16,7 @@ from yarl import URL
 
 from gateway.config.model import HOP_BY_HOP, DestinationConfig
 from gateway.config.tls import destination_context
+from gateway.errors import GatewayError
 from leases.reasons import Reason
 
 # Set by the client library for the forwarded request itself.
@@ -42,7 +43,9 @@ class SendFailure(StrEnum):
         return self is not SendFailure.UNREACHABLE
 
 
-class ForwardFailed(Exception):
+class ForwardFailed(GatewayError):
+    """A forward that got no answer: `failure` says whether it may have been sent."""
+
     def __init__(self, failure: SendFailure, detail: str) -> None:
         super().__init__(detail)
         self.failure = failure

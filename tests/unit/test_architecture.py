@@ -3,6 +3,7 @@ import-linter contracts of pyproject.toml kept."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -94,3 +95,15 @@ def test_gateway_packages_have_no_import_cycle() -> None:
             p for p in imported if p.startswith("gateway.") and p != package_of(module)
         )
     assert import_cycles(edges) == []
+
+
+def test_every_gateway_logger_is_named_under_gateway() -> None:
+    """One logger namespace: `gateway.<package>`, never `sinkgate.*` beside it."""
+    named = re.compile(r"get_logger\(\"([^\"]*)\"\)")
+    strays = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in (REPO / "gateway").rglob("*.py")
+        for name in named.findall(path.read_text(encoding="utf-8"))
+        if not name.startswith("gateway.")
+    ]
+    assert strays == []

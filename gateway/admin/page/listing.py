@@ -37,7 +37,7 @@ from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
 LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
 PRESETS = ("15m", "1h", "24h", "7d")  # the page's time filters
 REFRESH_S = 30  # the page's auto-refresh period
-log = structlog.get_logger("sinkgate.admin")
+log = structlog.get_logger("gateway.admin")
 
 
 # --- rendering -------------------------------------------------------------------------------
