@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import structlog
 
-log = structlog.get_logger("sinkgate.write")
+log = structlog.get_logger("gateway.write")
 
 NAME_MAX = 80  # characters of a name kept, in the log and the counts
 OTHER = "(other)"
