@@ -12,6 +12,7 @@ rejection log, and the slow upstream answers when the test releases it.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -106,3 +107,47 @@ async def test_a_settlement_in_one_process_wakes_a_waiter_in_another(
     assert answered_at - first_at < 1.0  # SPEC 2: within 1 s of the settlement
     assert len(upstream.received) == 1
     assert codes == [0, 0]
+
+
+async def test_a_stopping_gateway_answers_its_held_writes_at_once(tmp_path: Path) -> None:
+    """SIGTERM: the held write gets its 409 while the original is still draining,
+    not at the end of its 20 s wait."""
+    async with recording_upstream() as upstream, aiohttp.ClientSession() as session:
+        config, url = write_serve_config(
+            tmp_path / "a", f"sqlite:///{tmp_path / 'g.db'}", upstream.url, shutdown_grace="20s"
+        )
+        log = tmp_path / "a.log"
+        process = await spawn_serve(config, log)
+        try:
+            await wait_until_ok(
+                session,
+                f"{url}/readyz",
+                exited=lambda: None if process.returncode is None else log.read_text(),
+            )
+            claim = {"owner": "w", "ttl": 60}
+            async with session.post(f"{url}/leases/job-1/claim", json=claim) as resp:
+                assert resp.status == 200
+            original = asyncio.create_task(timed_post(session, f"{url}/to/pay/slow/x", HEADERS))
+            await asyncio.wait_for(upstream.arrived.wait(), 10)
+            held = asyncio.create_task(
+                timed_post(session, f"{url}/to/pay/slow/x", {**HEADERS, "Prefer": "wait=20"})
+            )
+            store = await open_store(f"sqlite:///{tmp_path / 'g.db'}")
+            try:
+                await eventually(
+                    lambda: store.list_rejections(RejectionQuery(reason="request_in_progress")),
+                    what="the write held",
+                )
+            finally:
+                await store.close()
+            process.send_signal(signal.SIGTERM)
+            status, headers, _ = await asyncio.wait_for(held, 10)
+            assert not original.done()  # still draining: the held write did not wait for it
+            upstream.release.set()
+            assert (await original)[0] == 201
+        finally:
+            upstream.release.set()
+            code = await stop_serve(process, 20)
+    assert status == 409 and headers["Sinkgate-Rejected"] == "request_in_progress"
+    assert headers["Preference-Applied"] == "wait=20" and int(headers["Retry-After"]) >= 1
+    assert code == 0
