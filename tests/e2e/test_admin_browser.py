@@ -33,6 +33,8 @@ from gateway.telemetry.metrics import Metrics
 from tests.conftest import FakeClock
 
 TOKEN = "browser-test-token"
+OPERATORS = (("alice", "alice-browser-token-0123"), ("bob", "bob-browser-token-0123456"))
+EXPIRED_JOB = "report-2024-05"  # claimed with a 30 s lease that ran out during the seeding
 START = 1_714_564_800.0  # 2024-05-01T12:00:00Z
 CHROMIUM_FLAGS = (
     "--headless",
@@ -167,9 +169,12 @@ class AdminServer:
         self._store = await SQLiteStore.open(url, clock=clock)
         if self._history:
             await seed_history(self._store, clock)
+        await self._store.claim(EXPIRED_JOB, owner="worker-b", ttl=30)
         await seed(self._store, clock)
         await seed_unknown(self._store, clock)
-        app = create_admin_app(self._store, Metrics(), token=TOKEN, gauge_interval=None)
+        app = create_admin_app(
+            self._store, Metrics(), token=TOKEN, operators=OPERATORS, gauge_interval=None
+        )
         self._runner = GatewayRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -212,13 +217,13 @@ def chromium(profile: Path) -> Iterator[Any]:
         driver.quit()
 
 
-def sign_in(driver: Any, url: str) -> None:
+def sign_in(driver: Any, url: str, token: str = TOKEN) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver.get(url + "/admin/")
-    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    driver.find_element(By.ID, "token").send_keys(token)
     driver.find_element(By.ID, "sign-in").click()
     WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "rejections")))
 
@@ -302,7 +307,9 @@ def test_chart_queue_resolve_and_audit(server, driver):
     assert chart.tag_name == "svg"
     bars = chart.find_elements(By.CSS_SELECTOR, "rect:not(.hit)")
     assert len(bars) >= 1 and chart.size["width"] > 600
-    assert driver.find_element(By.ID, "total").text == str(len(SAMPLE))
+    replays = sum(1 for sample in SAMPLE if sample[0] == "duplicate")
+    assert driver.find_element(By.ID, "total").text == str(len(SAMPLE) - replays)
+    assert driver.find_element(By.ID, "replays").text == str(replays)
     assert driver.find_element(By.ID, "unknown-count").text == str(len(UNKNOWN))
     assert driver.execute_script("return document.scripts.length") == 0
 
@@ -342,6 +349,57 @@ def test_chart_queue_resolve_and_audit(server, driver):
     state = WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "key-state")))
     assert state.text == "completed"
     assert "201" in driver.find_element(By.CSS_SELECTOR, "table.fields").text
+
+
+def resolve_in_queue(driver: Any, key: str, note: str) -> None:
+    """Settle `key` as not applied from its form on the queue page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    form = driver.find_element(By.CSS_SELECTOR, f"form.resolve[data-key='{key}']")
+    form.find_element(By.CSS_SELECTOR, "input[value='not_applied']").click()
+    form.find_element(By.NAME, "note").send_keys(note)
+    form.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
+    WebDriverWait(driver, 20).until(ec.staleness_of(form))
+    notice = WebDriverWait(driver, 20).until(
+        ec.presence_of_element_located((By.CSS_SELECTOR, "p.notice"))
+    )
+    assert f"{key} as not applied" in notice.text
+
+
+def test_two_operators_each_resolve_a_key_and_the_audit_log_names_both(server, driver):
+    """Named operators (SPEC 4): alice and bob sign in with their own tokens, each
+    settles a key from the queue; the page says who is signed in and the audit log
+    says who did what."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for (name, token), key in zip(OPERATORS, ("inv-45-charge", "digest-18"), strict=True):
+        driver.delete_all_cookies()  # the next person, in the same browser
+        sign_in(driver, server.url, token)
+        assert driver.find_element(By.ID, "signed-in").text == name
+        driver.get(server.url + "/admin/queue")
+        resolve_in_queue(driver, key, f"{name} checked the destination")
+
+    driver.get(server.url + "/admin/audit?format=html")
+    rows = WebDriverWait(driver, 20).until(
+        ec.presence_of_all_elements_located((By.CSS_SELECTOR, "#audit tr.audit"))
+    )
+    cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    assert [(c[1], c[4]) for c in cells] == [("bob", "digest-18"), ("alice", "inv-45-charge")]
+    assert "bob checked the destination" in rows[0].text
+
+
+def test_the_job_page_of_an_expired_lease_says_expired(server, driver):
+    from selenium.webdriver.common.by import By
+
+    sign_in(driver, server.url)
+    driver.get(f"{server.url}/admin/jobs/{EXPIRED_JOB}?format=html")
+    fields = driver.find_element(By.CSS_SELECTOR, "table.fields").text
+    assert "lease state expired at 2024-05-01T12:00:30" in fields
+    assert "by the store's clock" in fields and "lease state active" not in fields
 
 
 def screenshot(target: Path, queue: Path) -> None:
