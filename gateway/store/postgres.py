@@ -7,9 +7,10 @@ lease table the lease API writes.
 Group commit, as on SQLite: the write decisions (and the rejections logged
 outside a decision) that arrive while a batch is on its way go into the next
 batch, and one batch is one short READ COMMITTED transaction on a pooled
-connection: BEGIN, the advisory locks of all its jobs and keys in one statement,
-all its state in one statement, the decisions in Python in arrival order, all
-their changes in one statement, COMMIT (durable); see `postgres_batch`. The
+connection: BEGIN, one call of a server-side function taking the advisory locks
+of all its jobs and keys and then reading all their state, the decisions in
+Python in arrival order, all their changes in one statement, COMMIT (durable);
+see `postgres_batch`. The
 outcomes recorded meanwhile go together in one call of a server-side function,
 its own transaction, one round trip (`postgres_outcomes`). Both plan their
 statements for custom plans (`CUSTOM_PLANS`): a generic plan costed while the

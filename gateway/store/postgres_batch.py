@@ -1,25 +1,28 @@
-"""One batch of write decisions on PostgreSQL: BEGIN, three statements, COMMIT.
+"""One batch of write decisions on PostgreSQL: BEGIN, two calls, COMMIT.
 
 `decide_batch(conn, operations)` runs inside a READ COMMITTED transaction:
 
-1. one statement: `synchronous_commit` on for this transaction, custom plans
-   for the statements after it (`postgres_outcomes.CUSTOM_PLANS`), then
-   `pg_advisory_xact_lock` on every job and every (destination, key) of the
-   batch, in the order of the locks' keys (`_LOCK_SQL`). The job lock
-   serialises the decisions of one job across replicas, which the generation
-   barrier needs (two generations must not both see "no older attempt"); the
-   key lock serialises first reservations of one key, which no row lock can do
-   (the row does not exist yet). Every batch takes its locks in one and the
-   same global order, so two batches (of two replicas) never wait on each
-   other in opposite orders.
-2. one statement reading everything the batch's decisions need, with a
-   snapshot taken after the locks (`_STATE_SQL`): the store's clock, the leases
-   and marks of the batch's jobs, the barriers of their older attempts, and the
-   batch's key rows `FOR UPDATE`, locked in (destination, key) order as the
-   outcome statement locks them (`postgres_outcomes`).
-3. the decisions, in Python, in arrival order, each seeing the ones before it
+1. one call of a server-side function (`STATE_FUNCTION`, created by the schema
+   migration) doing what were two statements:
+   - `synchronous_commit` on for this transaction, custom plans for the
+     statements after it (`postgres_outcomes.CUSTOM_PLANS`), then
+     `pg_advisory_xact_lock` on every job and every (destination, key) of the
+     batch, in the order of the locks' keys. The job lock serialises the
+     decisions of one job across replicas, which the generation barrier needs
+     (two generations must not both see "no older attempt"); the key lock
+     serialises first reservations of one key, which no row lock can do (the row
+     does not exist yet). Every batch takes its locks in one and the same global
+     order, so two batches (of two replicas) never wait on each other in
+     opposite orders.
+   - then, in a statement of its own and so with a snapshot taken after the
+     locks (`_STATE_SQL`), everything the batch's decisions need: the store's
+     clock, the leases and marks of the batch's jobs, the barriers of their
+     older attempts, and the batch's key rows `FOR UPDATE`, locked in
+     (destination, key) order as the outcome statement locks them
+     (`postgres_outcomes`).
+2. the decisions, in Python, in arrival order, each seeing the ones before it
    (`batch_plan`).
-4. one statement applying them all (`_APPLY_SQL`): key reservations, attempts,
+3. one statement applying them all (`_APPLY_SQL`): key reservations, attempts,
    marks, and the batch's rejection-log rows. The rows are inserted after the
    transaction-scoped lock `REJECTION_ORDER_LOCK`, held until COMMIT by every
    transaction that inserts rejections: ids are handed out in commit order, so
@@ -82,16 +85,14 @@ LOCK_KINDS: tuple[str, ...] = ("job", "key")
 # own, apart from the one-key locks on jobs, keys and the schema.
 REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
 
-# $1: the lock names. DISTINCT + ORDER BY the lock key: one global order. The
-# sub-select is sorted before the outer target list takes the locks in turn.
-_LOCK_SQL = (
-    f"SELECT {DURABLE}, {CUSTOM_PLANS}, count(pg_advisory_xact_lock(h)) FROM "
-    "(SELECT DISTINCT hashtextextended(name, 0) AS h FROM unnest($1::text[]) AS name "
-    "ORDER BY h) AS ordered"
-)
+# Whether the batch takes its locks in the order of their keys (DISTINCT + ORDER
+# BY the lock key: one global order). Tests switch it off (arrival order) to show
+# the deadlock it prevents.
+LOCKS_ORDERED = True
 
-# $1 clock offset, $2 the batch's jobs, $3/$4 destinations/keys of its keyed writes,
-# $5 per job the highest generation it writes (only older attempts bar it).
+# The state read, inside `STATE_FUNCTION` after the locks: $1 clock offset, $2 the
+# batch's jobs, $3/$4 destinations/keys of its keyed writes, $5 per job the highest
+# generation it writes (only older attempts bar it).
 # Barriers: aggregated per (job, generation), job by job on the indexes by (job,
 # generation) (a scan of every in-flight row would also walk the dead versions of
 # completed ones), except the rows of the batch's own
@@ -105,9 +106,9 @@ k AS MATERIALIZED (
 )
 SELECT n.now,
     ARRAY(SELECT row(job_id, owner, generation, state, lease_until, ttl) FROM leases
-        WHERE job_id = ANY($2::text[])) AS leases,
+        WHERE job_id = ANY($2::text[])),
     ARRAY(SELECT row(job_id, highest_generation) FROM fences
-        WHERE job_id = ANY($2::text[])) AS marks,
+        WHERE job_id = ANY($2::text[])),
     ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
             AS j(job_id, below)
         CROSS JOIN LATERAL (SELECT generation, max(barrier_until) AS until FROM idempotency i
@@ -115,15 +116,47 @@ SELECT n.now,
             AND barrier_until > n.now
             AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination
                 AND k.key = i.key)
-            GROUP BY generation) AS b) AS keyed,
+            GROUP BY generation) AS b),
     ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
             AS j(job_id, below)
         CROSS JOIN LATERAL (SELECT generation, max(deadline) AS until FROM attempts a
             WHERE a.job_id = j.job_id AND generation < j.below AND deadline > n.now
-            GROUP BY generation) AS b) AS keyless,
-    ARRAY(SELECT row(k.*) FROM k) AS records
+            GROUP BY generation) AS b),
+    ARRAY(SELECT row(k.*) FROM k)
 FROM n
 """
+
+# BEGIN, then one round trip for what the batch took two statements for: this
+# function takes the advisory locks of $6 (the lock names; in the order of their
+# keys unless $7 is false), then reads the state with a snapshot taken after them
+# (each statement of a function under READ COMMITTED sees what committed before it
+# began), and sets the transaction durable and its plans custom (`DURABLE`,
+# `CUSTOM_PLANS`: set_config with is_local, so they last to COMMIT and the apply
+# statement is planned for its arrays too). It returns anonymous records (`SETOF
+# record`, typed by the call), which the driver decodes without looking up a type.
+# Created and replaced by the schema migration; the version in the name is the call's.
+STATE_FUNCTION = "sinkgate_decision_state_v1"
+STATE_FUNCTION_DDL = f"""
+CREATE OR REPLACE FUNCTION {STATE_FUNCTION}(float8, text[], text[], text[], int8[],
+    text[], boolean)
+RETURNS SETOF record LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    PERFORM {DURABLE}, {CUSTOM_PLANS};
+    IF $7 THEN
+        PERFORM count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT
+            hashtextextended(name, 0) AS h FROM unnest($6) AS name ORDER BY h) AS ordered;
+    ELSE
+        PERFORM count(pg_advisory_xact_lock(hashtextextended(name, 0)))
+            FROM unnest($6) AS name;
+    END IF;
+    RETURN QUERY {_STATE_SQL.strip()};
+END
+$fn$;
+"""
+_STATE_CALL = (
+    f"SELECT * FROM {STATE_FUNCTION}($1, $2, $3, $4, $5, $6, $7) AS s(now float8, "
+    "leases record[], marks record[], keyed record[], keyless record[], records record[])"
+)
 
 # fmt: off
 _REJECTION_TYPES = (  # the types of REJECTION_FIELDS, in order
@@ -182,8 +215,9 @@ async def decide_batch(
     answer (a Verdict, or a `Log`'s rejection id) and the store's clock."""
     writes = [(op.facts, op.context) for op in operations if isinstance(op, Decide)]
     facts = [f for f, _ in writes]
-    await conn.execute(_LOCK_SQL, batch_plan.lock_names(facts, LOCK_KINDS))
-    state = _batch_state(await conn.fetchrow(_STATE_SQL, offset, *_read_args(facts)))
+    names = batch_plan.lock_names(facts, LOCK_KINDS)
+    row = await conn.fetchrow(_STATE_CALL, offset, *_read_args(facts), names, LOCKS_ORDERED)
+    state = _batch_state(row)
     plans = iter(batch_plan.plan_batch(writes, state, new_attempt_id))
     planned = [next(plans) if isinstance(op, Decide) else op for op in operations]
     rejections = [

@@ -8,6 +8,7 @@ database the lease store (`leases.postgres`) uses.
 from __future__ import annotations
 
 from gateway.store import postgres_admin
+from gateway.store.postgres_batch import STATE_FUNCTION_DDL
 from gateway.store.postgres_notify import NOTIFY_DDL
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION_DDL
 from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
@@ -17,7 +18,8 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # through `idempotency_in_flight`); the attempts table holds keyless writes only.
 # v4: the audit log names the operator of each action (`operator`).
 # v5: a batch of outcomes is one call of a server-side function
-# (`postgres_outcomes.OUTCOMES_FUNCTION`), created and replaced here.
+# (`postgres_outcomes.OUTCOMES_FUNCTION`), and a decision batch's locks and state
+# read another (`postgres_batch.STATE_FUNCTION`), created and replaced here.
 GATEWAY_SCHEMA_VERSION = 5
 
 GATEWAY_DDL = """
@@ -98,5 +100,6 @@ async def init_schema(conn: Conn) -> None:
         await conn.execute(GATEWAY_DDL)
         await conn.execute(NOTIFY_DDL)
         await conn.execute(OUTCOMES_FUNCTION_DDL)
+        await conn.execute(STATE_FUNCTION_DDL)
         await postgres_admin.migrate(conn)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

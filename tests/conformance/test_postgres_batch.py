@@ -27,7 +27,6 @@ from gateway.store.postgres_batch import Log
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.records import RejectionQuery
 from leases.errors import StoreUnavailable
-from leases.postgres import DURABLE
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, reason, write
 from tests.harness import eventually
 from tests.pg import fresh_database
@@ -100,12 +99,6 @@ async def test_against_the_state_before_the_batch_one_key_is_forwarded_twice(
 
 # --- the lock order across replicas ------------------------------------------------------
 
-# Arrival order, not the lock keys' order: what the batches must not do.
-_ARRIVAL_ORDER_LOCK_SQL = (
-    f"SELECT {DURABLE}, count(pg_advisory_xact_lock(hashtextextended(name, 0))) "
-    "FROM unnest($1::text[]) AS name"
-)
-
 
 async def _crossed_batches(url: str) -> list[Any]:
     """Two replicas each decide a batch of the jobs J1 and J2, in opposite arrival
@@ -157,7 +150,7 @@ async def test_in_arrival_order_the_same_batches_deadlock(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lock order switched off: shows the test above can fail."""
-    monkeypatch.setattr(postgres_batch, "_LOCK_SQL", _ARRIVAL_ORDER_LOCK_SQL)
+    monkeypatch.setattr(postgres_batch, "LOCKS_ORDERED", False)  # arrival order
     isolated = await _crossed_batches(url)
     assert sum(i["40P01"] for i in isolated) >= 1  # deadlock_detected, then run alone
 
@@ -279,9 +272,9 @@ async def test_outcomes_recorded_together_share_one_statement(store: PostgresSto
 
 # --- plans --------------------------------------------------------------------------------
 
-# What the decision batch's state read looks like in `pg_prepared_statements`
+# What the decision batch's apply statement looks like in `pg_prepared_statements`
 # (asyncpg prepares and caches each statement per connection).
-_BATCH_STATEMENTS = {"state": "k AS MATERIALIZED"}
+_BATCH_STATEMENTS = {"apply": "WITH reserve AS ("}
 
 
 async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[str, list[int]]:
@@ -306,9 +299,10 @@ async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[
 async def test_batch_statements_are_planned_for_their_arrays_every_time(url: str) -> None:
     """A generic plan is made once per connection on the statistics of the moment and
     kept: made while the tables were small, it hashed the whole key table on every
-    batch once they had grown. The decision batch's transaction asks for custom
-    plans; the outcomes' function is declared with them (its statement's plans are
-    kept inside the function, out of `pg_prepared_statements`' sight)."""
+    batch once they had grown. The decision batch's state function asks for custom
+    plans for the rest of its transaction (the apply statement's are counted here);
+    the outcomes' function is declared with them (the plans of statements inside a
+    function are kept out of `pg_prepared_statements`' sight)."""
     store = await PostgresStore.open(url, max_size=1)
     try:
         plans = await _plans_of_batch_statements(store, rounds=12)
@@ -318,7 +312,7 @@ async def test_batch_statements_are_planned_for_their_arrays_every_time(url: str
             )
     finally:
         await store.close()
-    assert plans == {"state": [0, 12]}
+    assert plans == {"apply": [0, 12]}
     assert config == ["plan_cache_mode=force_custom_plan"]
 
 
@@ -344,7 +338,7 @@ async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behin
 async def test_without_custom_plans_the_server_settles_on_a_generic_plan(url: str) -> None:
     """The protection switched off: the outcomes' statement prepared as a plain
     statement, without the function's `plan_cache_mode`, is planned generic after
-    its first few executions (the state read stays custom by its costs here)."""
+    its first few executions."""
     store = await PostgresStore.open(url, max_size=1)
     await store.close()
     plain = postgres_outcomes._OUTCOMES_SQL.replace(" INTO touched", "")

@@ -1,8 +1,9 @@
 """Older gateway schemas upgraded on both backends: from v1, the key's row gains
 `barrier_until` and an attempt a v1 gateway left in flight still bars newer
 generations; from v3, the audit log gains `operator` and keeps every row. On
-PostgreSQL, a v4 database in use (keys completed and in flight) gains v5's outcomes
-function, through which the attempts a v4 gateway left in flight record theirs."""
+PostgreSQL, a v4 database in use (keys completed and in flight) gains v5's
+functions: the attempts a v4 gateway left in flight record their outcomes through
+one, and the decisions after the upgrade read what v4 wrote through the other."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.policy.decision import Forward, KeyState, Reject, Replay
 from gateway.store import postgres_schema
 from gateway.store.admin_records import AuditQuery
 from gateway.store.postgres import PostgresStore
+from gateway.store.postgres_batch import STATE_FUNCTION
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
@@ -168,7 +170,7 @@ async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
             await store.close()
         conn = await asyncpg.connect(url)
         try:  # the database as the v4 release leaves it: no function, version 4
-            await conn.execute(f"DROP FUNCTION {OUTCOMES_FUNCTION}")
+            await conn.execute(f"DROP FUNCTION {OUTCOMES_FUNCTION}, {STATE_FUNCTION}")
             await conn.execute("UPDATE sinkgate_schema SET version = 4 WHERE component = 'gateway'")
         finally:
             await conn.close()
