@@ -29,8 +29,9 @@ from aiohttp import web
 from gateway.admin.audit import AuditApi
 from gateway.admin.jobs import JobsApi
 from gateway.admin.keys import KeysApi
-from gateway.admin.page.listing import Page, login_page
+from gateway.admin.page.listing import Page
 from gateway.admin.page.operator import OperatorPage
+from gateway.admin.page.signin import SignIn, login_page
 from gateway.admin.query import only_params
 from gateway.admin.rejections import RejectionsApi
 from gateway.admin.session import SessionAuth
@@ -95,9 +96,10 @@ def create_admin_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)
     app.router.add_get("/admin/", page.listing)
-    app.router.add_get("/admin/login", page.login_form)
-    app.router.add_post("/admin/login", page.login)
-    app.router.add_post("/admin/logout", page.logout)
+    signin = SignIn(auth)
+    app.router.add_get("/admin/login", signin.login_form)
+    app.router.add_post("/admin/login", signin.login)
+    app.router.add_post("/admin/logout", signin.logout)
     app.router.add_get("/admin/rejections", rejections.list)
     app.router.add_get("/admin/rejections/{id}", _one(rejections.get, page=page.detail))
     app.router.add_get("/admin/jobs/{job_id}", _one(jobs.get, page=operator.job))

@@ -1,24 +1,20 @@
-"""The admin listener's HTML page: the rejected-writes listing, one rejection, and
-the sign-in form that checks the admin token and sets the session cookie.
+"""The admin listener's HTML page: the rejected-writes listing and one rejection.
 
-Markup is filled from gateway/admin/page/templates by `render`, which escapes every value
-that is not `Safe` (a fragment built here from escaped parts). The page reads
-rejections through the same parsing and shapes as the JSON API (`admin.rejections`).
+Markup is filled by `render` (see `render`). The page reads rejections through
+the same parsing and shapes as the JSON API (`admin.rejections`).
 """
 
 from __future__ import annotations
 
-import functools
 import html
-import string
 from collections.abc import Awaitable, Callable, Mapping
-from importlib import resources
-from urllib.parse import parse_qs, quote, urlencode
+from urllib.parse import quote, urlencode
 
 import structlog
 from aiohttp import web
 from multidict import MultiDict
 
+from gateway.admin.page.render import REASON_KIND, Safe, html_response, render
 from gateway.admin.query import rfc3339
 from gateway.admin.rejections import (
     FILTERS,
@@ -27,103 +23,22 @@ from gateway.admin.rejections import (
     parse_rejection_query,
     rejection_item,
 )
-from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth, operator_of
+from gateway.admin.session import SessionAuth, operator_of
 from gateway.errors import Rejection
-from gateway.http.bodies import read_uncoded_body
 from gateway.store.protocol import AdminOpsStore
 from gateway.store.records import StoredRejection
-from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason, ReasonInfo
+from leases.reasons import RECORDED_REASONS, Reason
 
-LOGIN_FORM_MAX = 8 * 1024  # a token and a return path
 PRESETS = ("15m", "1h", "24h", "7d")  # the page's time filters
 REFRESH_S = 30  # the page's auto-refresh period
 log = structlog.get_logger("gateway.admin")
-
-
-# --- rendering -------------------------------------------------------------------------------
-
-
-class Safe(str):
-    """Markup built here from escaped parts; `render` inserts it as it is."""
-
-
-def render(template: str, **values: object) -> str:
-    """Fill a `string.Template` from the page's templates, escaping every value not `Safe`."""
-    return _template(template).substitute(
-        {k: v if isinstance(v, Safe) else html.escape(str(v)) for k, v in values.items()}
-    )
-
-
-@functools.cache
-def _template(name: str) -> string.Template:
-    return string.Template(
-        resources.files("gateway.admin.page").joinpath("templates", name).read_text()
-    )
-
-
-def html_response(
-    title: str,
-    body: str,
-    *,
-    status: int = 200,
-    logout: bool = False,
-    refresh: int = 0,
-    who: str | None = None,
-) -> web.Response:
-    """A page in the layout; `refresh` > 0 reloads it every that many seconds
-    (a meta refresh: no script); `who` is the signed-in operator's name, shown in
-    the header."""
-    signed_in = f'<span class="who" id="signed-in">{html.escape(who)}</span>' if who else ""
-    head = Safe(f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh > 0 else "")
-    page = render(
-        "admin_layout.html",
-        title=title,
-        body=Safe(body),
-        logout=Safe(signed_in + (_LOGOUT if logout else "")),
-        head=head,
-    )
-    return web.Response(
-        status=status,
-        text=page,
-        content_type="text/html",
-        charset="utf-8",
-        headers={
-            "Content-Security-Policy": (
-                "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
-                "frame-ancestors 'none'; base-uri 'none'"
-            ),
-            "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "no-referrer",
-            "Cache-Control": "no-store",
-        },
-    )
-
-
-def login_page(request: web.Request, *, status: int, message: str | None) -> web.Response:
-    next_url = request.path_qs if request.method == "GET" else "/admin/"
-    body = render(
-        "admin_login.html",
-        next=_safe_next(next_url),
-        message=Safe(f'<p class="error">{html.escape(message)}</p>' if message else ""),
-    )
-    response = html_response("sign in", body, status=status)
-    if status == 401:
-        response.headers["WWW-Authenticate"] = 'Bearer realm="sinkgate-admin"'
-    return response
-
-
-def _safe_next(url: str) -> str:
-    """Only a path of this listener's page: no open redirect through the login form."""
-    if url.startswith(("/admin/", "/admin?")) and "\\" not in url and "//" not in url:
-        return url
-    return "/admin/"
 
 
 # --- the handlers ----------------------------------------------------------------------------
 
 
 class Page:
-    """The page's routes: the listing, one rejection, and sign-in/sign-out."""
+    """The page's routes: the listing and one rejection."""
 
     def __init__(
         self,
@@ -138,51 +53,6 @@ class Page:
     async def redirect_to_page(self, request: web.Request) -> web.Response:
         query = request.query_string
         raise web.HTTPFound("/admin/" + (f"?{query}" if query else ""))
-
-    async def login_form(self, request: web.Request) -> web.Response:
-        if self._auth.open:
-            raise web.HTTPSeeOther("/admin/")
-        return login_page(request, status=200, message=None)
-
-    async def login(self, request: web.Request) -> web.Response:
-        # Bounded in size and time like every body the gateway reads: a sign-in
-        # form trickling in must not hold the connection open.
-        raw = await read_uncoded_body(request, LOGIN_FORM_MAX)
-        try:
-            form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=10)
-        except ValueError:
-            raise Rejection(
-                Reason.INVALID_REQUEST, "the sign-in form has too many fields"
-            ) from None
-        token = form.get("token", [None])[0]
-        next_url = form.get("next", [None])[0]
-        target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
-        if self._auth.open:
-            raise web.HTTPSeeOther(target)
-        throttled = self._auth.refused(request)
-        if throttled is not None:
-            return throttled
-        operator = self._auth.who(token) if isinstance(token, str) and token else None
-        if operator is None:
-            self._auth.failed(request, "admin_login_refused")
-            return login_page(request, status=401, message="That token was not accepted.")
-        response = web.HTTPSeeOther(target)
-        response.set_cookie(
-            SESSION_COOKIE,
-            self._auth.new_session(operator),
-            max_age=SESSION_TTL_S,
-            path="/admin",
-            httponly=True,
-            samesite="Strict",
-            secure=request.secure,
-        )
-        log.info("admin_login", operator=operator, remote=request.remote)
-        raise response
-
-    async def logout(self, request: web.Request) -> web.Response:
-        response = web.HTTPSeeOther("/admin/login")
-        response.del_cookie(SESSION_COOKIE, path="/admin")
-        raise response
 
     async def listing(self, request: web.Request) -> web.Response:
         refresh = request.query.get("refresh") == str(REFRESH_S)
@@ -250,26 +120,7 @@ class Page:
 
 # --- pieces of the listing -------------------------------------------------------------------
 
-# The reason's family colours its label on the page.
-
-
-def _kind(reason: Reason, info: ReasonInfo) -> str:
-    """The colour class of a reason on the page."""
-    if reason is Reason.DUPLICATE:
-        return "replay"
-    if info.retry_later:
-        return "wait"
-    return {Family.FENCE: "fence", Family.IDEMPOTENCY: "key"}.get(info.family, "other")
-
-
-_KIND: dict[str, str] = {
-    reason: _kind(reason, info) for reason, info in REASONS.items() if info.recorded
-}
 _EMPTY_ROW = '<tr><td colspan="9" class="empty">No rejected writes match these filters.</td></tr>'
-_LOGOUT = (
-    '<form method="post" action="/admin/logout" class="logout">'
-    '<button type="submit">Sign out</button></form>'
-)
 
 
 def _filter_form(shown: Mapping[str, str]) -> str:
@@ -327,7 +178,7 @@ def _row(row: StoredRejection) -> str:
     job = _link("/admin/?job_id=" + _quote(r.job_id), r.job_id) if r.job_id else ""
     cells = [
         f'<time datetime="{html.escape(when)}">{html.escape(when[:19].replace("T", " "))}</time>',
-        f'<span class="reason {_KIND.get(r.reason, "other")}">{html.escape(r.reason)}</span>',
+        f'<span class="reason {REASON_KIND.get(r.reason, "other")}">{html.escape(r.reason)}</span>',
         job,
         f'<span class="{"stale" if stale else "gen"}">'
         f"{_text(r.generation)} / {_text(current)}</span>",

@@ -27,8 +27,8 @@ from gateway.admin.audit import audit_cursor, audit_item, parse_audit_query
 from gateway.admin.jobs import job_view
 from gateway.admin.keys import RESOLVE_REQUEST_MAX, key_view, parse_key_query, parse_resolution
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
-from gateway.admin.page.listing import _KIND as REASON_KIND
-from gateway.admin.page.listing import PRESETS, Safe, html_response
+from gateway.admin.page.listing import PRESETS
+from gateway.admin.page.render import REASON_KIND, Safe, html_response
 from gateway.admin.query import parse_time, utc_time
 from gateway.admin.session import SESSION_COOKIE, operator_of
 from gateway.config.reader import format_duration
