@@ -26,7 +26,7 @@ from gateway.http.auth import authorization, bearer_matches, cross_site
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
-from gateway.http.schema import field_names, required_names, to_json
+from gateway.http.schema import field_checks, field_names, required_names, to_json
 from gateway.store.protocol import LeaseVerbs
 from gateway.telemetry import traces
 from leases import model
@@ -45,11 +45,6 @@ LEASE_REQUESTS: dict[str, type[LeaseRequest]] = {
     "renew": RenewRequest,
     "complete": HeldRequest,
     "release": HeldRequest,
-}
-_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "owner": lambda v: model.validate_ident(v, "owner"),
-    "generation": model.validate_generation,
-    "ttl": model.validate_ttl,
 }
 
 
@@ -315,12 +310,13 @@ async def _body(request: web.Request, op: str) -> LeaseRequest:
     for name in required_names(shape):
         if body.get(name) is None:
             raise invalid_request(f"missing field {name!r}", field=name)
+    checks = field_checks(shape)  # as gateway.http.models documents each field
     parsed: dict[str, Any] = {}
     for name in allowed:
         if name not in body:
             continue  # only an optional field can be absent here (renew's ttl)
         try:
-            parsed[name] = _CHECKS[name](body[name])
+            parsed[name] = checks[name](body[name], name)
         except ValueError as exc:
             raise invalid_request(str(exc), field=name) from None
     return shape(**parsed)

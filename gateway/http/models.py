@@ -12,19 +12,32 @@ from datetime import UTC, datetime
 from typing import Annotated, ClassVar, Literal
 
 from gateway.errors import STATUS_BY_REASON
-from gateway.http.schema import Meta, absent
-from leases.model import MAX_GENERATION, TTL_MAX, TTL_MIN, State
+from gateway.http.schema import Check, Meta, absent
+from leases.model import (
+    IDENT,
+    MAX_GENERATION,
+    TTL_MAX,
+    TTL_MIN,
+    State,
+    validate_generation,
+    validate_ident,
+    validate_ttl,
+)
 from leases.reasons import Reason
 
-IDENT_PATTERN = "^[\\x21-\\x7e]{1,256}$"
+IDENT_PATTERN = f"^{IDENT.pattern}$"
 
 # Every reason a gateway answer can carry (a replay is not an error).
 PROBLEM_REASONS = tuple(sorted(set(STATUS_BY_REASON) - {Reason.DUPLICATE}))
 
-Ident = Annotated[str, Meta(pattern=IDENT_PATTERN)]
-Generation = Annotated[int, Meta(minimum=1, maximum=MAX_GENERATION)]
+# What a lease request's field is documented as (Meta) and read with (Check), on one
+# line each: the check enforces exactly the bounds the document states.
+Ident = Annotated[str, Meta(pattern=IDENT_PATTERN), Check(validate_ident)]
+Generation = Annotated[int, Meta(minimum=1, maximum=MAX_GENERATION), Check(validate_generation)]
 Time = Annotated[str, Meta(format="date-time")]
-Ttl = Annotated[float, Meta(minimum=TTL_MIN, maximum=TTL_MAX)]
+Ttl = Annotated[
+    float, Meta(minimum=TTL_MIN, maximum=TTL_MAX), Check(lambda value, _: validate_ttl(value))
+]
 Seconds = Annotated[float, Meta(minimum=0)]
 LeaseState = Annotated[str, Meta(enum=tuple(s.value for s in State))]
 

@@ -33,6 +33,34 @@ _SCALARS: dict[type, str] = {bool: "boolean", int: "integer", float: "number", s
 
 
 @dataclasses.dataclass(frozen=True)
+class Check:
+    """How a request body's field is read, next to the `Meta` that documents it:
+    `read(value, name)` returns the value or raises ValueError with the message
+    the caller gets."""
+
+    read: Callable[[Any, str], Any]
+
+
+def field_checks(model: type) -> dict[str, Callable[[Any, str], Any]]:
+    """Each field's `Check`, from its annotation (`X | None` included)."""
+    found: dict[str, Callable[[Any, str], Any]] = {}
+    for name, tp in _hints(model).items():
+        check = _check_of(tp)
+        if check is not None:
+            found[name] = check.read
+    return found
+
+
+def _check_of(tp: Any) -> Check | None:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return next((m for m in args[1:] if isinstance(m, Check)), None)
+    if origin in (Union, types.UnionType):
+        return next((c for c in map(_check_of, args) if c is not None), None)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Meta:
     """JSON Schema keywords for an `Annotated` type (None: not set)."""
 
