@@ -68,16 +68,16 @@ def _ticks(start: float, end: float) -> str:
     offset = time.localtime(start).tm_gmtoff  # round in local time, not UTC
     first = ((start + offset) // step + 1) * step - offset
     marks: list[str] = []
-    at = first
-    while at < end:
+    for at in (first + n * step for n in range(int((end - first) // step) + 1)):
         x = (at - start) / span * WIDTH
+        if not 24 <= x <= WIDTH - 24:  # a label there would be cut at the edge
+            continue
         marks.append(
             f'<line x1="{x:.1f}" y1="{HEIGHT - BOTTOM}" x2="{x:.1f}" y2="{HEIGHT - BOTTOM + 4}" '
             'stroke="#8792a2"/>'
             f'<text x="{x:.1f}" y="{HEIGHT - 5}" class="axis tick" text-anchor="middle">'
             f"{html.escape(_label(at, step))}</text>"
         )
-        at += step
     zone = time.strftime("%Z", time.localtime(start))
     marks.append(
         f'<text x="{WIDTH - 2}" y="{TOP - 3}" class="axis" text-anchor="end">'

@@ -51,7 +51,7 @@ def html_response(
         "admin_layout.html",
         title=title,
         body=Safe(body),
-        logout=Safe(signed_in + (_LOGOUT if logout else "")),
+        logout=Safe(f'<div class="account">{signed_in}{_LOGOUT if logout else ""}</div>'),
         head=head,
     )
     return web.Response(
