@@ -13,7 +13,9 @@ commits, as PostgreSQL delivers notifications.
 Each gateway process listens on one connection of its own, outside the pool
 (`listen_settlements`); LISTEN is session state, so behind a pooler in
 transaction mode no notification arrives and the waiters' fallback poll wakes
-them instead. A lost connection is opened again after `RECONNECT_S`.
+them instead. A lost connection is opened again after `RECONNECT_S`, and one
+that cannot be opened is tried again at growing intervals (up to
+`MAX_RECONNECT_S`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = structlog.get_logger("gateway.store")
 
 CHANNEL = "sinkgate_settled"
 RECONNECT_S = 1.0
+MAX_RECONNECT_S = 30.0
 
 # Created once, under the schema lock (`postgres_schema.init_schema`); a trigger
 # that exists is left alone, so a start beside running replicas takes no lock on
@@ -81,27 +84,31 @@ async def listen_settlements(url: str, settled: Settled, connect_timeout: float)
         if parsed is not None:
             settled(*parsed)
 
+    delay = RECONNECT_S
     while True:
         try:
             conn = await asyncpg.connect(url, timeout=connect_timeout, statement_cache_size=0)
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             log.warning("settlements_unheard", error=f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(RECONNECT_S)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RECONNECT_S)  # a server refusing us is not hammered
             continue
         try:
-            await _listen(conn, on_notification)
+            if await _listen(conn, on_notification):
+                delay = RECONNECT_S
         finally:
             conn.terminate()  # no goodbye needed: LISTEN ends with the session
         log.warning("settlements_unheard", error="the listening connection was lost")
-        await asyncio.sleep(RECONNECT_S)
+        await asyncio.sleep(delay)
 
 
-async def _listen(conn: Any, on_notification: Any) -> None:
-    """Listen on `conn` until it is lost."""
+async def _listen(conn: Any, on_notification: Any) -> bool:
+    """Listen on `conn` until it is lost; False if it never listened."""
     lost = asyncio.Event()
     conn.add_termination_listener(lambda _conn: lost.set())
     try:
         await conn.add_listener(CHANNEL, on_notification)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-        return
+        return False
     await lost.wait()
+    return True
