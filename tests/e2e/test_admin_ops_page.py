@@ -191,6 +191,7 @@ async def test_the_chart_zooms_to_fresh_data_with_ticks_and_a_title_per_bar(brow
     assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)? to \d\d:\d\d(:\d\d)? \(\S+Z\): 1 — \w+ 1", t)
                for t in titles)  # fmt: skip
     assert len(re.findall(r'class="axis tick"', chart)) >= 2  # readable round times
+    assert re.search(r'id="chart-note">zoomed to the last \d+m of 24h, where the data is<', chart)
     assert "time: " in chart and "<script" not in page
 
 

@@ -31,8 +31,9 @@ FAMILY_COLOURS = {
 }
 
 
-def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
-    """The SVG element for `summary`'s series (an empty window draws an empty axis)."""
+def rejections_chart(summary: Summary, family_of: dict[str, str], *, note: str = "") -> str:
+    """The SVG element for `summary`'s series (an empty window draws an empty axis);
+    `note` is said at the top, in the middle (what the chart was zoomed to)."""
     count = summary.bucket_count
     totals = [sum(summary.series.get(n, {}).values()) for n in range(count)]
     peak = max(totals, default=0) or 1
@@ -50,6 +51,12 @@ def rejections_chart(summary: Summary, family_of: dict[str, str]) -> str:
         f'<line x1="0" y1="{TOP}" x2="{WIDTH}" y2="{TOP}" stroke="#eef1f5"/>'
         f'<text x="2" y="{TOP - 3}" class="axis">{peak} per {_width(summary.bucket_seconds)}'
         "</text>"
+        + (
+            f'<text x="{WIDTH / 2:.0f}" y="{TOP - 3}" class="axis" text-anchor="middle" '
+            f'id="chart-note">{html.escape(note)}</text>'
+            if note
+            else ""
+        )
         + "".join(bars)
         + _ticks(summary.first_bucket, summary.first_bucket + count * summary.bucket_seconds)
         + "</svg>"

@@ -107,7 +107,7 @@ class OperatorPage:
             '<section class="glance" id="glance"><div class="tiles">'
             + self._tiles(summary, window)
             + f'<div class="chips">{self._chips(summary, window)}</div></div>'
-            + rejections_chart(await self._zoomed(summary, now), self._kinds)
+            + await self._chart(summary, now, window)
             + f'<p class="legend">{legend}</p></section>'
         )
 
@@ -145,19 +145,19 @@ class OperatorPage:
         )
         return chips or "<em>no rejections</em>"
 
-    async def _zoomed(self, summary: Summary, now: float) -> Summary:
-        """The summary the chart draws: where the data is, when it fills under a
+    async def _chart(self, summary: Summary, now: float, window: str) -> str:
+        """The chart of the window, or of where the data is when it fills under a
         quarter of the window (fresh data would be a sliver at the right edge)."""
         filled = sorted(n for n, counts in summary.series.items() if counts)
-        if not filled:
-            return summary
-        start = summary.first_bucket + filled[0] * summary.bucket_seconds
-        if now - start >= (summary.until - summary.since) / 4:
-            return summary
+        start = summary.first_bucket + (filled[0] if filled else 0) * summary.bucket_seconds
+        if not filled or now - start >= (summary.until - summary.since) / 4:
+            return rejections_chart(summary, self._kinds)
         # A margin of a tenth before the first bar, and at least a minute.
         since = max(summary.since, start - max(60.0, (now - start) / 10))
         zoomed: Summary = await self._store.summary(since, now)
-        return zoomed
+        shown = format_duration(max(60.0, round((now - since) / 60) * 60))
+        note = f"zoomed to the last {shown} of {window}, where the data is"
+        return rejections_chart(zoomed, self._kinds, note=note)
 
     # --- the queue -------------------------------------------------------------------------
 
