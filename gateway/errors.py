@@ -17,6 +17,7 @@ from leases.reasons import REASONS, title_of
 # Derived from the one table of reasons (leases.reasons).
 STATUS_BY_REASON: dict[str, int] = {reason: info.status for reason, info in REASONS.items()}
 TITLE_BY_REASON: dict[str, str] = {reason: title_of(reason) for reason in REASONS}
+_RETRY_AFTER: dict[str, int] = {reason: 1 for reason, info in REASONS.items() if info.retry_later}
 
 # The challenge a 401 carries (RFC 9110 11.6.1): worker and lease API tokens.
 WORKER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sinkgate"'}
@@ -61,7 +62,8 @@ class Rejection(GatewayError):
         self.reason = reason
         self.detail = detail
         self.status = status if status is not None else STATUS_BY_REASON[reason]
-        self.retry_after = retry_after
+        # A reason the table marks `retry_later` always says when: 1 s unless told.
+        self.retry_after = retry_after if retry_after is not None else _RETRY_AFTER.get(reason)
         self.headers = headers or {}  # ones HTTP requires with the status (Allow, ...)
         self.close = close  # the answer closes the connection (a body left unread)
         self.members = {k: v for k, v in members.items() if v is not None}

@@ -65,7 +65,6 @@ async def read_body(
         raise Rejection(
             Reason.OVERLOADED,
             "too many request bodies are arriving at once",
-            retry_after=1,
             close=True,  # the body is not read: the connection cannot be kept
             **members,
         )

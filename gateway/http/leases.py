@@ -226,7 +226,7 @@ def _refusal(exc: Exception, job_id: str | None) -> Rejection:
             current_generation=exc.current_generation,
         )
     if isinstance(exc, StoreUnavailable):
-        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, job_id=job_id)
+        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), job_id=job_id)
     # ValueError: the store's own argument check; nothing was written
     return invalid_request(str(exc), job_id=job_id)
 

@@ -274,9 +274,7 @@ class WriteGateway:
             verdict = await self.store.decide_write(facts, context)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("decide").inc()
-            raise Rejection(
-                Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, **_write_members(facts)
-            ) from exc
+            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)) from exc
         finally:
             elapsed = time.perf_counter() - store_started
             self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
@@ -471,9 +469,7 @@ class WriteGateway:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("record_rejection").inc()
-            raise Rejection(
-                Reason.STORE_UNAVAILABLE, str(exc), retry_after=1, destination=destination
-            ) from exc
+            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
 
 
 def _preference_applied(
@@ -486,7 +482,7 @@ def _preference_applied(
 
 
 def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:
-    return Rejection(Reason.OVERLOADED, detail, retry_after=1, destination=destination.name)
+    return Rejection(Reason.OVERLOADED, detail, destination=destination.name)
 
 
 def _write_members(facts: WriteFacts) -> dict[str, Any]:

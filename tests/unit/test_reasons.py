@@ -98,3 +98,11 @@ def test_the_writers_exception_families_follow_the_table() -> None:
     assert _family("upstream_timeout", 504) is GatewayUnavailable
     assert _family("store_unavailable", 503) is GatewayUnavailable
     assert _family("invalid_path", 400) is BadWrite
+
+
+def test_a_reason_to_retry_later_always_says_when() -> None:
+    """Retry-After comes from the table's `retry_later`: 1 s unless the caller knows
+    better (a lease's expiry, a reservation's deadline); no other reason has one."""
+    for reason, info in REASONS.items():
+        assert Rejection(reason, "x").retry_after == (1 if info.retry_later else None), reason
+    assert Rejection(Reason.LEASE_HELD, "x", retry_after=7).retry_after == 7
