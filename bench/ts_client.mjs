@@ -8,7 +8,8 @@
 // SINKGATE_PYTHON, default python3) on a temporary SQLite store, claims one
 // lease, then sends the writes one at a time in alternating blocks: a bare
 // fetch with the fencing headers set by hand, and `writer.post(..., {json,
-// step})` (derived key, Python-compatible JSON, Prefer: wait, checks). CPU is
+// step})` bound to an abort signal as under `hold` (derived key,
+// Python-compatible JSON, Prefer: wait, the abort wiring, checks). CPU is
 // this process's user + system time (process.cpuUsage), so the gateway's and
 // the upstream's work is not counted; the difference per write is what the
 // client adds. Every write has its own key, so none is a replay.
@@ -94,7 +95,8 @@ function bare(url, lease) {
 }
 
 function fenced(url, lease) {
-  const writer = new FencedWriter(url, lease);
+  // bound to a signal, as under hold(): the abort wiring is part of the cost
+  const writer = new FencedWriter(url, lease, { signal: new AbortController().signal });
   return async (i) => {
     const result = await writer.post("rec", "/charges", { json: payload(i), step: `charge-${i}` });
     if (result.status !== 200 || result.replayed) throw new Error(`fenced write answered ${result.status}`);

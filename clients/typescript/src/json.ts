@@ -87,47 +87,47 @@ function number(value: number): string {
  * Values follow `JSON.stringify` otherwise (`toJSON`, undefined members left out).
  */
 export function canonicalJson(value: unknown): string {
-  const seen = new Set<object>();
-  const write = (item: unknown, inArray: boolean): string | undefined => {
-    if (item !== null && typeof item === "object" && "toJSON" in item && typeof item.toJSON === "function") {
-      item = (item as { toJSON(): unknown }).toJSON();
-    }
-    switch (typeof item) {
-      case "string":
-        return pyString(item);
-      case "number":
-        return number(item);
-      case "bigint":
-        return item.toString();
-      case "boolean":
-        return item ? "true" : "false";
-      case "undefined":
-      case "function":
-      case "symbol":
-        return inArray ? "null" : undefined;
-      default:
-        break;
-    }
-    if (item === null) return "null";
-    const obj = item as object;
-    if (seen.has(obj)) throw new TypeError("json: circular structure");
-    seen.add(obj);
-    let out: string;
-    if (Array.isArray(obj)) {
-      out = `[${obj.map((element) => write(element, true)).join(",")}]`;
-    } else {
-      const members: string[] = [];
-      const record = obj as Record<string, unknown>;
-      for (const key of Object.keys(record).sort(byCodePoint)) {
-        const written = write(record[key], false);
-        if (written !== undefined) members.push(`${pyString(key)}:${written}`);
-      }
-      out = `{${members.join(",")}}`;
-    }
-    seen.delete(obj);
-    return out;
-  };
-  const text = write(value, false);
+  const text = write(value, false, []);
   if (text === undefined) throw new TypeError("json: the value has no JSON form");
   return text;
+}
+
+/** One value of `canonicalJson`; `open` holds the containers being written. */
+function write(item: unknown, inArray: boolean, open: object[]): string | undefined {
+  if (typeof item === "object" && item !== null && typeof (item as { toJSON?: unknown }).toJSON === "function") {
+    item = (item as { toJSON(): unknown }).toJSON();
+  }
+  switch (typeof item) {
+    case "string":
+      return pyString(item);
+    case "number":
+      return number(item);
+    case "bigint":
+      return item.toString();
+    case "boolean":
+      return item ? "true" : "false";
+    case "object":
+      break;
+    default: // undefined, functions, symbols: left out, or null in an array
+      return inArray ? "null" : undefined;
+  }
+  if (item === null) return "null";
+  if (open.includes(item)) throw new TypeError("json: circular structure");
+  open.push(item);
+  let out: string;
+  if (Array.isArray(item)) {
+    out = "[";
+    for (let i = 0; i < item.length; i++) out += (i ? "," : "") + write(item[i], true, open);
+    out += "]";
+  } else {
+    const record = item as Record<string, unknown>;
+    out = "{";
+    for (const key of Object.keys(record).sort(byCodePoint)) {
+      const written = write(record[key], false, open);
+      if (written !== undefined) out += `${out.length > 1 ? "," : ""}${pyString(key)}:${written}`;
+    }
+    out += "}";
+  }
+  open.pop();
+  return out;
 }

@@ -30,6 +30,25 @@ describe("deriveKey", () => {
   });
 });
 
+describe("canonicalJson", () => {
+  it("writes what json.dumps(sort_keys, compact, ensure_ascii) writes", () => {
+    assert.equal(
+      canonicalJson({ b: 1, a: [1.5, 1e-7, 1e21, "é\u007f"], c: undefined }),
+      '{"a":[1.5,1e-07,1e+21,"\\u00e9\\u007f"],"b":1}',
+    );
+    assert.equal(canonicalJson([undefined, new Date(0)]), '[null,"1970-01-01T00:00:00.000Z"]');
+  });
+
+  it("refuses what has no JSON form", () => {
+    const loop: Record<string, unknown> = {};
+    loop.self = loop;
+    assert.throws(() => canonicalJson(loop), TypeError);
+    assert.throws(() => canonicalJson(Number.POSITIVE_INFINITY), RangeError);
+    assert.throws(() => canonicalJson(undefined), TypeError);
+    assert.equal(canonicalJson({ same: [1], again: [1] }), '{"again":[1],"same":[1]}');
+  });
+});
+
 const ALPHABETS = [
   [0x21, 0x7e], // visible ASCII
   [0x00, 0x20], // controls and space
