@@ -127,6 +127,13 @@ describe("through a real gateway", { skip }, () => {
     );
     await assert.rejects(writer.post("rec", "/a", { json: { x: Number.NaN }, step: "s" }), RangeError);
     assert.throws(() => new FencedWriter(gateway.url, lease, { wait: 1.5 }), RangeError);
+    const lost = new AbortController();
+    lost.abort(new LeaseLost(job, lease.generation, "lease_expired"));
+    await assert.rejects(
+      new FencedWriter(gateway.url, lease, { signal: lost.signal }).post("rec", "/a", { json: {}, step: "s" }),
+      (e: unknown) => e instanceof LeaseLost && e.reason === "lease_expired",
+      "a writer under an aborted signal refuses to send",
+    );
     assert.equal(upstream.effects.length, before, "nothing reached the upstream");
     await client.release(lease);
   });
