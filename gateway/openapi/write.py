@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.errors import STATUS_BY_REASON
 from gateway.openapi.parts import IDENT, STRING, path_param, problem
-from leases.model import LOST_REASONS, TOKEN
-from leases.reasons import Reason
+from gateway.write.refusals import REFUSALS
+from leases.model import TOKEN
 
 _DESCRIPTION = (
     "Forwarded to `{upstream}/{path}?{query}` of the destination after the fence "
@@ -77,37 +78,8 @@ def _refusals() -> dict[str, Any]:
     """The gateway's own answers on the write route, by status; each may say a
     `Prefer: wait` was applied."""
     refusals = {
-        "400": problem(
-            "fencing headers, key or path malformed, or a request the HTTP parser refuses",
-            Reason.MISSING_FENCING_TOKEN,
-            Reason.INVALID_FENCING_TOKEN,
-            Reason.MISSING_IDEMPOTENCY_KEY,
-            Reason.INVALID_IDEMPOTENCY_KEY,
-            Reason.INVALID_PATH,
-            Reason.INVALID_REQUEST,
-        ),
-        "401": problem("worker token missing or wrong", Reason.UNAUTHORIZED),
-        "404": problem("unknown destination", Reason.UNKNOWN_DESTINATION),
-        "405": problem("method not allowed for this destination", Reason.METHOD_NOT_ALLOWED),
-        "408": problem("the body did not arrive in time", Reason.REQUEST_TIMEOUT),
-        "409": problem(
-            "refused by the fence, the barrier or the key's state",
-            *LOST_REASONS,
-            Reason.OLDER_GENERATION_IN_FLIGHT,
-            Reason.REQUEST_IN_PROGRESS,
-            Reason.OUTCOME_UNKNOWN,
-        ),
-        "413": problem("body over the destination's max_body", Reason.BODY_TOO_LARGE),
-        "422": problem("key reused with another request", Reason.IDEMPOTENCY_KEY_REUSED),
-        "502": problem(
-            "the upstream could not be reached or dropped the connection",
-            Reason.UPSTREAM_UNREACHABLE,
-            Reason.UPSTREAM_DISCONNECTED,
-        ),
-        "503": problem(
-            "overloaded or the store is down", Reason.OVERLOADED, Reason.STORE_UNAVAILABLE
-        ),
-        "504": problem("no upstream answer within the timeout", Reason.UPSTREAM_TIMEOUT),
+        str(STATUS_BY_REASON[reasons[0]]): problem(description, *reasons)
+        for description, reasons in REFUSALS
     }
     for status in ("409", "422", "502", "503", "504"):
         refusals[status]["headers"]["Preference-Applied"] = _PREFERENCE_APPLIED
