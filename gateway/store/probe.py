@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from gateway.errors import GatewayError
-from gateway.store.sqlite_schema import GATEWAY_SCHEMA_VERSION
+from gateway.store import sqlite_schema
 
 CONNECT_TIMEOUT_S = 5.0
 _VERSION_SQL = "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
@@ -36,21 +36,23 @@ async def store_status(url: str) -> str:
     return await _postgres_status(url)
 
 
-def schema_words(version: int | None) -> str:
-    """`missing`, `older`, `current` or (ProbeFailed) newer than this release."""
+def schema_words(version: int | None, current: int) -> str:
+    """`missing`, `older`, `current` or (ProbeFailed) newer than this release's
+    `current` (each backend numbers its own schema)."""
     if version is None:
         return "schema missing: serve creates it"
-    if version < GATEWAY_SCHEMA_VERSION:
-        return f"schema older (v{version}): serve upgrades it to v{GATEWAY_SCHEMA_VERSION}"
-    if version == GATEWAY_SCHEMA_VERSION:
+    if version < current:
+        return f"schema older (v{version}): serve upgrades it to v{current}"
+    if version == current:
         return f"schema current (v{version})"
     raise ProbeFailed(
-        f"its schema is v{version}, newer than this release's v{GATEWAY_SCHEMA_VERSION}: "
+        f"its schema is v{version}, newer than this release's v{current}: "
         "run the release that wrote it, or a newer one"
     )
 
 
 def _sqlite_status(path: str) -> str:
+    current = sqlite_schema.GATEWAY_SCHEMA_VERSION
     if path == ":memory:":
         return "in memory: nothing to check"
     file = Path(path)
@@ -69,15 +71,17 @@ def _sqlite_status(path: str) -> str:
             conn.close()
     except sqlite3.OperationalError as exc:
         if "no such table" in str(exc):
-            return schema_words(None)
+            return schema_words(None, current)
         raise ProbeFailed(f"cannot be read: {exc}") from exc
     except sqlite3.DatabaseError as exc:
         raise ProbeFailed(f"is not a SQLite database: {exc}") from exc
-    return schema_words(None if row is None else int(row[0]))
+    return schema_words(None if row is None else int(row[0]), current)
 
 
 async def _postgres_status(url: str) -> str:
     import asyncpg  # type: ignore[import-untyped]
+
+    from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION as current
 
     try:
         conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
@@ -87,11 +91,11 @@ async def _postgres_status(url: str) -> str:
         version = await conn.fetchval(_VERSION_SQL)
     except asyncpg.PostgresError as exc:
         if getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE:
-            return schema_words(None)
+            return schema_words(None, current)
         raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
-    return schema_words(None if version is None else int(version))
+    return schema_words(None if version is None else int(version), current)
 
 
 def postgres_trouble(url: str, exc: BaseException) -> str:

@@ -97,10 +97,11 @@ async def test_postgres_schema_missing_then_current(tmp_path, listening, capfd):
         assert code == 0, err
         assert "schema missing: serve creates it" in out
         from gateway.store.postgres import PostgresStore
+        from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION as current
 
         await (await PostgresStore.open(url)).close()
         code, out, _ = await check(path, capfd)
-        assert code == 0 and f"schema current (v{GATEWAY_SCHEMA_VERSION})" in out
+        assert code == 0 and f"schema current (v{current})" in out
 
 
 async def missing_database_url() -> str:
