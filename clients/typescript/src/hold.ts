@@ -170,9 +170,27 @@ export async function hold<T>(
     watching.abort();
     await watchdog;
   };
-  const ended = new Promise<"lost" | "outside">((resolve) => {
-    state.body.signal.addEventListener("abort", () => resolve(state.lost ? "lost" : "outside"), { once: true });
-    outside?.addEventListener("abort", () => state.body.abort(outside.reason), { once: true });
+  const onOutside = (): void => state.body.abort(outside?.reason);
+  outside?.addEventListener("abort", onOutside, { once: true });
+  try {
+    return await settle(client, state, body, onExit, cancelTimeout, stopWatching, outside);
+  } finally {
+    outside?.removeEventListener("abort", onOutside); // a worker-wide signal outlives many holds
+  }
+}
+
+/** Run the body until it settles or the lease is lost (or the worker shuts down), then exit. */
+async function settle<T>(
+  client: LeaseClient,
+  state: Hold,
+  body: (lease: HeldLease, signal: AbortSignal) => Promise<T> | T,
+  onExit: OnExit,
+  cancelTimeout: number,
+  stopWatching: () => Promise<void>,
+  outside: AbortSignal | undefined,
+): Promise<T> {
+  const ended = new Promise<"ended">((resolve) => {
+    state.body.signal.addEventListener("abort", () => resolve("ended"), { once: true });
   });
   const run = Promise.resolve().then(() => body(state.held(), state.body.signal));
   const outcome = await Promise.race([
@@ -182,7 +200,7 @@ export async function hold<T>(
     ),
     ended,
   ]);
-  if (outcome === "lost" || outcome === "outside") {
+  if (outcome === "ended") {
     run.catch(() => undefined); // its late outcome is nobody's: the hold has ended
     await stopWatching();
     if (state.lost !== undefined) throw state.lost;

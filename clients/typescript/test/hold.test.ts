@@ -5,6 +5,7 @@
  */
 
 import assert from "node:assert/strict";
+import { getEventListeners } from "node:events";
 import { after, before, describe, it } from "node:test";
 import { FencedWriter, hold, type Lease, LeaseClient, LeaseLost, RenewalSchedule } from "@sinkgate/leases";
 import { destination, Gateway, gatewayMissing, missing, Upstream, unique, Wire } from "./harness.js";
@@ -90,6 +91,14 @@ describe("hold through a real gateway", { skip }, () => {
     await assert.rejects(running, /shutting down/);
     assert.equal(bodySignal.aborted, true);
     assert.equal((await client.get(job))?.state, "free");
+  });
+
+  it("leaves no listener on a worker-wide shutdown signal once it has ended", async () => {
+    const shutdown = new AbortController();
+    for (let i = 0; i < 3; i++) {
+      await hold(client, unique("hold"), { ttl: 5, signal: shutdown.signal }, async () => i);
+    }
+    assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
   });
 
   it("never starts the body when the claim's answer comes after the local deadline", async () => {
