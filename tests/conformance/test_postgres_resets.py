@@ -21,12 +21,15 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.policy.decision import Forward, KeyState
+from gateway.store import postgres as postgres_store
 from gateway.store.postgres import PostgresStore
 from leases.errors import StoreUnavailable
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
@@ -123,3 +126,33 @@ async def test_outcomes_survive_backends_terminated_during_a_burst(url: str) -> 
     assert len(lost) / forwarded < 0.01, (len(lost), forwarded, burst.errors, retries)
     # The pooled connection is never used after asyncpg took it back.
     assert not [e for e in burst.errors if "released back to the pool" in e], burst.errors
+
+
+async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decision batch commits, then its connection is lost before the answer
+    arrives: its callers are told the store failed, so nobody forwards those
+    writes, and their reservations are released rather than left in flight to
+    turn `unknown`. (Switched off by hand, `_release_uncertain` doing nothing: the
+    key is found in flight, and the retry answers `request_in_progress`.)"""
+    real = postgres_store.transaction
+
+    @asynccontextmanager
+    async def answer_lost(pool: Any, wait: Any, **options: Any) -> AsyncIterator[Any]:
+        async with real(pool, wait, **options) as conn:
+            yield conn
+        raise asyncpg.ConnectionDoesNotExistError("connection was closed")  # after COMMIT
+
+    store = await PostgresStore.open(url)
+    try:
+        monkeypatch.setattr(postgres_store, "transaction", answer_lost)
+        with pytest.raises(StoreUnavailable):
+            await store.decide_write(write(key="lost"), CONTEXT)
+        monkeypatch.setattr(postgres_store, "transaction", real)
+        assert await store.key_record("pay", "lost") is None
+        assert store.uncertain_released == 1
+        verdict = await store.decide_write(write(key="lost"), CONTEXT)
+        assert isinstance(verdict.decision, Forward)
+    finally:
+        await store.close()
