@@ -28,6 +28,9 @@ MAX_GENERATION = 2**63 - 1
 # owners; IDENT adds the 1-256 length of job ids and owners (SPEC 2 step 5).
 VISIBLE = re.compile(r"[\x21-\x7e]+")
 IDENT = re.compile(r"[\x21-\x7e]{1,256}")
+# An Idempotency-Key (SPEC 2 step 5; the gateway also takes it quoted).
+MAX_KEY_LENGTH = 255
+KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}")
 # A Fencing-Token: a decimal generation, no sign or leading zero, at most 19
 # digits; `generation_of` also holds it to MAX_GENERATION (SPEC 2 step 5).
 TOKEN = re.compile(r"[1-9][0-9]{0,18}")

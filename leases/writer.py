@@ -29,7 +29,7 @@ from yarl import URL
 
 from . import model, tracing
 from .hold import HeldLease, Hold
-from .model import VISIBLE, Lease
+from .model import MAX_KEY_LENGTH, VISIBLE, Lease
 from .reasons import Reason
 from .rejections import (
     GATEWAY_TIMEOUT,
@@ -54,7 +54,6 @@ __all__ = [
     "rejection_from_response",
 ]
 
-MAX_KEY_LENGTH = 255
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization", "prefer"}

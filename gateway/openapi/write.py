@@ -8,7 +8,7 @@ from typing import Any
 from gateway.errors import STATUS_BY_REASON
 from gateway.openapi.parts import IDENT, STRING, path_param, problem
 from gateway.write.refusals import REFUSALS
-from leases.model import TOKEN
+from leases.model import KEY, TOKEN
 
 _DESCRIPTION = (
     "Forwarded to `{upstream}/{path}?{query}` of the destination after the fence "
@@ -106,7 +106,7 @@ def _fencing_header_params() -> list[dict[str, Any]]:
         _header(
             "Idempotency-Key",
             False,
-            {"type": "string", "pattern": '^("?)[\\x21-\\x7e]{1,255}\\1$'},
+            {"type": "string", "pattern": f'^("?){KEY.pattern}\\1$'},
             "Required unless the destination sets require_idempotency_key = false.",
         ),
     ]

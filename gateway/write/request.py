@@ -22,7 +22,7 @@ from gateway.http.problem import invalid_request
 from gateway.policy.decision import WriteFacts, fingerprint
 from gateway.write.paths import has_nul
 from gateway.write.paths import path_escapes as path_escapes  # the path rule, SPEC 2
-from leases.model import IDENT, VISIBLE, generation_of
+from leases.model import IDENT, KEY, generation_of
 from leases.reasons import Reason
 
 _ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
@@ -180,7 +180,7 @@ def _checked_key(key: str) -> str | None:
     ASCII characters; else None."""
     if len(key) >= 2 and key[0] == key[-1] == '"':
         key = key[1:-1]
-    return key if len(key) <= 255 and VISIBLE.fullmatch(key) else None
+    return key if KEY.fullmatch(key) else None
 
 
 def _fencing(
