@@ -50,7 +50,10 @@ class FinalLease:
 
 
 @dataclass
-class Verdict:
+class Findings:
+    """What the judge found in a chaos run: each invariant's violations, and how the
+    unknown outcomes were settled."""
+
     violations: dict[str, list[str]] = field(default_factory=lambda: {i: [] for i in INVARIANTS})
     unknown_unapplied: int = 0
     unknown_applied: int = 0
@@ -72,20 +75,20 @@ def judge(
     upstream_idempotent: bool,
     gateways_killed: bool,
     fenced: Mapping[str, int] | None = None,
-) -> Verdict:
+) -> Findings:
     """Check the four invariants; `jobs` maps each job to its keys, `final` each job
     to its lease in the store, `completions` each job to the generations whose
     completion the store acknowledged (200) and `confirmed` to a generation whose
     completion answer was lost but which the store shows as done."""
-    verdict = Verdict()
+    findings = Findings()
     ours = [e for e in sorted(effects, key=lambda e: int(e["seq"])) if e["job_id"] in jobs]
-    _stale(ours, verdict.violations["no_stale_effect"])
+    _stale(ours, findings.violations["no_stale_effect"])
     applied = Counter(str(e["key"]) for e in ours)
     for key, n in sorted(applied.items()):
         if n > 1:
-            verdict.violations["no_duplicate_effect"].append(f"key {key} applied {n} times")
+            findings.violations["no_duplicate_effect"].append(f"key {key} applied {n} times")
     for job, keys in jobs.items():
-        problems = verdict.violations["completed_exactly_once"]
+        problems = findings.violations["completed_exactly_once"]
         acked = list(completions.get(job, []))
         if not _completed_once(job, final.get(job), acked, confirmed.get(job), problems):
             continue
@@ -95,11 +98,11 @@ def judge(
             applied,
             {**dropped_before, **(fenced or {})},
             unknown_keys,
-            verdict,
+            findings,
             upstream_idempotent=upstream_idempotent,
             gateways_killed=gateways_killed,
         )
-    return verdict
+    return findings
 
 
 def _completed_once(
@@ -148,16 +151,16 @@ def _effects_of(
     applied: Counter[str],
     dropped_before: Mapping[str, int],
     unknown_keys: set[str],
-    verdict: Verdict,
+    findings: Findings,
     *,
     upstream_idempotent: bool,
     gateways_killed: bool,
 ) -> None:
-    out = verdict.violations["effects_of_completed_jobs"]
+    out = findings.violations["effects_of_completed_jobs"]
     for key in keys:
         if applied[key]:
             if key in unknown_keys:
-                verdict.unknown_applied += 1
+                findings.unknown_applied += 1
             continue
         if upstream_idempotent:
             out.append(f"job {job} is done but key {key} was never applied")
@@ -172,4 +175,4 @@ def _effects_of(
                 "but the destination never dropped it"
             )
         else:
-            verdict.unknown_unapplied += 1
+            findings.unknown_unapplied += 1

@@ -10,7 +10,7 @@ from typing import Any
 from gateway.config.reader import redact_url
 from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.context import RunContext, Tally, job_keys
-from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Verdict, judge
+from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Findings, judge
 
 Leases = dict[str, FinalLease | None]  # each job's lease in the store at the end
 
@@ -37,7 +37,7 @@ def build_report(
     strands: bool = False,
 ) -> dict[str, Any]:
     tally: Tally = ctx.tally
-    verdict = _verdict(args, ctx, record, final, killed=kills > 0 or strands)
+    findings = _findings(args, ctx, record, final, killed=kills > 0 or strands)
     done = sum(1 for lease in final.values() if lease is not None and lease.state == "done")
     return {
         "settings": _settings(args),
@@ -52,7 +52,7 @@ def build_report(
         },
         "pauses_past_lease": tally.pauses_past_lease,
         **_stale(tally),
-        "writes": _writes(tally, verdict),
+        "writes": _writes(tally, findings),
         "leases_lost": dict(tally.leases_lost),
         "rejections": dict(tally.rejections),
         "lease_calls_failed": tally.lease_calls_failed,
@@ -69,17 +69,17 @@ def build_report(
             **late_mode.destination_counts(args, record, tally),
         },
         "unexpected": tally.unexpected[:20],
-        "violations": {name: len(verdict.violations[name]) for name in INVARIANTS},
+        "violations": {name: len(findings.violations[name]) for name in INVARIANTS},
         "violation_examples": {
-            name: items[:5] for name, items in verdict.violations.items() if items
+            name: items[:5] for name, items in findings.violations.items() if items
         },
-        "violation_count": verdict.count,
+        "violation_count": findings.count,
     }
 
 
-def _verdict(
+def _findings(
     args: argparse.Namespace, ctx: RunContext, record: dict[str, Any], final: Leases, killed: bool
-) -> Verdict:
+) -> Findings:
     tally = ctx.tally
     return judge(
         effects=record["effects"],
@@ -111,14 +111,14 @@ def _stale(tally: Tally) -> dict[str, Any]:
     }
 
 
-def _writes(tally: Tally, verdict: Verdict) -> dict[str, Any]:
+def _writes(tally: Tally, findings: Findings) -> dict[str, Any]:
     return {
         "sent": tally.writes_sent,
         "applied": tally.writes_applied,
         "duplicates_replayed": tally.duplicates_replayed,
         "outcome_unknown_keys": len(tally.unknown_keys),
-        "unknown_and_applied": verdict.unknown_applied,
-        "unknown_and_not_applied": verdict.unknown_unapplied,
+        "unknown_and_applied": findings.unknown_applied,
+        "unknown_and_not_applied": findings.unknown_unapplied,
         "rejected_in_hold": dict(tally.writes_rejected_in_hold),
         "retried": dict(tally.retries),
     }
