@@ -31,6 +31,7 @@ from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
 from gateway.http.schema import to_json
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tasks import watched
 from leases.reasons import Reason
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class Reloader:
         applied = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         entry["note"] = f"{text} (applied {applied}, recorded once the store was back)"
         if self._auditing is None or self._auditing.done():
-            self._auditing = asyncio.get_running_loop().create_task(self._retry_audit())
+            self._auditing = watched(self._retry_audit(), "reload-audit")
 
     async def _write_unaudited(self) -> bool:
         """Write the audit rows not written yet, oldest first; False if the store
@@ -200,7 +201,7 @@ class Reloader:
 
     def on_signal(self) -> None:
         """SIGHUP: reload in the background (errors are logged by `reload`)."""
-        task = asyncio.get_running_loop().create_task(self._quiet("sighup"))
+        task = watched(self._quiet("sighup"), "reload")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -17,6 +17,7 @@ from yarl import URL
 from gateway.config.model import HOP_BY_HOP, DestinationConfig
 from gateway.config.tls import destination_context
 from gateway.errors import GatewayError
+from gateway.telemetry.tasks import watched
 from leases.reasons import Reason
 
 # Set by the client library for the forwarded request itself.
@@ -222,7 +223,7 @@ class Upstreams:
             if pool.users or pool not in self._retired:
                 return  # in use again (or closed meanwhile): its last request closes it
             self._retired.remove(pool)
-            task = loop.create_task(pool.session.close())
+            task = watched(pool.session.close(), "close-retired-pool")
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
