@@ -41,6 +41,7 @@ KILLS = 40  # backends terminated before the burst may end
 KILL_EVERY_S = 0.05
 WAVE = 64  # writes at once
 MIN_WRITES = 600
+MAX_WRITES = 60 * WAVE
 
 
 @dataclass
@@ -89,13 +90,18 @@ async def _one(store: PostgresStore, n: int, burst: Burst) -> None:
 
 
 async def _burst(store: PostgresStore, database: str) -> Burst:
-    """Waves of writes until MIN_WRITES are done and KILLS backends are gone."""
+    """Waves of writes until MIN_WRITES are done, half of them forwarded, and KILLS
+    backends are gone (on a loaded machine more decisions fail: it goes on longer)."""
     burst = Burst()
     stop = asyncio.Event()
     killer = asyncio.create_task(_terminate_in_a_loop(database, burst, stop))
     n = 0
     try:
-        while (n < MIN_WRITES or burst.killed < KILLS) and not killer.done():
+        while (
+            (len(burst.forwarded) < MIN_WRITES // 2 or n < MIN_WRITES or burst.killed < KILLS)
+            and n < MAX_WRITES
+            and not killer.done()
+        ):
             await asyncio.gather(*(_one(store, n + i, burst) for i in range(WAVE)))
             n += WAVE
     finally:
