@@ -53,11 +53,14 @@ class ReservationDeadlines:
 
     def __init__(self) -> None:
         self._until: dict[str, float] = {}
+        self._prune_at = self.PRUNE_AT
 
     def add(self, attempt: str, seconds: float) -> None:
         now = time.monotonic()
-        if len(self._until) >= self.PRUNE_AT:
+        if len(self._until) >= self._prune_at:
             self._until = {a: t for a, t in self._until.items() if t > now}
+            # Twice what is left: many attempts in flight never make every add scan.
+            self._prune_at = max(self.PRUNE_AT, 2 * len(self._until))
         self._until[attempt] = now + seconds
 
     def pop(self, attempt: str) -> float:
