@@ -140,6 +140,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         self.outcome_retries = 0  # outcomes sent again after the store failed to answer
         self.decision_retries = 0  # decision batches run again, nothing committed
         self.uncertain_released = 0  # reservations released after a COMMIT without answer
+        self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def open(
@@ -229,6 +230,9 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
 
     async def close(self) -> None:
         await self._decisions.close()
+        for task in self._releases:  # best effort: the keys are left to their deadline
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await self._outcomes.close()
         await super().close()
 
@@ -253,7 +257,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                         committing = True
             except StoreUnavailable as exc:
                 if committing and _outage(exc):
-                    await self._release_uncertain(batch, answers)
+                    self._release_in_background(batch, answers)
                 if committing or not tries_left or self._closed or not _outage(exc):
                     raise
                 self.decision_retries += 1
@@ -262,12 +266,21 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
             return list(answers)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _release_in_background(self, batch: list[Operation], answers: list[Any]) -> None:
+        """`_release_uncertain` as a task of its own: the batch's callers get their
+        answer (the store failed) now, not once the store answers again. Kept until
+        done; cancelled by `close`."""
+        task = asyncio.create_task(self._release_uncertain(batch, answers))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def _release_uncertain(self, batch: list[Operation], answers: list[Any]) -> None:
         """A COMMIT whose answer was lost may have committed the batch's
         reservations, and their callers are told the store failed: nobody will
         forward them. Release them (as a forward that could not be sent is), so
         the keys do not sit in flight and then read `unknown` without ever having
-        been sent. Best effort: a store still failing leaves them to their deadline."""
+        been sent. Best effort: a store still failing until their deadline, or
+        closing, leaves them to it."""
         reserved = [
             (op.facts, answer.attempt)
             for op, answer in zip(batch, answers, strict=True)
