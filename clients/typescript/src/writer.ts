@@ -123,7 +123,8 @@ export class FencedWriter {
 
   /**
    * Send one write; retry while an older generation or the same key is in
-   * flight (honouring `Retry-After`, at most `maxRetries` times).
+   * flight (at most `maxRetries` times): at once after an answer the gateway
+   * held (`Preference-Applied`), else after its `Retry-After`.
    *
    * Rejects with the hold's `LeaseLost` once the lease may be gone (before
    * sending, or cutting the request in flight), `GatewayRejected` subclasses
@@ -152,6 +153,8 @@ export class FencedWriter {
       }
       const rejection = rejectionFromResponse(status, answerHeaders, answer);
       if (!RETRIED_REASONS.has(rejection.reason) || retries >= this.#maxRetries) throw rejection;
+      // The gateway held the write already (`Preference-Applied`): no second wait on top of its own.
+      if (answerHeaders.has("Preference-Applied")) continue;
       const wait = rejection.retryAfter ?? 0.05 * 2 ** retries;
       await sleep(Math.min(wait, this.#maxRetryWait), this.#signal);
     }
