@@ -15,11 +15,16 @@ from collections.abc import Iterable
 
 # One preference: its name, then an optional `= value` (token or quoted string),
 # then anything up to the next comma outside quotes (its parameters).
+# Every repetition is possessive (`*+`, `++`): a value ending in an unmatched
+# quote must fail in one pass, not backtrack over every way of splitting it.
 _PREFERENCE = re.compile(
-    r"""\s*(?P<name>[!#$%&'*+\-.^_`|~0-9A-Za-z]+)\s*"""
-    r"""(?:=\s*(?:"(?P<quoted>(?:[^"\\]|\\.)*)"|(?P<token>[^\s,;"]*)))?"""
-    r"""(?P<rest>(?:[^,"]|"(?:[^"\\]|\\.)*")*)(?:,|$)"""
+    r"""\s*+(?P<name>[!#$%&'*+\-.^_`|~0-9A-Za-z]++)\s*+"""
+    r"""(?:=\s*+(?:"(?P<quoted>(?:[^"\\]++|\\.)*+)"|(?P<token>[^\s,;"]*+)))?"""
+    r"""(?P<rest>(?:[^,"]++|"(?:[^"\\]++|\\.)*+")*+)(?:,|$)"""
 )
+# A `Prefer` value longer than this is not read (no wait): a `wait=N` needs a
+# few bytes, and a value the size of a whole header is not worth scanning.
+MAX_VALUE = 1024
 _SECONDS = re.compile(r"[0-9]{1,12}")
 
 
@@ -27,6 +32,8 @@ def wait_preference(values: Iterable[str]) -> int | None:
     """The `wait=N` of the `Prefer` header values, N >= 1; None when absent,
     malformed or zero."""
     for value in values:
+        if len(value) > MAX_VALUE:
+            continue
         position = 0
         while position < len(value):
             match = _PREFERENCE.match(value, position)

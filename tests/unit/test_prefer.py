@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.write.prefer import applied_wait, wait_preference
+from gateway.write.prefer import MAX_VALUE, applied_wait, wait_preference
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,13 @@ from gateway.write.prefer import applied_wait, wait_preference
         (["wait="], None),
         (["waiting=5"], None),
         (["wait=99999999999999"], None),  # more digits than any wait: malformed
+        # An unmatched quote ends the list (read in one pass: the pattern is possessive).
+        (["a" * 1000 + '"', "wait=4"], 4),
+        (["a" + " " * 1000 + '"'], None),
+        (['foo="' + "a" * 1000], None),
+        # A value longer than MAX_VALUE is not read; the next one still is.
+        (["wait=3, " + "x" * MAX_VALUE], None),
+        (["x" * (MAX_VALUE + 1), "wait=6"], 6),
     ],
 )
 def test_wait_preference(values: list[str], expected: int | None) -> None:
