@@ -230,7 +230,7 @@ class WriteGateway:
         facts = checked.facts
         if self._full(destination):  # refused before anything is reserved
             raise _overloaded(destination, "too many writes in flight")
-        decided = await self._deciding(request, destination, checked)
+        decided = await self._decide_or_wait(request, destination, checked)
         verdict = decided.verdict
         decision = verdict.decision
         if isinstance(decision, Reject):
@@ -253,17 +253,18 @@ class WriteGateway:
         finally:
             self._release(destination)
 
-    async def _deciding(
-        self, request: web.Request, destination: DestinationConfig, checked: Checked
+    async def _counted(
+        self, destination: DestinationConfig, facts: WriteFacts, context: WriteContext
     ) -> Decided:
-        """Step 6, counted among the writes waiting for their decision (at most
-        `[server] max_deciding`): they are not on the wire, so they take no place of
-        `max_in_flight`, but their queue is bounded all the same."""
+        """One decision (step 6), counted among the writes waiting for theirs (at
+        most `[server] max_deciding`): they are not on the wire, so they take no
+        place of `max_in_flight`, but their queue is bounded all the same. A write
+        held under `Prefer: wait` is counted only while it is being decided."""
         if self.deciding >= self.config.max_deciding:
             raise _overloaded(destination, "too many writes waiting for their decision")
         self.deciding += 1
         try:
-            return await self._decide_or_wait(request, destination, checked)
+            return await self._decide(facts, context)
         finally:
             self.deciding -= 1
 
@@ -324,20 +325,14 @@ class WriteGateway:
             )
         )
         if cap == 0:
-            return await self._decide(facts, context)
+            return await self._counted(destination, facts, context)
         last: list[Decided] = []  # each decision taken while waiting; the line times the last
 
         async def decide() -> Verdict:
-            last.append(await self._decide(facts, context))
+            last.append(await self._counted(destination, facts, context))
             return last[-1].verdict
 
-        self.deciding -= 1  # a held write is bounded by max_waiting, not max_deciding
-        try:
-            waited = await self.waiters.decide(
-                facts, cap, decide, lambda: request.transport is None
-            )
-        finally:
-            self.deciding += 1
+        waited = await self.waiters.decide(facts, cap, decide, lambda: request.transport is None)
         return Decided(
             waited.verdict,
             last[-1].store_ms,

@@ -710,10 +710,12 @@ async def test_writes_waiting_for_their_decision_take_no_place_on_the_wire(
     assert sorted(r.headers["Idempotency-Key"] for r in upstream.received) == ["other", "same"]
 
 
+@pytest.mark.parametrize("prefer", [{}, {"Prefer": "wait=5"}])
 async def test_past_max_deciding_writes_get_503_overloaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefer: dict[str, str]
 ) -> None:
-    """The writes waiting for their decision are bounded too (`[server] max_deciding`)."""
+    """The writes waiting for their decision are bounded too (`[server] max_deciding`),
+    those that would wait under `Prefer: wait` included."""
     async with _recording_upstream() as up:
         config = make_config(tmp_path, destination("pay", up.url + "/api"))
         async with running_gateway(replace(config, max_deciding=1)) as gw:
@@ -726,9 +728,9 @@ async def test_past_max_deciding_writes_get_503_overloaded(
                 return await decide(*args)
 
             monkeypatch.setattr(writes.store, "decide_write", held)
-            first = asyncio.create_task(gw.write("/to/pay/x", key="k1"))
+            first = asyncio.create_task(gw.write("/to/pay/x", key="k1", headers=prefer))
             await eventually(lambda: writes.deciding == 1, what="the first write deciding")
-            status, headers, _ = await gw.write("/to/pay/x", key="k2")
+            status, headers, _ = await gw.write("/to/pay/x", key="k2", headers=prefer)
             assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
             gate.set()
             assert (await first)[0] == 201
