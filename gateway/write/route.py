@@ -470,10 +470,13 @@ class WriteGateway:
 def _preference_applied(
     answer: web.StreamResponse | UpstreamAnswer, decided: Decided | None
 ) -> None:
-    """SPEC 2: every answer to a write whose `Prefer: wait` was honoured says so."""
+    """SPEC 2: every answer to a write whose `Prefer: wait` was honoured says so,
+    after whatever preferences the destination said it applied (a relayed or
+    replayed answer may carry its own `Preference-Applied`)."""
     cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
-        answer.headers["Preference-Applied"] = f"wait={cap}"
+        applied = [*answer.headers.getall("Preference-Applied", ()), f"wait={cap}"]
+        answer.headers["Preference-Applied"] = ", ".join(applied)
 
 
 def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:

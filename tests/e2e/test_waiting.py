@@ -31,7 +31,8 @@ from tests.harness import (
 @dataclass
 class HeldUpstream:
     """Holds every request to /hold/NNN until `release` is set, then answers NNN;
-    anything else is answered 201 at once. Records the paths and the fencing tokens
+    anything else is answered 201 at once (saying it applied `return=minimal`
+    when asked). Records the paths and the fencing tokens
     in the order the requests arrived."""
 
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -45,7 +46,10 @@ class HeldUpstream:
         if len(parts) > 3 and parts[2] == "hold":
             await asyncio.wait_for(self.release.wait(), 30)
             return web.Response(status=int(parts[3]), text=f"held {len(self.received)}")
-        return web.json_response({"n": len(self.received)}, status=201)
+        answer = web.json_response({"n": len(self.received)}, status=201)
+        if "return=minimal" in request.headers.get("Prefer", ""):
+            answer.headers["Preference-Applied"] = "return=minimal"
+        return answer
 
 
 @pytest.fixture
@@ -250,3 +254,15 @@ async def test_every_answer_to_a_write_whose_wait_applies_says_so(
     for _, headers, _ in (forwarded, replayed, stale):
         assert headers["Preference-Applied"] == "wait=10"
     assert metric(gw, "sinkgate_waits_total", result="replayed") == 0  # nothing waited
+
+
+async def test_the_destinations_own_applied_preferences_are_kept(gw: Gateway) -> None:
+    """`Preference-Applied: wait=M` is added after what the destination applied;
+    a replay has the destination's only where its `replay_headers` keep it."""
+    await gw.claim("job-1")
+    prefer = {"Prefer": "return=minimal, wait=10"}
+    status, headers, _ = await gw.write("/to/pay/x", key="k", headers=prefer)
+    assert status == 201 and headers["Preference-Applied"] == "return=minimal, wait=10"
+    status, headers, _ = await gw.write("/to/pay/x", key="k", headers=prefer)
+    assert status == 201 and headers["Idempotent-Replayed"] == "true"
+    assert headers["Preference-Applied"] == "wait=10"
