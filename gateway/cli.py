@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import os
 import sys
@@ -196,7 +197,9 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("config_loaded", config=str(config.source), destinations=sorted(config.destinations))
     for warning in config_warnings(config):
         log.warning("config_warning", warning=warning)
-    workers = args.workers or config.workers
+    # `--workers` overrides the file for everything that reads the count.
+    config = dataclasses.replace(config, workers=args.workers or config.workers)
+    workers = config.workers
     if workers == 1:
         return _run_gateway(config)
     try:

@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gateway import supervisor
+from gateway import cli, supervisor
 from gateway.cli import main, summary
 from gateway.config import keys
 from gateway.config.keys import RESTART_ONLY
@@ -76,6 +77,29 @@ def test_serve_refuses_a_bad_workers_flag(tmp_path: Path, value: str) -> None:
     )
     assert done.returncode == 2
     assert "argument --workers" in done.stderr
+
+
+def test_the_workers_flag_is_the_count_each_worker_sees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What reads `config.workers` in a worker (the waiters' poll on a shared
+    SQLite file) sees `--workers N`, not the file's count."""
+    path = write_config(tmp_path, 'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n')
+    seen: list[int] = []
+
+    class OneRun:
+        def __init__(self, workers: int, *a: Any, **kw: Any) -> None:
+            self.run = a[2]
+
+        def main(self) -> int:
+            return int(self.run(None))
+
+    monkeypatch.setattr(cli, "Supervisor", OneRun)
+    monkeypatch.setattr(
+        cli, "_run_gateway", lambda config, *a, **kw: seen.append(config.workers) or 0
+    )
+    assert main(["serve", "--config", str(path), "--workers", "3"]) == 0
+    assert seen == [3]
 
 
 class Clock:
