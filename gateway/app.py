@@ -196,7 +196,9 @@ def _watch_settlements(store: Store, waiters: Waiters) -> asyncio.Task[None] | N
     waiters go on by their fallback poll."""
     if not isinstance(store, SettlementFeed):
         return None
-    task = asyncio.create_task(store.watch_settlements(waiters.settled), name="settlements")
+    task = asyncio.create_task(
+        store.watch_settlements(waiters.settled, waiters.holding), name="settlements"
+    )
     task.add_done_callback(_settlements_done)
     return task
 

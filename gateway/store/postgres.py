@@ -186,10 +186,10 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     def _clock(self) -> float:
         return time.time() + self._skew + self._offset()
 
-    async def watch_settlements(self, settled: Settled) -> None:
+    async def watch_settlements(self, settled: Settled, holding: asyncio.Event) -> None:
         """`SettlementFeed`: every process's settlements, on a connection of its own."""
         url, connect_timeout = self._listen
-        await listen_settlements(url, settled, connect_timeout)
+        await listen_settlements(url, settled, holding, connect_timeout)
 
     def _observed(self, now: float, offset: float) -> None:
         self._skew = now - offset - time.time()

@@ -9,6 +9,7 @@ Backends: `gateway.store.sqlite.SQLiteStore`, `gateway.store.postgres.PostgresSt
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -56,9 +57,11 @@ Settled = Callable[[str, str | None, str], None]
 class SettlementFeed(Protocol):
     """A store that tells every process of the attempts settled in any of them."""
 
-    async def watch_settlements(self, settled: Settled) -> None:
+    async def watch_settlements(self, settled: Settled, holding: asyncio.Event) -> None:
         """Call `settled` for each attempt whose outcome is recorded or which is
-        released, by any process on the store; runs until cancelled."""
+        released, by any process on the store, at least while `holding` is set
+        (this process holds writes: a store may tell nobody while no process
+        does); runs until cancelled."""
         ...
 
 

@@ -88,6 +88,9 @@ class Waiters:
     ) -> None:
         self.limit = limit
         self.count = 0
+        # Set while this process holds writes: a store that tells every process of
+        # settlements may tell none while no process holds any.
+        self.holding = asyncio.Event()
         self._metrics = metrics
         self._store = store
         self._poll_s = poll_s if store is not None else None
@@ -189,10 +192,13 @@ class Waiters:
 
     def _enter(self) -> None:
         self.count += 1
+        self.holding.set()
         self._metrics.waiting.inc()
 
     def _leave(self) -> None:
         self.count -= 1
+        if self.count == 0:
+            self.holding.clear()
         self._metrics.waiting.dec()
 
     # --- the ticker: workers gone away, and polls --------------------------------------

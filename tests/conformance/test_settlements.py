@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.policy.records import Outcome
+from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
-from gateway.store.postgres_notify import parse_payload
+from gateway.store.postgres_notify import APPLICATION_NAME, HOLDING_TABLE, parse_payload
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
 from tests.harness import eventually
 from tests.pg import fresh_database
@@ -23,29 +25,50 @@ pytestmark = pytest.mark.postgres
 Heard = list[tuple[str, str | None, str]]
 
 
+@pytest.fixture
+def holding(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    monkeypatch.setattr(postgres_notify, "HOLDING_REFRESH_S", 0.05)
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 async def _listening(url: str) -> set[int]:
-    """The backends of the sessions listening on this database (their last
-    statement a LISTEN; other tests' databases have theirs)."""
+    """The backends of the listening sessions on this database (other tests'
+    databases have theirs)."""
     conn = await asyncpg.connect(url)
     try:
         rows = await conn.fetch(
-            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %' "
-            "AND datname = current_database()"
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 "
+            "AND datname = current_database()",
+            APPLICATION_NAME,
         )
         return {row["pid"] for row in rows}
     finally:
         await conn.close()
 
 
+async def _holding_rows(url: str) -> int:
+    conn = await asyncpg.connect(url)
+    try:
+        return int(await conn.fetchval(f"SELECT count(*) FROM {HOLDING_TABLE}"))
+    finally:
+        await conn.close()
+
+
 @pytest.fixture
-async def stores() -> AsyncIterator[tuple[str, PostgresStore, PostgresStore, Heard]]:
-    """Two stores on one database (two replicas); the first listens."""
+async def stores(
+    holding: asyncio.Event,
+) -> AsyncIterator[tuple[str, PostgresStore, PostgresStore, Heard]]:
+    """Two stores on one database (two replicas); the first listens, and holds
+    writes while `holding` is set (it is, unless a test clears it)."""
     async with fresh_database() as url:
         listener, writer = await PostgresStore.open(url), await PostgresStore.open(url)
         heard: Heard = []
-        watch = asyncio.create_task(listener.watch_settlements(lambda *s: heard.append(s)))
+        watch = asyncio.create_task(listener.watch_settlements(lambda *s: heard.append(s), holding))
         try:
             await eventually(lambda: _listening(url), what="the listener")
+            await eventually(lambda: _holding_rows(url), what="the listener holding")
             yield url, listener, writer, heard
         finally:
             watch.cancel()
@@ -89,6 +112,29 @@ async def test_a_lost_listening_connection_is_opened_again(
     verdict = await store.decide_write(write(), CONTEXT)
     assert await store.record_outcome(write(), verdict.attempt, COMPLETED)
     await eventually(lambda: heard == [("pay", "key-1", "job-1")], what="the settlement told")
+
+
+async def test_nothing_is_told_while_no_process_holds_writes(
+    stores: tuple[str, PostgresStore, PostgresStore, Heard], holding: asyncio.Event
+) -> None:
+    """A notification costs every settling transaction a cluster-wide lock at
+    commit: the triggers notify only while a process says it holds writes."""
+    url, _, store, heard = stores
+    holding.clear()
+    await eventually(lambda: _zero(_holding_rows(url)), what="the row taken away")
+    for key in ("quiet", "told"):
+        if key == "told":
+            holding.set()
+            await eventually(lambda: _holding_rows(url), what="the listener holding again")
+        verdict = await store.decide_write(write(key=key), CONTEXT)
+        assert await store.record_outcome(write(key=key), verdict.attempt, COMPLETED)
+    # Notifications arrive in commit order: had the first been told, it would be here.
+    await eventually(lambda: heard, what="the second settlement told")
+    assert heard == [("pay", "told", "job-1")]
+
+
+async def _zero(count: Any) -> bool:
+    return await count == 0
 
 
 @pytest.mark.parametrize(
