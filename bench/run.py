@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ALL_TARGETS = ("upstream", "plain", "sqlite", "sqlite-base", "sqlite-prefill", "postgres")
-GATEWAY_TARGETS = ("sqlite", "sqlite-base", "sqlite-prefill", "postgres")
+ALL_TARGETS = (
+    "upstream", "plain", "sqlite", "sqlite-base", "sqlite-prefill", "postgres", "postgres-base",
+)  # fmt: skip
+GATEWAY_TARGETS = ("sqlite", "sqlite-base", "sqlite-prefill", "postgres", "postgres-base")
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 WRITE_PATH = "/to/bench/items"
 
@@ -742,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline",
         metavar="REV",
         help="also run target sqlite-base: the gateway of git revision REV on SQLite, "
-        "side by side with the working tree's (before/after a change, same run)",
+        "side by side with the working tree's (before/after a change, same run); "
+        "target postgres-base is the same on PostgreSQL (name it in --targets)",
     )
     p.add_argument("--upstream-latency-ms", type=float, default=0.0)
     p.add_argument("--engine", choices=("auto", "wrk", "aiohttp"), default="auto")
@@ -790,16 +793,17 @@ def main(argv: list[str] | None = None) -> int:
         targets.insert(
             targets.index("sqlite") + 1 if "sqlite" in targets else len(targets), "sqlite-prefill"
         )
-    if args.baseline and "sqlite-base" not in targets:
+    if args.baseline and not any(t.endswith("-base") for t in targets):
         at = targets.index("sqlite") + 1 if "sqlite" in targets else len(targets)
         targets.insert(at, "sqlite-base")
-    if "sqlite-base" in targets and not args.baseline:
-        p.error("target sqlite-base needs --baseline REV")
+    for base in ("sqlite-base", "postgres-base"):
+        if base in targets and not args.baseline:
+            p.error(f"target {base} needs --baseline REV")
     if any(t in GATEWAY_TARGETS for t in targets) and not gateway_available():
         log("gateway not available yet (gateway/cli.py missing): skipping gateway targets")
         targets = [t for t in targets if t not in GATEWAY_TARGETS]
-    if "postgres" in targets and not pg_reachable(args.pg_admin_url):
-        targets.remove("postgres")
+    if any(t.startswith("postgres") for t in targets) and not pg_reachable(args.pg_admin_url):
+        targets = [t for t in targets if not t.startswith("postgres")]
     if not targets:
         p.error("no target left to run")
 
@@ -817,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _exit)
 
     procs = Processes()
-    pg_db: str | None = None
+    pg_dbs: list[str] = []
     results: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="sinkgate-bench-"))
     try:
@@ -856,20 +860,21 @@ def main(argv: list[str] | None = None) -> int:
             by_name["plain"] = t
         for name in [t for t in targets if t in GATEWAY_TARGETS]:
             root = tmp / name
-            if name == "postgres":
-                pg_db = f"sinkgate_bench_{os.getpid()}"
+            if name.startswith("postgres"):
+                pg_db = f"sinkgate_bench_{os.getpid()}" + ("_base" if name.endswith("base") else "")
                 asyncio.run(_pg(args.pg_admin_url, f'CREATE DATABASE "{pg_db}"'))
+                pg_dbs.append(pg_db)
                 store_url = pg_db_url(args.pg_admin_url, pg_db)
             else:
                 store_url = "sqlite:///data/sinkgate.db"
             port = free_port()
             config = write_gateway_config(root, port, free_port(), store_url, up.base)
             t = Target(name, f"http://127.0.0.1:{port}", claim=True, logfile=tmp / f"{name}.log")
-            if name == "postgres":
+            if name.startswith("postgres"):
                 t.extra["db_process"] = f" {pg_db} "
             cwd = REPO
-            if name == "sqlite-base":
-                cwd = export_revision(args.baseline, tmp / "base-src")
+            if name.endswith("-base"):
+                cwd = export_revision(args.baseline, tmp / f"{name}-src")
                 t.extra["revision"] = args.baseline
             try:
                 t.proc = procs.start(gateway_command(config, args.workers), t.logfile, cwd=cwd)
@@ -926,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         procs.stop_all()
-        if pg_db:
+        for pg_db in pg_dbs:
             try:
                 asyncio.run(
                     _pg(args.pg_admin_url, f'DROP DATABASE IF EXISTS "{pg_db}" WITH (FORCE)')
