@@ -66,6 +66,8 @@ const OWN_HEADERS = new Set([
   "prefer",
 ]);
 const METHOD = /^[A-Za-z]+$/;
+// biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
+const CONTROL = /[\x00-\x1f\x7f]/;
 
 export class FencedWriter {
   readonly #base: string;
@@ -187,17 +189,32 @@ export class FencedWriter {
     if (typeof destination !== "string" || destination === "" || destination.includes("/")) {
       throw new TypeError(`destination must be a name without '/', not ${JSON.stringify(destination)}`);
     }
+    if (destination === "." || destination === "..") {
+      throw new RangeError(`destination must not be '.' or '..', not ${JSON.stringify(destination)}`);
+    }
     if (typeof path !== "string") throw new TypeError(`path must be a string, not ${typeName(path)}`);
-    const full = path === "" || path.startsWith("/") ? path : `/${path}`;
+    if (CONTROL.test(path)) {
+      // The URL parser drops tabs and newlines, which would join "." and "." into "..".
+      throw new RangeError(`path must not contain control characters: ${JSON.stringify(path)}`);
+    }
+    // The URL parser reads "\\" as "/" (then resolves dot segments); Python's writer sends %5C.
+    const full = (path === "" || path.startsWith("/") ? path : `/${path}`).replaceAll("\\", "%5C");
     const segments = (full.split("?", 1)[0] ?? "").split("/");
     if (segments.some((segment) => [".", ".."].includes(segment.toLowerCase().replaceAll("%2e", ".")))) {
       // The URL would be normalised on the way (possibly out of /to/...).
       throw new RangeError(`path must not contain '.' or '..' segments: ${JSON.stringify(path)}`);
     }
-    let url = `${this.#base}/to/${encodeURIComponent(destination)}${full}`;
+    const route = `${this.#base}/to/${encodeURIComponent(destination)}`;
+    let url = route + full;
     if (query !== undefined) {
       const search = new URLSearchParams(query as Record<string, string>).toString();
       if (search) url += (full.includes("?") ? "&" : "?") + search;
+    }
+    // What fetch will send, parsed as it parses it: still under this destination's route.
+    const prefix = new URL(route).pathname;
+    const sent = new URL(url).pathname;
+    if (sent !== prefix && !sent.startsWith(`${prefix}/`)) {
+      throw new RangeError(`path ${JSON.stringify(path)} leaves ${prefix}/`);
     }
     return url;
   }

@@ -30,10 +30,13 @@ const IN_PROGRESS = JSON.stringify({
 class ScriptedGateway {
   script: Array<Record<string, string> | null> = [];
   seen = 0;
+  /** What each write arrived as: the request line's method and target. */
+  readonly arrived: string[] = [];
   readonly #server = http.createServer((request, response) => {
     request.resume();
     request.on("end", () => {
       this.seen += 1;
+      this.arrived.push(`${request.method} ${request.url}`);
       const rejected = this.script.shift();
       if (rejected === undefined || rejected === null) {
         response.writeHead(201, { "Content-Type": "application/json" }).end("{}");
@@ -90,5 +93,43 @@ describe("the writer's retries", () => {
     stop.abort(new Error("stopped"));
     await assert.rejects(write, /stopped/);
     assert.equal(gateway.seen, 1);
+  });
+});
+
+describe("the writer's path", () => {
+  const gateway = new ScriptedGateway();
+  before(() => gateway.start());
+  after(() => gateway.close());
+
+  const write = (destination: string, path: string) =>
+    new FencedWriter(gateway.url, LEASE, { token: "payments-secret" }).post(destination, path, {
+      json: {},
+      step: "s",
+    });
+
+  it("sends a backslash as %5C, as the Python writer: never read as '/' out of the route", async () => {
+    // Read as '/', the first arrived as POST /to/refunds/r1, the second as POST /leases/job-1/release,
+    // each with the payments destination's token.
+    gateway.arrived.length = 0;
+    await write("payments", "/orders/..\\..\\refunds\\r1");
+    await write("payments", "/x\\..\\..\\..\\leases\\job-1\\release");
+    await write("payments", "/a?q=\\");
+    assert.deepEqual(gateway.arrived, [
+      "POST /to/payments/orders/..%5C..%5Crefunds%5Cr1",
+      "POST /to/payments/x%5C..%5C..%5C..%5Cleases%5Cjob-1%5Crelease",
+      "POST /to/payments/a?q=%5C",
+    ]);
+  });
+
+  it("refuses control characters and dot destinations with RangeError, sending nothing", async () => {
+    gateway.seen = 0;
+    // Tabs and newlines are dropped by the URL parser: ".\t." would be "..".
+    for (const path of ["/a/.\t./b", ".\t.", "/a/.\n./..\r/b", "/a\x00", "/a\x7f", "\t/x"]) {
+      await assert.rejects(write("payments", path), RangeError, JSON.stringify(path));
+    }
+    for (const destination of [".", ".."]) {
+      await assert.rejects(write(destination, "/leases/job-1/release"), RangeError, destination);
+    }
+    assert.equal(gateway.seen, 0);
   });
 });
