@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization", "prefer"}
 )
@@ -258,8 +259,13 @@ class FencedWriter:
             raise ValueError(f"invalid method {method!r}")
         if not isinstance(destination, str) or not destination or "/" in destination:
             raise ValueError(f"destination must be a name without '/', not {destination!r}")
+        if destination in (".", ".."):
+            raise ValueError(f"destination must not be '.' or '..', not {destination!r}")
         if not isinstance(path, str):
             raise ValueError(f"path must be a string, not {type(path).__name__}")
+        if _CONTROL.search(path):
+            # The URL parser drops tabs and newlines, which would join "." and "." into "..".
+            raise ValueError(f"path must not contain control characters: {path!r}")
         if path and not path.startswith("/"):
             path = "/" + path
         segments = path.split("?", 1)[0].split("/")
@@ -267,8 +273,14 @@ class FencedWriter:
             # The URL would be normalised on the way (possibly out of /to/...).
             raise ValueError(f"path must not contain '.' or '..' segments: {path!r}")
         # The path is the caller's, percent-escapes included; yarl only escapes what
-        # must be (spaces, non-ASCII) and keeps escapes such as %2F as they are.
-        return URL(f"{self._base}/to/{quote(destination, safe='')}{path}")
+        # must be (spaces, non-ASCII, a backslash) and keeps escapes such as %2F as they are.
+        route = f"{self._base}/to/{quote(destination, safe='')}"
+        url = URL(route + path)
+        # What is sent, as yarl parsed it: still under this destination's route.
+        prefix = URL(route).raw_path
+        if url.raw_path != prefix and not url.raw_path.startswith(prefix + "/"):
+            raise ValueError(f"path {path!r} leaves {prefix}/")
+        return url
 
     async def _send(
         self,

@@ -163,6 +163,14 @@ async def test_shortcuts_send_their_method(
     assert fake.seen[0].raw_path == "/to/inventory/items/9"
 
 
+async def test_a_backslash_is_sent_escaped_never_read_as_a_slash(
+    fake: FakeGateway, writer: FencedWriter
+) -> None:
+    """As the TypeScript writer sends it: read as '/', '..\\' would climb out of the route."""
+    await writer.post("payments", "/orders/..\\..\\refunds\\r1", step="s")
+    assert [s.raw_path for s in fake.seen] == ["/to/payments/orders/..%5C..%5Crefunds%5Cr1"]
+
+
 async def test_empty_path_and_percent_escapes_in_the_path_are_kept(
     fake: FakeGateway, writer: FencedWriter
 ) -> None:
@@ -438,7 +446,23 @@ async def test_bad_arguments_raise_value_error_and_send_nothing(
 
 @pytest.mark.parametrize(
     ("destination", "path"),
-    [("", "/x"), ("a/b", "/x"), ("d", "/../admin"), ("d", "/a/%2E%2E/b"), ("d", "/./x")],
+    [
+        ("", "/x"),
+        ("a/b", "/x"),
+        ("d", "/../admin"),
+        ("d", "/a/%2E%2E/b"),
+        ("d", "/./x"),
+        # the URL parser drops tabs and newlines: these would be "..", out of /to/d/
+        ("d", "/a/.\t./b"),
+        ("d", ".\t."),
+        ("d", "/a/.\n./..\r/b"),
+        ("d", "\t/x"),
+        ("d", "/a\x00"),
+        ("d", "/a\x7f"),
+        # as a destination, "/to/.." + "/leases/j/release" would be POST /leases/j/release
+        ("..", "/leases/j/release"),
+        (".", "/x"),
+    ],
 )
 async def test_bad_destinations_and_dot_segments_are_refused_before_sending(
     fake: FakeGateway, writer: FencedWriter, destination: str, path: str
