@@ -8,6 +8,8 @@
  */
 
 import { randomBytes } from "node:crypto";
+import http from "node:http";
+import https from "node:https";
 import { hostname } from "node:os";
 import { bounded } from "./abort.js";
 import {
@@ -150,21 +152,19 @@ export class LeaseClient {
     signal: AbortSignal | undefined,
   ): Promise<{ status: number; doc: Problem; retryAfter: number | undefined }> {
     let segment = encodeURIComponent(jobId);
-    if (segment === "." || segment === "..") segment = segment.replaceAll(".", "%2E");
+    // fetch's URL parser reads %2E as "." and resolves dot segments ("/leases/%2E%2E/claim"
+    // would be POST /claim): these two go out through node:http, their path as written.
+    const verbatim = segment === "." || segment === "..";
+    if (verbatim) segment = segment.replaceAll(".", "%2E");
     const path = `/leases/${segment}${op === undefined ? "" : `/${op}`}`;
     const headers: Record<string, string> = { ...this.#headers };
     if (body !== undefined) headers["Content-Type"] = "application/json";
+    const payload = body === undefined ? undefined : JSON.stringify(body);
     const deadline = bounded(signal, this.#timeout);
-    let status: number;
-    let raw: Uint8Array;
-    let retryAfter: number | undefined;
+    let answer: Answer;
     try {
-      const init: RequestInit = { method, headers, signal: deadline.signal };
-      if (body !== undefined) init.body = JSON.stringify(body);
-      const resp = await fetch(this.url + path, init);
-      status = resp.status;
-      retryAfter = parseRetryAfter(resp.headers.get("Retry-After"));
-      raw = new Uint8Array(await resp.arrayBuffer());
+      const send = verbatim ? sendVerbatim : sendFetch;
+      answer = await send(this.url, path, method, headers, payload, deadline.signal);
     } catch (error) {
       if (signal?.aborted) throw signal.reason;
       const why = deadline.timedOut() ? "timed out" : `failed: ${String(error)}`;
@@ -172,6 +172,8 @@ export class LeaseClient {
     } finally {
       deadline.done();
     }
+    const { status, raw } = answer;
+    const retryAfter = parseRetryAfter(answer.retryAfter);
     if (status >= 500) throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`);
     const doc = parseObject(raw);
     if (doc === undefined) {
@@ -179,6 +181,69 @@ export class LeaseClient {
     }
     return { status, doc, retryAfter };
   }
+}
+
+interface Answer {
+  readonly status: number;
+  readonly retryAfter: string | null;
+  readonly raw: Uint8Array;
+}
+
+async function sendFetch(
+  base: string,
+  path: string,
+  method: string,
+  headers: Record<string, string>,
+  body: string | undefined,
+  signal: AbortSignal,
+): Promise<Answer> {
+  const init: RequestInit = { method, headers, signal };
+  if (body !== undefined) init.body = body;
+  const resp = await fetch(base + path, init);
+  const retryAfter = resp.headers.get("Retry-After");
+  return { status: resp.status, retryAfter, raw: new Uint8Array(await resp.arrayBuffer()) };
+}
+
+/** One request with `path` sent exactly as written (node:http does not parse it). */
+function sendVerbatim(
+  base: string,
+  path: string,
+  method: string,
+  headers: Record<string, string>,
+  body: string | undefined,
+  signal: AbortSignal,
+): Promise<Answer> {
+  const url = new URL(base);
+  const transport = url.protocol === "https:" ? https : http;
+  const sent = body === undefined ? undefined : Buffer.from(body, "utf8");
+  const options: http.RequestOptions = {
+    hostname: url.hostname.replace(/^\[(.*)\]$/, "$1"),
+    port: url.port || undefined,
+    path: url.pathname.replace(/\/$/, "") + path,
+    method,
+    headers: sent === undefined ? headers : { ...headers, "Content-Length": String(sent.length) },
+    signal,
+  };
+  return new Promise((resolve, reject) => {
+    const request = transport.request(options, (response) => {
+      const chunks: Buffer[] = [];
+      response.on("data", (chunk: Buffer) => chunks.push(chunk));
+      response.on("error", reject);
+      response.on("close", () => {
+        if (!response.complete) reject(new Error("the connection closed before the answer ended"));
+      });
+      response.on("end", () => {
+        const retryAfter = response.headers["retry-after"];
+        resolve({
+          status: response.statusCode ?? 0,
+          retryAfter: typeof retryAfter === "string" ? retryAfter : null,
+          raw: new Uint8Array(Buffer.concat(chunks)),
+        });
+      });
+    });
+    request.on("error", reject);
+    request.end(sent);
+  });
 }
 
 function isInt(value: unknown): value is number {

@@ -106,6 +106,25 @@ describe("through a real gateway", { skip }, () => {
     await assert.rejects(client.renew(next), (e: unknown) => e instanceof LeaseLost && e.reason === "job_completed");
   });
 
+  it("reaches the jobs named '.' and '..', not the paths they would resolve to", async () => {
+    // Through fetch, POST /leases/%2E%2E/claim arrived as POST /claim.
+    const held = await client.claim("..", { owner: "w", ttl: 30 });
+    assert.deepEqual([held.jobId, held.state], ["..", "active"]);
+    assert.equal(await client.get("."), null);
+    await assert.rejects(client.claim("..", { owner: "v", ttl: 30 }), LeaseHeld);
+    const dot = await client.claim(".", { owner: "w", ttl: 30 });
+    assert.equal(dot.jobId, ".");
+    assert.equal((await client.renew(held, { ttl: 30 })).jobId, "..");
+    assert.equal((await client.release(dot)).state, "free");
+    assert.equal((await client.complete(held)).state, "done");
+    assert.deepEqual([(await client.get(".."))?.state, (await client.get("."))?.state], ["done", "free"]);
+    // Their own way out fails as every other call does.
+    await assert.rejects(new LeaseClient(dead).get(".."), StoreUnavailable);
+    const stop = new AbortController();
+    stop.abort(new Error("shutting down"));
+    await assert.rejects(client.get("..", { signal: stop.signal }), /shutting down/);
+  });
+
   it("refuses bad arguments with TypeError/RangeError and sends nothing", async () => {
     const job = unique("bad");
     await assert.rejects(client.claim("has space", { ttl: 5 }), RangeError);
