@@ -74,7 +74,13 @@ export function verdict(error: unknown, retryDelay = 1): Verdict | undefined {
 export function jobIdFrom(text: string): string {
   if (/^[\x21-\x7e]{1,256}$/.test(text)) return text;
   const digest = createHash("sha256").update(text, "utf8").digest("hex").slice(0, 32);
-  const readable = Array.from(text.slice(0, 200), (ch) => (ch >= "\x21" && ch <= "\x7e" ? ch : "_")).join("");
+  // The first 200 code points, as Python's `text[:200]` (not 200 UTF-16 units).
+  let readable = "";
+  let count = 0;
+  for (const ch of text) {
+    if (count++ === 200) break;
+    readable += ch >= "\x21" && ch <= "\x7e" ? ch : "_";
+  }
   return `${readable}:${digest}`;
 }
 

@@ -4,6 +4,7 @@ import assert from "node:assert/strict";
 import { randomInt } from "node:crypto";
 import { describe, it } from "node:test";
 import { canonicalJson, deriveKey } from "@sinkgate/leases";
+import { jobIdFrom } from "@sinkgate/leases/bullmq";
 import { gatewayMissing, missing, python } from "./harness.js";
 
 describe("deriveKey", () => {
@@ -126,6 +127,25 @@ describe("against Python", { skip }, () => {
     ) as string[];
     payloads.forEach((payload, i) => {
       assert.equal(canonicalJson(payload), theirs[i], JSON.stringify(payload));
+    });
+  });
+});
+
+describe("jobIdFrom against Python's job_id_from", { skip }, () => {
+  it("keeps the first 200 code points, not 200 UTF-16 units", () => {
+    const texts = ["😀".repeat(150), "a😀".repeat(150), "job 1", "j".repeat(257), ""];
+    for (let i = 0; i < 200; i++) texts.push(randomText(randomInt(2) ? 20 : 300));
+    const theirs = JSON.parse(
+      python(
+        "import json, sys\nfrom leases.integrations.gate import job_id_from\n" +
+          "print(json.dumps([job_id_from(t) for t in json.load(sys.stdin)]))",
+        [],
+        JSON.stringify(texts),
+      ),
+    ) as string[];
+    assert.match(theirs[0] ?? "", /^_{150}:[0-9a-f]{32}$/);
+    texts.forEach((text, i) => {
+      assert.equal(jobIdFrom(text), theirs[i], JSON.stringify(text));
     });
   });
 });
