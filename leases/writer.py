@@ -57,7 +57,7 @@ __all__ = [
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _OWN_HEADERS = frozenset(
-    {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization", "prefer"}
+    {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
 
 
@@ -225,7 +225,9 @@ class FencedWriter:
         self, given: Mapping[str, str] | None, content_type: str | None, key: str
     ) -> CIMultiDict[str]:
         """The caller's headers with the writer's own, but for the fencing ones
-        (set before each send, from the lease as it is then)."""
+        (set before each send, from the lease as it is then). A caller's `Prefer`
+        (say `return=representation` for the upstream) is kept, the writer's
+        `wait=N` after it."""
         sent = CIMultiDict(given or {})
         clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
         if clash:
@@ -233,8 +235,9 @@ class FencedWriter:
         if content_type is not None and "Content-Type" not in sent:
             sent["Content-Type"] = content_type
         sent["Idempotency-Key"] = key
-        if self._prefer is not None:
-            sent["Prefer"] = self._prefer
+        prefer = _prefer(sent.popall("Prefer", []), self._prefer)
+        if prefer is not None:
+            sent["Prefer"] = prefer
         if self._token is not None:
             sent["Authorization"] = f"Bearer {self._token}"
         return sent
@@ -314,6 +317,23 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
+
+
+def _prefer(given: list[str], wait: str | None) -> str | None:
+    """One `Prefer` value: the caller's preferences first, then the writer's
+    `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
+    option says it, and the gateway reads only the first `wait` it finds."""
+    for value in given:
+        for preference in value.split(","):
+            if preference.split(";", 1)[0].split("=", 1)[0].strip().lower() == "wait":
+                raise ValueError(
+                    f"Prefer {value!r}: the writer sets the wait preference itself; "
+                    "pass wait= to FencedWriter"
+                )
+    preferences = [value.strip() for value in given if value.strip()]
+    if wait is not None:
+        preferences.append(wait)
+    return ", ".join(preferences) or None
 
 
 def _stored_fence_refusal(status: int, body: bytes) -> bool:

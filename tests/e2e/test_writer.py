@@ -356,6 +356,32 @@ async def test_each_write_asks_the_gateway_to_wait(fake: FakeGateway) -> None:
     assert [s.headers.get("Prefer") for s in fake.seen] == ["wait=5", "wait=20", None]
 
 
+async def test_a_callers_prefer_is_sent_before_the_writers_wait(fake: FakeGateway) -> None:
+    """A PostgREST-style upstream needs `Prefer: return=representation`."""
+    async with FencedWriter(fake.url, LEASE) as w:
+        await w.post("d", "/x", step="s", headers={"Prefer": "return=representation"})
+        await w.post(
+            "d", "/x", step="s", headers={"prefer": "return=minimal; a=1, handling=lenient"}
+        )
+    async with FencedWriter(fake.url, LEASE, wait=0) as w:
+        await w.post("d", "/x", step="s", headers={"Prefer": "return=representation"})
+    assert [s.headers.get("Prefer") for s in fake.seen] == [
+        "return=representation, wait=5",
+        "return=minimal; a=1, handling=lenient, wait=5",
+        "return=representation",
+    ]
+
+
+@pytest.mark.parametrize("prefer", ["wait=600", "return=minimal, WAIT = 3", "wait;x=1"])
+async def test_a_callers_wait_preference_is_a_bad_argument(fake: FakeGateway, prefer: str) -> None:
+    """The gateway reads only the first `wait`: the caller's would silently win."""
+    for wait in (5, 0):
+        async with FencedWriter(fake.url, LEASE, wait=wait) as w:
+            with pytest.raises(ValueError, match="wait"):
+                await w.post("d", "/x", step="s", headers={"Prefer": prefer})
+    assert fake.seen == []
+
+
 async def test_a_refusal_after_the_gateways_own_wait_is_retried_at_once(
     fake: FakeGateway,
 ) -> None:

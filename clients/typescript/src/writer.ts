@@ -57,14 +57,7 @@ export interface WriteOptions {
   readonly key?: string | undefined;
 }
 
-const OWN_HEADERS = new Set([
-  "fencing-job",
-  "fencing-token",
-  "fencing-owner",
-  "idempotency-key",
-  "authorization",
-  "prefer",
-]);
+const OWN_HEADERS = new Set(["fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"]);
 const METHOD = /^[A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
 const CONTROL = /[\x00-\x1f\x7f]/;
@@ -170,16 +163,19 @@ export class FencedWriter {
 
   #headers(given: Readonly<Record<string, string>> | undefined, contentType: string | undefined, key: string) {
     const headers: Record<string, string> = {};
+    const prefer: string[] = [];
     for (const [name, value] of Object.entries(given ?? {})) {
       if (OWN_HEADERS.has(name.toLowerCase()))
         throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
-      headers[name] = value;
+      if (name.toLowerCase() === "prefer") prefer.push(value);
+      else headers[name] = value;
     }
     if (contentType !== undefined && !Object.keys(headers).some((name) => name.toLowerCase() === "content-type")) {
       headers["Content-Type"] = contentType;
     }
     headers["Idempotency-Key"] = key;
-    if (this.#prefer !== undefined) headers.Prefer = this.#prefer;
+    const preferences = mergePrefer(prefer, this.#prefer);
+    if (preferences !== undefined) headers.Prefer = preferences;
     if (this.#token !== undefined) headers.Authorization = `Bearer ${this.#token}`;
     return headers;
   }
@@ -236,6 +232,25 @@ export class FencedWriter {
       request.done();
     }
   }
+}
+
+/** One `Prefer` value: the caller's preferences first, then the writer's
+ * `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
+ * option says it, and the gateway reads only the first `wait` it finds. */
+function mergePrefer(given: readonly string[], wait: string | undefined): string | undefined {
+  for (const value of given) {
+    if (typeof value !== "string") throw new TypeError(`Prefer must be a string, not ${typeName(value)}`);
+    for (const preference of value.split(",")) {
+      if ((preference.split(";", 1)[0] ?? "").split("=", 1)[0]?.trim().toLowerCase() === "wait") {
+        throw new RangeError(
+          `Prefer ${JSON.stringify(value)}: the writer sets the wait preference itself; pass the wait option`,
+        );
+      }
+    }
+  }
+  const preferences = given.map((value) => value.trim()).filter((value) => value !== "");
+  if (wait !== undefined) preferences.push(wait);
+  return preferences.length > 0 ? preferences.join(", ") : undefined;
 }
 
 function result(status: number, headers: Headers, body: Uint8Array, replayed: boolean): WriteResult {

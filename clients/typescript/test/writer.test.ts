@@ -32,11 +32,14 @@ class ScriptedGateway {
   seen = 0;
   /** What each write arrived as: the request line's method and target. */
   readonly arrived: string[] = [];
+  /** The Prefer header of each write. */
+  readonly prefer: Array<string | undefined> = [];
   readonly #server = http.createServer((request, response) => {
     request.resume();
     request.on("end", () => {
       this.seen += 1;
       this.arrived.push(`${request.method} ${request.url}`);
+      this.prefer.push(request.headers.prefer as string | undefined);
       const rejected = this.script.shift();
       if (rejected === undefined || rejected === null) {
         response.writeHead(201, { "Content-Type": "application/json" }).end("{}");
@@ -129,6 +132,39 @@ describe("the writer's path", () => {
     }
     for (const destination of [".", ".."]) {
       await assert.rejects(write(destination, "/leases/job-1/release"), RangeError, destination);
+    }
+    assert.equal(gateway.seen, 0);
+  });
+});
+
+describe("the writer's Prefer", () => {
+  const gateway = new ScriptedGateway();
+  before(() => gateway.start());
+  after(() => gateway.close());
+
+  const write = (wait: number, prefer: Record<string, string>) =>
+    new FencedWriter(gateway.url, LEASE, { wait }).post("d", "/x", { json: {}, step: "s", headers: prefer });
+
+  it("sends the caller's preferences first, then its own wait=N (a PostgREST upstream's return=...)", async () => {
+    gateway.prefer.length = 0;
+    await write(5, { Prefer: "return=representation" });
+    await write(5, { prefer: "return=minimal; a=1, handling=lenient" });
+    await write(0, { Prefer: "return=representation" });
+    await write(5, {});
+    assert.deepEqual(gateway.prefer, [
+      "return=representation, wait=5",
+      "return=minimal; a=1, handling=lenient, wait=5",
+      "return=representation",
+      "wait=5",
+    ]);
+  });
+
+  it("refuses a wait preference of the caller's with RangeError, sending nothing", async () => {
+    gateway.seen = 0;
+    for (const wait of [5, 0]) {
+      for (const prefer of ["wait=600", "return=minimal, WAIT = 3", "wait;x=1"]) {
+        await assert.rejects(write(wait, { Prefer: prefer }), RangeError, prefer);
+      }
     }
     assert.equal(gateway.seen, 0);
   });
