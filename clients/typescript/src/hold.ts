@@ -13,7 +13,7 @@
  * arrives after that deadline never starts the body.
  */
 
-import { sleep } from "./abort.js";
+import { bounded, sleep } from "./abort.js";
 import type { CallOptions, Lease, LeaseClient } from "./client.js";
 import { LeaseLost, StoreUnavailable } from "./errors.js";
 import { validateIdent, validateSeconds, validateTtl } from "./validate.js";
@@ -231,7 +231,8 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
         return;
       }
       const sent = state.now();
-      const call = bounded(stop, state.deadline - sent);
+      // Cut at the local deadline: a renewal still unanswered then can no longer help.
+      const call = bounded(stop, Math.max(0, state.deadline - sent));
       try {
         state.lease = await client.renew(state.lease, { ttl: schedule.ttl, signal: call.signal });
       } catch (error) {
@@ -258,24 +259,6 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
     // only the sleep throws here, when the hold ends; anything else loses the lease
     if (!stop.aborted) state.lose("store_unavailable");
   }
-}
-
-/** An abort signal for one renewal: the hold ending, or the local deadline. */
-function bounded(stop: AbortSignal, seconds: number): { signal: AbortSignal; done(): void } {
-  const controller = new AbortController();
-  const onStop = (): void => controller.abort(stop.reason);
-  const timer = setTimeout(
-    () => controller.abort(new StoreUnavailable("renewal timed out")),
-    Math.max(0, seconds) * 1000,
-  );
-  stop.addEventListener("abort", onStop, { once: true });
-  return {
-    signal: controller.signal,
-    done: () => {
-      clearTimeout(timer);
-      stop.removeEventListener("abort", onStop);
-    },
-  };
 }
 
 /** Free the job after the body failed; a refusal or an unreachable store changes

@@ -244,6 +244,8 @@ export interface Held {
 export class Wire {
   holdWrites = false;
   failLeases = false;
+  /** Lease calls get no answer at all (until the wire closes). */
+  hangLeases = false;
   readonly #waiters: Array<(held: Held) => void> = [];
   readonly held: Held[] = [];
 
@@ -273,6 +275,7 @@ export class Wire {
     for await (const chunk of req) chunks.push(chunk as Buffer);
     const body = Buffer.concat(chunks);
     const url = req.url ?? "/";
+    if (this.hangLeases && url.startsWith("/leases/")) return;
     if (this.failLeases && url.startsWith("/leases/")) {
       res.writeHead(503, { "Content-Type": "text/plain" });
       res.end("lease API down");

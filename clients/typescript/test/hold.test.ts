@@ -167,6 +167,21 @@ describe("hold through a real gateway", { skip }, () => {
     assert.notEqual((await client.get(job))?.state, "done");
   });
 
+  it("gives a renewal that never gets an answer up at the local deadline, not the client's timeout", async () => {
+    const job = unique("hung");
+    const net = await fresh();
+    const leases = new LeaseClient(net.url, { timeout: 60 });
+    const running = hold(leases, job, { owner: "w", ...WINDOW }, async (_lease, signal) => {
+      net.hangLeases = true; // the next renewal is sent and never answered
+      await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
+    });
+    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "store_unavailable");
+    // Waiting out the client's 60 s instead, the store's lease would be long over by now.
+    const seen = await client.get(job);
+    assert.equal(seen?.state, "active");
+    assert.ok((seen?.expiresIn ?? 0) > 0, "the hold ended inside the window the client must close itself");
+  });
+
   it("SAFETY: with the abort not wired to the writer, the same late write makes an effect", async () => {
     const { job, write } = await storeGoesAway(false);
     const forwarded = await write.forward(); // nothing cut it: it goes on to the gateway
