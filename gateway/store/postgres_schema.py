@@ -94,12 +94,23 @@ CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id
 
 
 async def init_schema(conn: Conn) -> None:
-    """The gateway's tables, under the schema lock every sinkgate process takes."""
+    """The gateway's tables, under the schema lock every sinkgate process takes.
+
+    The tables' DDL runs only on a database that is not at this version yet:
+    even where nothing is missing, `CREATE INDEX IF NOT EXISTS` locks its table
+    against writes and `ALTER TABLE ... IF NOT EXISTS` against everything, so a
+    gateway starting beside running replicas would stop their writes, and wait
+    for the longest transaction on those tables. The functions and triggers are
+    created or replaced at every start (that locks no table)."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
-        await conn.execute(GATEWAY_DDL)
+        current = await conn.fetchval(
+            "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+        )
+        if current != GATEWAY_SCHEMA_VERSION:
+            await conn.execute(GATEWAY_DDL)
+            await postgres_admin.migrate(conn)
         await conn.execute(NOTIFY_DDL)
         await conn.execute(OUTCOMES_FUNCTION_DDL)
         await conn.execute(STATE_FUNCTION_DDL)
-        await postgres_admin.migrate(conn)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

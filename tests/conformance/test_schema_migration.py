@@ -7,6 +7,7 @@ one, and the decisions after the upgrade read what v4 wrote through the other.""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from pathlib import Path
@@ -196,3 +197,23 @@ async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
         finally:
             await conn.close()
         assert version == postgres_schema.GATEWAY_SCHEMA_VERSION == 5
+
+
+@pytest.mark.postgres
+async def test_postgres_a_start_beside_running_replicas_locks_none_of_their_tables() -> None:
+    """A replica's open transaction writing every table (as a batch does) does not
+    hold up a gateway starting on a database at its version: no DDL of the tables
+    runs. Before, `CREATE INDEX IF NOT EXISTS` waited for that transaction, and
+    every write queued behind the start."""
+    async with fresh_database() as url:
+        await (await PostgresStore.open(url)).close()
+        replica = await asyncpg.connect(url)
+        try:
+            async with replica.transaction():
+                for table in ("idempotency", "attempts", "rejections", "fences", "audit", "leases"):
+                    await replica.execute(f"LOCK TABLE {table} IN ROW EXCLUSIVE MODE")
+                # Bounded only so that a start that waits fails instead of hanging.
+                store = await asyncio.wait_for(PostgresStore.open(url), 30)
+                await store.close()
+        finally:
+            await replica.close()
