@@ -1,6 +1,7 @@
 """`check-config --connect`'s look at the store (SPEC 6): can it be opened, and is
 its schema current, older (serve upgrades it) or missing (serve creates it)?
-Read-only: nothing is created or changed. Also the one line `serve` prints for
+Read-only: nothing is created or changed (but for SQLite's own -wal and -shm files
+beside a WAL database). Also the one line `serve` prints for
 a PostgreSQL database that does not exist, naming it and how to create it.
 
 The driver is imported when a URL names it, as `open_store` does.
@@ -64,7 +65,10 @@ def _sqlite_status(path: str) -> str:
             raise ProbeFailed(f"its directory {parent} is not writable by this user")
         return "file missing: serve creates it with the schema"
     try:
-        conn = sqlite3.connect(f"file:{file}?mode=ro", uri=True, timeout=CONNECT_TIMEOUT_S)
+        # A URI, so that mode=ro holds: the path encoded in it, or a `#`, `?` or `%`
+        # in a directory's name would name (and create) another file.
+        uri = file.resolve().as_uri() + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=CONNECT_TIMEOUT_S)
         try:
             row = conn.execute(_VERSION_SQL).fetchone()
         finally:

@@ -133,3 +133,19 @@ async def test_serve_on_a_missing_postgres_database_says_which_and_how(tmp_path,
 
 def test_the_admin_url_of_the_pg_tests_is_what_these_expect() -> None:
     assert PG_ADMIN_URL.startswith("postgresql://postgres@127.0.0.1:5432/")
+
+
+@pytest.mark.parametrize("directory", ["da#ta", "da?ta", "da%23ta"])
+async def test_a_sqlite_path_with_uri_characters_is_read_as_itself(tmp_path, capfd, directory):
+    """The store is read through a `file:` URI (read-only): `#`, `?` and `%` in its
+    path are encoded, so the file read is the store's own and no other is created."""
+    (tmp_path / directory).mkdir()
+    await (await SQLiteStore.open(f"sqlite:///{tmp_path / directory / 's.db'}")).close()
+    path = config(tmp_path, f"sqlite:///{directory}/s.db")
+    before = set(tmp_path.rglob("*"))
+    code, out, err = await check(path, capfd)
+    assert code == 0, err
+    assert f"schema current (v{GATEWAY_SCHEMA_VERSION})" in out
+    # SQLite's own shared-memory and log files of a WAL database may appear beside it.
+    beside = {tmp_path / directory / f"s.db-{suffix}" for suffix in ("wal", "shm")}
+    assert set(tmp_path.rglob("*")) - before <= beside
