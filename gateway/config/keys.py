@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import unquote
 
 from gateway.config.reader import (
     MiB,
     Table,
     bearer_tokens,
+    host_name_problem,
     parse_listen,
     parse_upstream,
     secret,
@@ -218,9 +220,14 @@ def store_url(t: Table, name: str) -> str:
     has_scheme = bool(sep) and _SCHEME.fullmatch(written) is not None  # echoed below
     scheme = written.lower() if has_scheme else ""
     if scheme in ("postgresql", "postgres"):
-        if not _postgres_ports_ok(url):
-            # asyncpg would fail on it only at start-up, with a traceback
+        # asyncpg would fail on these only at start-up, with a traceback
+        hosts = _postgres_hosts(url)
+        if not all(_port_ok(port) for _, port in hosts):
             raise t.error(name, "a port in the URL is not a number from 1 to 65535")
+        for host, _ in hosts:
+            problem = host_name_problem(host)
+            if problem is not None:  # the host alone: the rest may hold a password
+                raise t.error(name, f"{show(host)} in the URL is not a host name: {problem}")
         return url
     if not has_scheme and url.startswith("sqlite:"):
         scheme = "sqlite"  # sqlite:relative: refused below with the sqlite:/// forms
@@ -242,21 +249,26 @@ def store_url(t: Table, name: str) -> str:
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}")  # RFC 3986 3.1
 
 
-def _postgres_ports_ok(url: str) -> bool:
-    """Every `host:port` of a postgresql:// URL (asyncpg takes a comma-separated
-    list, and `[v6]:port`) has a port of 1..65535, or none."""
+def _postgres_hosts(url: str) -> list[tuple[str, str]]:
+    """Each `(host, port)` written in a postgresql:// URL's authority (asyncpg
+    takes a comma-separated list, and `[v6]:port`); "" where either is left out.
+    A socket directory (`%2Frun%2Fpostgresql`, or `?host=`) is not a host here."""
     netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
-    for host in netloc.rpartition("@")[2].split(","):
-        if host.startswith("["):
-            after = host.partition("]")[2]
-            if after and not after.startswith(":"):
-                return False
-            port = after[1:]
+    found: list[tuple[str, str]] = []
+    for spec in netloc.rpartition("@")[2].split(","):
+        if spec.startswith("["):
+            host, _, after = spec[1:].partition("]")
+            # anything but `:port` after the brackets is a bad port
+            port = after[1:] if after.startswith(":") else after
         else:
-            port = host.rpartition(":")[2] if ":" in host else ""
-        if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-            return False
-    return True
+            host, _, port = spec.rpartition(":") if ":" in spec else (spec, "", "")
+            host = unquote(host)
+        found.append(("" if host.startswith("/") else host, port))
+    return found
+
+
+def _port_ok(port: str) -> bool:
+    return not port or (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 def fencing(t: Table, name: str) -> Fencing:

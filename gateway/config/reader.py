@@ -139,6 +139,9 @@ def parse_upstream(value: object) -> str:
         raise ValueError("must not contain user info; send credentials with [upstream_headers]")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(expected)
+    problem = host_name_problem(parts.hostname)
+    if problem is not None:
+        raise ValueError(f"{show(parts.hostname)} is not a host name: {problem}")
     if "?" in value or "#" in value:
         # Named without them: a query is where an API key would be put.
         bare = value.split("?", 1)[0].split("#", 1)[0]
@@ -146,6 +149,21 @@ def parse_upstream(value: object) -> str:
     if any(seg in (".", "..") for seg in parts.path.split("/")):
         raise ValueError(f"must not contain . or .. path segments, got {show(value)}")
     return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+def host_name_problem(host: str) -> str | None:
+    """Why `host` cannot be looked up at all, or None. Python encodes a name with
+    the IDNA codec before resolving it, and what the codec refuses (an empty
+    label, as in `a..b`, or one over 63 characters) fails there with a
+    UnicodeError, not as a name that does not resolve."""
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        why = str(exc.__cause__ or exc)
+        if "label" in why:
+            return "a label between dots is empty or longer than 63 characters"
+        return why
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -89,7 +89,13 @@ async def _postgres_status(url: str) -> str:
 
     try:
         conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except (
+        OSError,
+        TimeoutError,
+        UnicodeError,  # a host name the resolver cannot encode (`a..b`)
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+    ) as exc:
         raise ProbeFailed(postgres_trouble(url, exc)) from exc
     try:
         version = await conn.fetchval(_VERSION_SQL)
@@ -112,6 +118,9 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
         return f"{where} refused the user: check the URL's user and password, and pg_hba.conf"
     if isinstance(exc, TimeoutError):
         return f"no answer from {where} within {CONNECT_TIMEOUT_S:g} s: check the host and port"
+    if isinstance(exc, UnicodeError):  # e.g. "label empty or too long"
+        why = exc.__cause__ or exc
+        return f"cannot resolve the host of {where} ({why}): check the URL's host name"
     if isinstance(exc, OSError):
         return f"cannot connect to {where} ({exc.strerror or exc}): is PostgreSQL running there?"
     return f"{where}: {type(exc).__name__}: {exc}"

@@ -12,6 +12,7 @@ import ssl
 from urllib.parse import urlsplit
 
 from gateway.config.model import DestinationConfig
+from gateway.config.reader import host_name_problem
 from gateway.config.tls import destination_context
 from gateway.errors import GatewayError
 
@@ -52,6 +53,10 @@ async def upstream_status(dest: DestinationConfig) -> str:
         ) from exc
     except socket.gaierror as exc:
         raise UpstreamUnreachable(f"cannot resolve {host}: {exc.strerror}") from exc
+    except UnicodeError as exc:  # the loader refuses these; a name built otherwise
+        raise UpstreamUnreachable(
+            f"cannot resolve {host}: {host_name_problem(host) or exc}: check the host name"
+        ) from exc
     except OSError as exc:
         raise UpstreamUnreachable(
             f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "

@@ -5,6 +5,7 @@ saying what to check. And `serve` on a PostgreSQL database that does not exist."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import sqlite3
 from collections.abc import Iterator
@@ -13,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from gateway import cli
+from gateway.config.model import load_config
+from gateway.store.probe import ProbeFailed, store_status
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
+from gateway.write.probe import UpstreamUnreachable, upstream_status
 from tests.e2e.test_init import sinkgate
 from tests.pg import PG_ADMIN_URL, database_url, fresh_database, pg_skip_reason, skip_or_fail
 
@@ -149,3 +153,34 @@ async def test_a_sqlite_path_with_uri_characters_is_read_as_itself(tmp_path, cap
     # SQLite's own shared-memory and log files of a WAL database may appear beside it.
     beside = {tmp_path / directory / f"s.db-{suffix}" for suffix in ("wal", "shm")}
     assert set(tmp_path.rglob("*")) - before <= beside
+
+
+async def test_a_host_name_the_resolver_refuses_is_a_config_error_not_a_traceback(tmp_path, capfd):
+    """`check-config` (with --connect or not) refuses `a..b` as it loads the file;
+    before, it said OK and --connect ended in a UnicodeError traceback."""
+    path = config(tmp_path, "sqlite:///data.db", pay="http://a..b/api")
+    for extra in ([], ["--connect"]):
+        args = ["check-config", "--config", str(path), *extra]
+        code = await asyncio.to_thread(cli.main, args)
+        out, err = capfd.readouterr()
+        assert code == 1 and "Traceback" not in err and "OK" not in out
+        assert 'upstream: "a..b" is not a host name: a label between dots is empty' in err
+
+
+async def test_the_probes_report_a_host_name_the_resolver_refuses(tmp_path):
+    """Past the loader (a config built otherwise), each probe's failure says what is
+    wrong with the name, and no UnicodeError escapes."""
+    path = config(tmp_path, "sqlite:///data.db", pay="http://127.0.0.1:1/api")
+    dest = load_config(path, environ={}).destinations["pay"]
+    for host in ("a..b", "a" * 64 + ".example"):
+        bad = dataclasses.replace(dest, upstream=f"http://{host}/api")
+        with pytest.raises(UpstreamUnreachable) as info:
+            await upstream_status(bad)
+        assert str(info.value) == (
+            f"cannot resolve {host}: a label between dots is empty or longer than 63 "
+            "characters: check the host name"
+        )
+    with pytest.raises(ProbeFailed) as failed:
+        await store_status("postgresql://postgres:pw-secret@a..b:5432/x")
+    assert "cannot resolve the host of a..b:5432 (label empty or too long)" in str(failed.value)
+    assert "pw-secret" not in str(failed.value)

@@ -216,6 +216,8 @@ dir = "dests"
         ("postgresql://u@h1:5432,h2:5433/db", "postgresql://u@h1:5432,h2:5433/db"),
         ("postgresql://u@[::1]:5432/db", "postgresql://u@[::1]:5432/db"),
         ("postgresql:///db?host=/run/postgresql", "postgresql:///db?host=/run/postgresql"),
+        # a socket directory in the authority is a path, not a host name
+        ("postgresql://%2Frun%2Fpg..x/db", "postgresql://%2Frun%2Fpg..x/db"),
         ("POSTGRESQL://h/db", "POSTGRESQL://h/db"),
     ],
 )
@@ -414,6 +416,9 @@ def test_parse_upstream_normalises(text: str, url: str) -> None:
         "http://h/a/../b",
         "http://h:99999/",
         "http://h/a b",
+        "http://a..b/api",
+        "http://.h/",
+        f"http://{'a' * 64}.example/api",
     ],
 )
 def test_parse_upstream_refuses(text: str) -> None:
@@ -474,6 +479,14 @@ def test_parse_upstream_refuses(text: str) -> None:
         (
             '[store]\nurl = "postgres://h1:5432,h2:99999/db"\n',
             "store.url: a port in the URL is not a number from 1 to 65535",
+        ),
+        (  # the resolver refuses it: asyncpg would fail with a UnicodeError traceback
+            '[store]\nurl = "postgresql://postgres:pw@a..b:5432/x"\n',
+            'store.url: "a..b" in the URL is not a host name: a label between dots is empty',
+        ),
+        (
+            f'[store]\nurl = "postgres://h1,{"a" * 64}.example/db"\n',
+            f'store.url: "{"a" * 64}.example" in the URL is not a host name: a label',
         ),
         (
             '[store]\npool_size = "10"\n',
@@ -662,6 +675,24 @@ def test_an_upstream_with_a_query_is_named_without_it(tmp_path: Path) -> None:
         'got "https://h/api" with one'
     )
     assert "sk-secret" not in message
+
+
+@pytest.mark.parametrize("host", ["a..b", "x" * 64 + ".example"])
+def test_an_upstream_host_the_resolver_refuses_is_a_config_error(tmp_path: Path, host: str) -> None:
+    """Python cannot even look such a name up (a UnicodeError, not a failed lookup):
+    the loader says so, rather than the first forward or `check-config --connect`."""
+    path = write_config(tmp_path, payments=f'upstream = "http://{host}/api"\n')
+    assert config_error(path) == (
+        f'destinations/payments.toml: upstream: "{host}" is not a host name: '
+        "a label between dots is empty or longer than 63 characters"
+    )
+
+
+def test_a_store_host_the_resolver_refuses_is_named_without_the_password(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[store]\nurl = "postgresql://u:pgpass-secret@a..b/db"\n')
+    message = config_error(path)
+    assert message.startswith('gateway.toml: store.url: "a..b" in the URL is not a host name')
+    assert "pgpass-secret" not in message
 
 
 def test_unset_upstream_header_variable_is_an_error(tmp_path: Path) -> None:
