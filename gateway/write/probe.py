@@ -58,6 +58,14 @@ async def upstream_status(dest: DestinationConfig) -> str:
             f"cannot resolve {host}: {host_name_problem(host) or exc}: check the host name"
         ) from exc
     except OSError as exc:
+        if tls and isinstance(exc, _DROPPED):
+            # The TCP connection was made (a refusal is ConnectionRefusedError): the
+            # upstream hung up on the ClientHello, as a server not speaking TLS does.
+            raise UpstreamUnreachable(
+                f"the connection to {host}:{port} was closed during the TLS handshake "
+                f"({_why(exc)}): does it speak HTTPS on port {port}? A client certificate "
+                "it wants goes in client_cert and client_key"
+            ) from exc
         raise UpstreamUnreachable(
             f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "
             "running, and is the port right?"
@@ -73,6 +81,13 @@ async def upstream_status(dest: DestinationConfig) -> str:
     return f"connected (TLS, {verified})"
 
 
+_DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
 def _why(exc: OSError) -> str:
-    """`Connection refused`, not asyncio's `Connect call failed (...)`."""
-    return os.strerror(exc.errno) if exc.errno else str(exc)
+    """`Connection refused`, not asyncio's `Connect call failed (...)`; the
+    class's name where the error says nothing (asyncio's bare
+    `ConnectionResetError()` for a peer gone mid-handshake)."""
+    if exc.errno:
+        return os.strerror(exc.errno)
+    return str(exc) or type(exc).__name__

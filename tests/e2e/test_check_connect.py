@@ -94,6 +94,31 @@ async def test_an_untrusted_tls_upstream_says_to_check_ca_file(tmp_path, listeni
     assert "within connect_timeout" in err
 
 
+@pytest.mark.parametrize("hang_up", ["at_once", "on_the_client_hello"])
+async def test_a_tls_upstream_that_hangs_up_in_the_handshake_is_named_as_such(
+    tmp_path, capfd, hang_up
+):
+    """A server that closes the connection instead of answering the ClientHello
+    (one that does not speak TLS, say): the reason is given, never empty, and the
+    hint is about TLS, not whether the upstream runs."""
+
+    async def close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if hang_up == "on_the_client_hello":
+            await reader.read(1)
+            writer.transport.abort()  # a reset: asyncio's bare ConnectionResetError()
+        writer.close()
+
+    server = await asyncio.start_server(close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        path = config(tmp_path, "sqlite:///data.db", pay=f"https://127.0.0.1:{port}/")
+        code, _, err = await check(path, capfd)
+    assert code == 1
+    assert f"the connection to 127.0.0.1:{port} was closed during the TLS handshake (" in err
+    assert "handshake ()" not in err and "is the upstream running" not in err
+    assert f"does it speak HTTPS on port {port}?" in err
+
+
 async def test_postgres_schema_missing_then_current(tmp_path, listening, capfd):
     async with fresh_database() as url:
         path = config(tmp_path, url, pay=f"http://127.0.0.1:{listening}/")
