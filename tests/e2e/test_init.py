@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import keys
+from gateway.config.model import load_config
 from gateway.config.starter import template
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,10 +122,31 @@ def test_every_key_is_in_the_templates_that_init_writes() -> None:
     gateway, example = template("gateway.toml"), template("example.toml")
     for section in keys.GATEWAY_FILE:
         assert f"[{section.name}]" in gateway
-        for name in section.names:
-            assert f"{name} = " in gateway, name
+        for name in section.names:  # a key, or a table of its own (commented out or not)
+            assert f"{name} = " in gateway or f"[{section.name}.{name}]" in gateway, name
     for name in keys.DESTINATION.names:
         assert f"{name} = " in example or f"[{name}]" in example, name
+
+
+def test_the_operators_table_of_the_written_file_can_be_filled_in(tmp_path: Path) -> None:
+    """`[admin.operators]` is a table of its own: uncommenting the template's example,
+    or adding the table as SPEC 5 shows it, loads (an inline `operators = {}` in
+    the file made the second a TOML error: the table declared twice)."""
+    assert sinkgate(tmp_path, "init").returncode == 0
+    path = tmp_path / "config" / "gateway.toml"
+    written = path.read_text()
+    environ = {"SINKGATE_TOKEN_ALICE": "a" * 20, "SINKGATE_TOKEN_BOB": "b" * 20}
+    uncommented, found = re.subn(
+        r"^# (\[admin\.operators\])\n# (alice = \"SINKGATE_TOKEN_ALICE\")$",
+        r"\1\n\2",
+        written,
+        flags=re.MULTILINE,
+    )
+    assert found == 1
+    path.write_text(uncommented)
+    assert load_config(path, environ).admin_operators == (("alice", "a" * 20),)
+    path.write_text(written + '\n[admin.operators]\nbob = "SINKGATE_TOKEN_BOB"\n')
+    assert load_config(path, environ).admin_operators == (("bob", "b" * 20),)
 
 
 @pytest.mark.slow
