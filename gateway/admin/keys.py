@@ -60,12 +60,7 @@ class KeysApi:
     async def list(self, request: web.Request) -> web.Response:
         now = self._store.clock()
         query = parse_key_query(request.query, now)
-        rows: list[KeyRecord] = await self._store.list_keys(replace(query, limit=query.limit + 1))
-        next_cursor = None
-        if len(rows) > query.limit:
-            rows = rows[: query.limit]
-            last = rows[-1]
-            next_cursor = encode_key_cursor(last.updated_at, last.destination, last.key)
+        rows, next_cursor = await key_page(self._store, query)
         items = [key_model(r, now) for r in rows]
         return web.json_response(to_json(models.KeyPage(items=items, next_cursor=next_cursor)))
 
@@ -168,6 +163,17 @@ def parse_key_query(params: Mapping[str, str], now: float) -> KeyQuery:
         limit=parse_limit(value["limit"]),
         after=decode_key_cursor(value["cursor"]) if value["cursor"] else None,
     )
+
+
+async def key_page(store: AdminOpsStore, query: KeyQuery) -> tuple[list[KeyRecord], str | None]:
+    """One page of keys, newest `updated_at` first, and the cursor of the next
+    (None on the last page)."""
+    rows: list[KeyRecord] = await store.list_keys(replace(query, limit=query.limit + 1))
+    if len(rows) <= query.limit:
+        return rows, None
+    rows = rows[: query.limit]
+    last = rows[-1]
+    return rows, encode_key_cursor(last.updated_at, last.destination, last.key)
 
 
 def encode_key_cursor(updated_at: float, destination: str, key: str) -> str:

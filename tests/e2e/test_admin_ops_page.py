@@ -88,6 +88,28 @@ async def test_the_queue_escapes_what_workers_sent(browser):
     assert 'id="queue-count">2<' in page
 
 
+async def test_the_queue_counts_every_unknown_key_and_links_to_the_rest(browser, store):
+    """130 unknown keys: the count says 130 (it said 100, the page's size), the
+    page holds 100 forms and an "older" link, which shows the other 30."""
+    for n in range(128):  # and the fixture's 2
+        f = facts("job-1", 1, f"lost-many-{n:03}")
+        verdict = await store.decide_write(f, CONTEXT)
+        await store.record_outcome(f, verdict.attempt, Outcome("unknown"))
+    page = await (await browser.get("/admin/queue")).text()
+    assert 'id="queue-count">130<' in page
+    first = re.findall(r'<form class="resolve"[^>]*data-key="([^"]*)"', page)
+    assert len(first) == 100
+    older = re.search(r'<a href="(/admin/queue\?cursor=[^"]+)">older »</a>', page)
+    assert older is not None and "« newest" not in page
+    rest = await (await browser.get(older.group(1).replace("&amp;", "&"))).text()
+    second = re.findall(r'<form class="resolve"[^>]*data-key="([^"]*)"', rest)
+    assert len(second) == 30 and not set(first) & set(second)
+    assert 'id="queue-count">130<' in rest
+    assert '<a href="/admin/queue">« newest</a>' in rest and "older »" not in rest
+    only = await (await browser.get("/admin/queue?destination=elsewhere")).text()
+    assert 'id="queue-count">0<' in only and 'id="queue-empty"' in only
+
+
 async def test_resolve_form_needs_its_csrf_token(browser, store):
     page = await (await browser.get("/admin/queue")).text()
     fields = form_fields(page, "lost-1")

@@ -78,7 +78,7 @@ class Page:
             error=Safe(f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""),
             count=f"{len(rows)} rejection{'s' * (len(rows) != 1)}",
             rows=Safe("".join(_row(r) for r in rows) or _EMPTY_ROW),
-            pager=Safe(_pager(shown, next_cursor)),
+            pager=Safe(pager("/admin/", shown, next_cursor)),
         )
         return html_response(
             "rejected writes",
@@ -192,13 +192,15 @@ def _row(row: StoredRejection) -> str:
     return f'<tr class="rejection" data-reason="{html.escape(r.reason)}">{tds}</tr>'
 
 
-def _pager(shown: Mapping[str, str], next_cursor: str | None) -> str:
+def pager(path: str, shown: Mapping[str, str], next_cursor: str | None) -> str:
+    """The links of a page of `path` filtered by `shown`: back to the newest when
+    `shown` has a cursor, on to the older rows when there are more."""
     base = {k: v for k, v in shown.items() if k != "cursor"}
     links = []
     if "cursor" in shown:
-        links.append(_link("/admin/?" + urlencode(base), "« newest"))
+        links.append(_link(f"{path}?{urlencode(base)}".rstrip("?"), "« newest"))
     if next_cursor is not None:
-        links.append(_link("/admin/?" + urlencode({**base, "cursor": next_cursor}), "older »"))
+        links.append(_link(f"{path}?" + urlencode({**base, "cursor": next_cursor}), "older »"))
     return " ".join(links)
 
 

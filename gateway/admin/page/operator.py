@@ -25,9 +25,15 @@ from aiohttp import web
 
 from gateway.admin.audit import audit_cursor, audit_item, parse_audit_query
 from gateway.admin.jobs import job_view
-from gateway.admin.keys import RESOLVE_REQUEST_MAX, key_view, parse_key_query, parse_resolution
+from gateway.admin.keys import (
+    RESOLVE_REQUEST_MAX,
+    key_page,
+    key_view,
+    parse_key_query,
+    parse_resolution,
+)
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
-from gateway.admin.page.listing import PRESETS
+from gateway.admin.page.listing import PRESETS, pager
 from gateway.admin.page.render import REASON_KIND, Safe, html_response
 from gateway.admin.query import parse_time, utc_time
 from gateway.admin.session import SESSION_COOKIE, operator_of
@@ -43,7 +49,6 @@ from leases.reasons import REASONS, Family, Reason
 if TYPE_CHECKING:
     from gateway.admin.session import SessionAuth
 
-QUEUE_LIMIT = 100
 _AUDIT_COLUMNS = ("at", "operator", "action", "destination", "key", "attempt", "note", "remote")
 _OPEN_SECRET = os.urandom(32)
 
@@ -166,16 +171,20 @@ class OperatorPage:
     ) -> web.Response:
         params = {k: v for k, v in request.query.items() if k not in ("format", "done")}
         query = parse_key_query({**params, "state": "unknown"}, self._store.clock())
-        rows = await self._store.list_keys(query)
+        rows, next_cursor = await key_page(self._store, query)
+        # The queue's size, not the page's: a page holds `limit` keys (100 unless set).
+        counts: dict[str, int] = await self._store.unknown_counts()
+        waiting = counts.get(query.destination, 0) if query.destination else sum(counts.values())
         now = self._store.clock()
         csrf = csrf_token(self._auth, request)
-        forms = "".join(self._resolve_form(r, csrf, now) for r in rows[:QUEUE_LIMIT])
+        forms = "".join(self._resolve_form(r, csrf, now) for r in rows)
+        links = pager("/admin/queue", params, next_cursor)
         done = request.query.get("done", "")
         notice = message or (f"Resolved {done}. " if done else "")
         body = (
             '<p><a href="/admin/">« all rejections</a> · '
             '<a href="/admin/audit?format=html">audit log</a></p>'
-            f'<h2>Unknown outcomes <span class="count" id="queue-count">{len(rows)}</span></h2>'
+            f'<h2>Unknown outcomes <span class="count" id="queue-count">{waiting}</span></h2>'
             + (
                 f'<p class="{"error" if status != 200 else "notice"}" role="status">'
                 f"{html.escape(notice)}</p>"
@@ -188,6 +197,7 @@ class OperatorPage:
             "<b>applied</b> stores the answer you give, which retries replay; <b>not applied</b> "
             "releases the key, so the worker's retry is forwarded.</p>"
             + (forms or '<p class="empty" id="queue-empty">Nothing waits for an operator.</p>')
+            + (f'<nav class="pager" id="queue-pager">{links}</nav>' if links else "")
         )
         return self._respond(request, "unknown outcomes", body, status=status)
 
