@@ -338,6 +338,17 @@ def config_warnings(config: Config) -> list[str]:
     return found
 
 
+def _admin_access(config: Config) -> list[str]:
+    """Who /admin lets in: the shared token's variable, and the operators by name
+    (their tokens are never shown)."""
+    shared = "set" if config.admin_token else "not set"
+    token = f"admin token   {shared} (${config.admin_token_env})"
+    if not config.admin_operators:
+        return [token]
+    names = ", ".join(sorted(name for name, _ in config.admin_operators))
+    return [token, f"operators     {names} (a token of their own each, named in the audit log)"]
+
+
 def _lease_api_access(config: Config) -> str:
     if config.lease_tokens:
         return f"needs one of {len(config.lease_tokens)} bearer token(s)"
@@ -376,18 +387,19 @@ def summary(config: Config) -> str:
         host, port = host_port
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    token = "set" if config.admin_token else "not set"
     lines = [
         f"config        {config.display or config.source}: OK",
         f"listen        {addr(config.listen)}",
         f"admin listen  {addr(config.admin_listen)}",
         f"tls           {_listener_tls(config)}",
         f"store         {_store_shown(config.store_url)} (pool size {config.store_pool_size})",
-        f"admin token   {token} (${config.admin_token_env})",
+        *_admin_access(config),
         f"lease API     {_lease_api_access(config)}",
         f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "
-        f"rejections {format_duration(config.rejections_ttl)}",
+        f"rejections {format_duration(config.rejections_ttl)}, "
+        f"audit log {format_duration(config.audit_ttl)}",
         f"limits        {config.max_in_flight} writes in flight, "
+        f"{config.max_waiting} waiting under Prefer: wait per process, "
         f"shutdown grace {format_duration(config.shutdown_grace)}",
     ]
     if config.workers > 1:  # one process: the summary as it always was

@@ -117,6 +117,27 @@ def test_check_config_prints_secret_names_never_their_values(tmp_path: Path) -> 
     assert "upstream_headers=Authorization,X-Static" in result.stdout
 
 
+def test_check_config_names_the_operators_never_their_tokens(tmp_path: Path) -> None:
+    """With `[admin.operators]`, "admin token not set" alone read as if nothing
+    guarded /admin: the operators are listed by name, and the audit log's
+    retention and the Prefer: wait bound are shown with the other limits."""
+    (tmp_path / "gateway.toml").write_text(
+        '[server]\nmax_waiting = 7\n[retention]\naudit_ttl = "30d"\n'
+        '[admin.operators]\nbob = "TOKEN_BOB"\nalice = "TOKEN_ALICE"\n'
+    )
+    env = {"TOKEN_ALICE": f"alice-{SECRET}", "TOKEN_BOB": f"bob-{SECRET}"}
+    result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "admin token   not set ($SINKGATE_ADMIN_TOKEN)" in lines
+    assert "operators     alice, bob (a token of their own each, named in the audit log)" in lines
+    assert "retention     idempotency keys 1d, rejections 7d, audit log 30d" in lines
+    assert "limits        4096 writes in flight, 7 waiting under Prefer: wait per process, " in (
+        result.stdout
+    )
+
+
 def test_check_config_says_when_there_are_no_destinations(tmp_path: Path) -> None:
     (tmp_path / "gateway.toml").write_text("")
     result = sinkgate("check-config", "--config", str(tmp_path / "gateway.toml"))
