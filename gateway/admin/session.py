@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gateway.admin.query import DECIMAL_ID
 from gateway.admin.throttle import FailureThrottle
+from gateway.config.keys import SHARED_OPERATOR
 from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
 from gateway.http.auth import authorization, cross_site
@@ -42,11 +43,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SESSION_COOKIE = "sinkgate_admin"
 SESSION_TTL_S = 12 * 3600
-SHARED_OPERATOR = "admin"  # the shared token's name in the audit log (SPEC 4)
 # The name the request authenticated as.
 OPERATOR: web.RequestKey[str] = web.RequestKey("operator", str)
 _NONCE = re.compile(r"[0-9a-f]{16}")
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def wants_html(request: web.Request) -> bool:
