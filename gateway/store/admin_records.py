@@ -183,10 +183,6 @@ class OperatorStore(Protocol):
         only in-flight and unknown rows)."""
         ...
 
-    async def purge_audit(self, *, before: float, batch: int) -> int:
-        """Delete up to `batch` audit rows older than `before`; returns how many."""
-        ...
-
 
 def audit_filters(query: AuditQuery) -> tuple[tuple[str, Any], ...]:
     """The audit log's filters (SPEC 4), for `where_set`."""

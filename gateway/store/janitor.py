@@ -21,8 +21,6 @@ from gateway.telemetry.metrics import Metrics
 
 log = structlog.get_logger("gateway.store")
 
-AUDIT_TTL_S = 365 * 86400.0  # [retention] audit_ttl's default
-
 
 async def purge_once(
     store: PurgeStore,
@@ -30,7 +28,7 @@ async def purge_once(
     *,
     idempotency_ttl: float,
     rejections_ttl: float,
-    audit_ttl: float = AUDIT_TTL_S,
+    audit_ttl: float,
     batch: int = 500,
 ) -> tuple[int, int]:
     """One retention pass; returns (keys, rejections) deleted.
@@ -72,15 +70,13 @@ async def purge_once(
 
 
 async def _purge_audit(store: PurgeStore, before: float, batch: int) -> int:
-    purge = getattr(store, "purge_audit", None)  # a store without an audit log has none
     total = 0
-    while purge is not None:
-        deleted: int = await purge(before=before, batch=batch)
+    while True:
+        deleted = await store.purge_audit(before=before, batch=batch)
         total += deleted
         if deleted < batch:
-            break
+            return total
         await asyncio.sleep(0)
-    return total
 
 
 async def run_janitor(
@@ -89,7 +85,7 @@ async def run_janitor(
     *,
     idempotency_ttl: float,
     rejections_ttl: float,
-    audit_ttl: float = AUDIT_TTL_S,
+    audit_ttl: float,
     interval: float = 30.0,
     batch: int = 500,
     retention: Callable[[], tuple[float, float, float]] | None = None,

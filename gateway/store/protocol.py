@@ -93,7 +93,7 @@ class AdminStore(Protocol):
 
 
 class PurgeStore(Protocol):
-    """The janitor's one verb."""
+    """The janitor's verbs: retention of keys and rejections, and of the audit log."""
 
     clock: Clock
 
@@ -102,6 +102,10 @@ class PurgeStore(Protocol):
     ) -> tuple[int, int]:
         """Delete up to `batch` completed keys and rejections older than the cutoffs;
         never in-flight or unknown records. Returns (keys, rejections) deleted."""
+        ...
+
+    async def purge_audit(self, *, before: float, batch: int) -> int:
+        """Delete up to `batch` audit rows older than `before`; returns how many."""
         ...
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.config.keys import RETENTION
 from gateway.policy.decision import RESERVATION_GRACE_S, Forward, KeyState, Replay
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres_admin, postgres_schema, sqlite_admin
@@ -36,6 +37,7 @@ from tests.conftest import FakeClock
 
 PAST_DEADLINE = TIMEOUT + RESERVATION_GRACE_S + 1
 DAY = 86400.0
+AUDIT_TTL = RETENTION.defaults["audit_ttl"]  # [retention] audit_ttl's default: a year
 
 
 async def unknown_key(store: Any, key: str = "key-1", **facts: Any) -> str:
@@ -272,17 +274,17 @@ async def test_the_janitor_never_purges_an_unknown_key_nor_a_young_resolution(
     store_backend.advance(30 * DAY)
     # A purge as old as anything: the unknown key waits for its operator.
     await asyncio.gather(
-        purge_once(store, Metrics(), idempotency_ttl=1, rejections_ttl=1),
+        purge_once(store, Metrics(), idempotency_ttl=1, rejections_ttl=1, audit_ttl=AUDIT_TTL),
         store.resolve_key(resolution(attempt, True)),
     )
     # Whichever came first, the key was unknown to the purge and resolved after it,
     # or resolved just now and younger than any retention: it is there.
     assert (await store.key_record("pay", "key-1")).state is KeyState.COMPLETED
-    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=AUDIT_TTL)
     assert (await store.key_record("pay", "key-1")).state is KeyState.COMPLETED
     assert len(await audit(store)) == 1
     store_backend.advance(DAY + 60)
-    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=AUDIT_TTL)
     assert len(await audit(store)) == 1  # audit rows have their own retention
     await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY)
     assert await audit(store) == []
@@ -300,14 +302,14 @@ async def test_audit_rows_outlive_a_short_rejections_ttl(store_backend: Backend)
     await store.resolve_key(resolution(attempt, False))
     await store.record_audit(action="reload", note="admin: no change", operator="alice")
     store_backend.advance(120)
-    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60, audit_ttl=AUDIT_TTL)
     assert await store.list_rejections(RejectionQuery()) == []  # the noise is gone
     assert len(await audit(store)) == 2  # the decisions are not
     store_backend.advance(364 * DAY)
-    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60, audit_ttl=AUDIT_TTL)
     assert len(await audit(store)) == 2  # younger than the default audit_ttl (365d)
     store_backend.advance(DAY)
-    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60)
+    await purge_once(store, Metrics(), idempotency_ttl=60, rejections_ttl=60, audit_ttl=AUDIT_TTL)
     assert await audit(store) == []
 
 

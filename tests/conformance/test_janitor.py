@@ -60,6 +60,9 @@ class CountingStore:
         self.purged.set()
         return result
 
+    async def purge_audit(self, *, before: float, batch: int) -> int:
+        return await self._store.purge_audit(before=before, batch=batch)
+
 
 @pytest.fixture
 async def store(tmp_path, fake_clock: FakeClock) -> AsyncIterator[SQLiteStore]:
@@ -105,7 +108,9 @@ async def test_old_completed_keys_and_rejections_go_in_batches(store, fake_clock
     counting = CountingStore(store)
     metrics = Metrics()
 
-    result = await purge_once(counting, metrics, idempotency_ttl=DAY, rejections_ttl=DAY, batch=3)
+    result = await purge_once(
+        counting, metrics, idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY, batch=3
+    )
 
     assert result == (7, 5)
     assert counting.calls == [(3, 3), (3, 2), (1, 0)]  # repeated while a batch came back full
@@ -127,7 +132,9 @@ async def test_in_flight_and_unknown_keys_are_never_purged(store, fake_clock):
     fake_clock.advance(30 * DAY)
     # Even with the smallest ttl and many passes, only the completed key goes.
     for _ in range(3):
-        await purge_once(store, Metrics(), idempotency_ttl=1, rejections_ttl=1, batch=1)
+        await purge_once(
+            store, Metrics(), idempotency_ttl=1, rejections_ttl=1, audit_ttl=DAY, batch=1
+        )
     assert await store.key_record("payments", "done") is None
     on_the_wire = await store.key_record("payments", "on-the-wire")
     maybe_sent = await store.key_record("payments", "maybe-sent")
@@ -140,17 +147,21 @@ async def test_in_flight_and_unknown_keys_are_never_purged(store, fake_clock):
 async def test_a_key_younger_than_the_ttl_stays(store, fake_clock):
     await completed(store, "young")
     fake_clock.advance(DAY - 1)
-    assert await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY) == (0, 0)
+    assert await purge_once(
+        store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY
+    ) == (0, 0)
     assert await store.key_record("payments", "young") is not None
     fake_clock.advance(2)
-    assert await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY) == (1, 0)
+    assert await purge_once(
+        store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY
+    ) == (1, 0)
 
 
 async def test_purged_key_is_fresh_again(store, fake_clock):
     """After retention, the same key is a new write (SPEC 8: within idempotency_ttl)."""
     await completed(store, "k")
     fake_clock.advance(DAY + 1)
-    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=7 * DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=7 * DAY, audit_ttl=DAY)
     verdict = await store.decide_write(facts("k", generation=2), CONTEXT)
     assert verdict.attempt is not None  # forwarded, not replayed
 
@@ -164,7 +175,13 @@ async def test_run_janitor_purges_each_interval_and_survives_a_store_outage(stor
     metrics = Metrics()
     task = asyncio.create_task(
         run_janitor(
-            counting, metrics, idempotency_ttl=DAY, rejections_ttl=DAY, interval=0.01, batch=2
+            counting,
+            metrics,
+            idempotency_ttl=DAY,
+            rejections_ttl=DAY,
+            audit_ttl=DAY,
+            interval=0.01,
+            batch=2,
         )
     )
     try:
@@ -194,6 +211,7 @@ async def test_run_janitor_asks_retention_before_each_purge(store, fake_clock):
             Metrics(),
             idempotency_ttl=3 * DAY,
             rejections_ttl=3 * DAY,
+            audit_ttl=DAY,
             interval=0.01,
             retention=lambda: ttls[-1],
         )
@@ -217,15 +235,18 @@ async def test_run_janitor_crashes_on_other_errors(store):
             raise RuntimeError("bug")
 
     with pytest.raises(RuntimeError, match="bug"):
-        await run_janitor(Broken(store), Metrics(), idempotency_ttl=1, rejections_ttl=1)
+        await run_janitor(
+            Broken(store), Metrics(), idempotency_ttl=1, rejections_ttl=1, audit_ttl=DAY
+        )
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"idempotency_ttl": 0, "rejections_ttl": 1},
-        {"idempotency_ttl": 1, "rejections_ttl": -1},
-        {"idempotency_ttl": 1, "rejections_ttl": 1, "interval": 0},
+        {"idempotency_ttl": 0, "rejections_ttl": 1, "audit_ttl": 1},
+        {"idempotency_ttl": 1, "rejections_ttl": -1, "audit_ttl": 1},
+        {"idempotency_ttl": 1, "rejections_ttl": 1, "audit_ttl": 0},
+        {"idempotency_ttl": 1, "rejections_ttl": 1, "audit_ttl": 1, "interval": 0},
     ],
 )
 async def test_run_janitor_refuses_nonsense_settings(store, kwargs):
@@ -246,6 +267,6 @@ async def test_attempt_rows_of_dead_gateways_are_cleared_but_live_ones_kept(stor
         return sorted(row[0] for row in conn.execute("SELECT job_id FROM attempts"))
 
     assert await store._executor.read(attempt_jobs) == ["job-dead", "job-live"]
-    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY)
+    await purge_once(store, Metrics(), idempotency_ttl=DAY, rejections_ttl=DAY, audit_ttl=DAY)
     assert await store._executor.read(attempt_jobs) == ["job-live"]
     assert await store.key_record("payments", "dead-keyed") is not None  # stays (unknown)

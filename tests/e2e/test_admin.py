@@ -536,7 +536,9 @@ async def test_metrics_after_a_known_sequence(client, metrics, store):
     metrics.in_flight.labels(destination="payments").set(3)
     await store.record_rejection(rejection())
     store.clock.advance(8 * 86400)
-    assert await purge_once(store, metrics, idempotency_ttl=3600, rejections_ttl=86400) == (0, 1)
+    assert await purge_once(
+        store, metrics, idempotency_ttl=3600, rejections_ttl=86400, audit_ttl=86400
+    ) == (0, 1)
     response = await client.get("/metrics")
     assert response.headers["Content-Type"].startswith("text/plain")
     samples = {
