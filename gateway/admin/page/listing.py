@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 from multidict import MultiDict
 
-from gateway.admin.page.render import REASON_KIND, Safe, html_response, render
+from gateway.admin.page.render import REASON_KIND, Safe, html_response, link, render
 from gateway.admin.query import rfc3339
 from gateway.admin.rejections import (
     FILTERS,
@@ -99,13 +99,13 @@ class Page:
         links = []
         if found.record.job_id:
             links.append(
-                _link("/admin/jobs/" + _quote(found.record.job_id) + "?format=html", "job state")
+                link("/admin/jobs/" + _quote(found.record.job_id) + "?format=html", "job state")
             )
         if found.record.destination and found.record.idempotency_key:
             path = f"/admin/keys/{_quote(found.record.destination)}/"
             path += _quote(found.record.idempotency_key)
-            links.append(_link(path + "?format=html", "idempotency record"))
-        links.append(_link(f"/admin/rejections/{found.id}", "this rejection (JSON)"))
+            links.append(link(path + "?format=html", "idempotency record"))
+        links.append(link(f"/admin/rejections/{found.id}", "this rejection (JSON)"))
         body = render(
             "admin_rejection.html",
             id=found.id,
@@ -161,9 +161,9 @@ def _presets(shown: Mapping[str, str], refresh: bool) -> str:
         '<nav class="presets" id="presets">last: '
         + " ".join(links)
         + " · "
-        + _link("/admin/queue", "unknown outcomes")
+        + link("/admin/queue", "unknown outcomes")
         + " · "
-        + _link("/admin/audit?format=html", "audit log")
+        + link("/admin/audit?format=html", "audit log")
         + " · "
         + refresh_link
         + "</nav>"
@@ -175,7 +175,7 @@ def _row(row: StoredRejection) -> str:
     current = r.current_generation if r.current_generation is not None else r.highest_generation
     stale = r.generation is not None and current is not None and r.generation < current
     when = rfc3339(row.at) or ""
-    job = _link("/admin/?job_id=" + _quote(r.job_id), r.job_id) if r.job_id else ""
+    job = link("/admin/?job_id=" + _quote(r.job_id), r.job_id) if r.job_id else ""
     cells = [
         f'<time datetime="{html.escape(when)}">{html.escape(when[:19].replace("T", " "))}</time>',
         f'<span class="reason {REASON_KIND.get(r.reason, "other")}">{html.escape(r.reason)}</span>',
@@ -186,7 +186,7 @@ def _row(row: StoredRejection) -> str:
         f"<code>{html.escape(_text(r.method))} {html.escape(_text(r.path))}</code>",
         f"<code>{html.escape(_text(r.idempotency_key))}</code>",
         html.escape(_text(r.remote)),
-        _link(f"/admin/rejections/{row.id}?format=html", f"#{row.id}"),
+        link(f"/admin/rejections/{row.id}?format=html", f"#{row.id}"),
     ]
     tds = "".join(f"<td>{cell}</td>" for cell in cells)
     return f'<tr class="rejection" data-reason="{html.escape(r.reason)}">{tds}</tr>'
@@ -198,14 +198,10 @@ def pager(path: str, shown: Mapping[str, str], next_cursor: str | None) -> str:
     base = {k: v for k, v in shown.items() if k != "cursor"}
     links = []
     if "cursor" in shown:
-        links.append(_link(f"{path}?{urlencode(base)}".rstrip("?"), "« newest"))
+        links.append(link(f"{path}?{urlencode(base)}".rstrip("?"), "« newest"))
     if next_cursor is not None:
-        links.append(_link(f"{path}?" + urlencode({**base, "cursor": next_cursor}), "older »"))
+        links.append(link(f"{path}?" + urlencode({**base, "cursor": next_cursor}), "older »"))
     return " ".join(links)
-
-
-def _link(href: str, text: str) -> str:
-    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
 
 
 def _quote(text: str) -> str:

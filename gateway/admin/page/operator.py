@@ -34,7 +34,7 @@ from gateway.admin.keys import (
 )
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import PRESETS, pager
-from gateway.admin.page.render import REASON_KIND, Safe, html_response
+from gateway.admin.page.render import REASON_KIND, Safe, html_response, link
 from gateway.admin.query import parse_time, utc_time
 from gateway.admin.session import SESSION_COOKIE, operator_of
 from gateway.config.reader import format_duration
@@ -277,9 +277,9 @@ class OperatorPage:
                 record, csrf_token(self._auth, request), now
             )
         links = [
-            _link(f"/admin/jobs/{quote(record.job_id, safe='')}?format=html", "job state"),
-            _link(f"/admin/?{urlencode({'job_id': record.job_id})}", "the job's rejections"),
-            _link(_key_href(destination, key, html_view=False), "JSON"),
+            link(f"/admin/jobs/{quote(record.job_id, safe='')}?format=html", "job state"),
+            link(f"/admin/?{urlencode({'job_id': record.job_id})}", "the job's rejections"),
+            link(_key_href(destination, key, html_view=False), "JSON"),
         ]
         body = (
             '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
@@ -305,7 +305,7 @@ class OperatorPage:
         in_flight = view.pop("in_flight")
         recent = view.pop("recent_rejections")
         rows = "".join(
-            "<tr><td>" + _link(f"/admin/rejections/{r['id']}?format=html", f"#{r['id']}") + "</td>"
+            "<tr><td>" + link(f"/admin/rejections/{r['id']}?format=html", f"#{r['id']}") + "</td>"
             f"<td>{html.escape(str(r['at'])[:19])}</td>"
             f'<td><span class="reason {self._kinds.get(r["reason"], "other")}">'
             f"{html.escape(r['reason'])}</span></td><td>{html.escape(str(r['generation']))}</td>"
@@ -338,7 +338,7 @@ class OperatorPage:
                 if rows
                 else '<p class="empty">none</p>'
             )
-            + f"<p>{_link('/admin/jobs/' + quote(job_id, safe=''), 'JSON')}</p>"
+            + f"<p>{link('/admin/jobs/' + quote(job_id, safe=''), 'JSON')}</p>"
         )
         return self._respond(request, f"job {job_id}", body)
 
@@ -361,18 +361,18 @@ class OperatorPage:
             for item in (audit_item(e) for e in entries[: query.limit])
         )
         presets = " ".join(
-            _link("/admin/audit?" + urlencode({"format": "html", "since": p}), p) for p in PRESETS
+            link("/admin/audit?" + urlencode({"format": "html", "since": p}), p) for p in PRESETS
         )
         more = ""
         if cursor:
-            more = _link(
+            more = link(
                 "/admin/audit?" + urlencode({**params, "format": "html", "cursor": cursor}),
                 "older »",
             )
         body = (
             '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
             f"<h2>Audit log</h2><p>since: {presets} · "
-            f"{_link('/admin/audit?format=html', 'all')}</p>"
+            f"{link('/admin/audit?format=html', 'all')}</p>"
             '<table id="audit"><thead><tr><th>when (UTC)</th><th>operator</th><th>action</th>'
             "<th>destination</th><th>key</th><th>attempt</th><th>note</th><th>remote</th>"
             "</tr></thead><tbody>"
@@ -426,10 +426,6 @@ def _key_href(destination: str, key: str, *, html_view: bool = True) -> str:
     return path + ("?format=html" if html_view else "")
 
 
-def _link(href: str, text: str) -> str:
-    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
-
-
 def _fields(view: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(_shown(v))}</code></td></tr>"
@@ -455,7 +451,7 @@ def _cell(name: str, item: dict[str, Any]) -> str:
     if name == "at":
         return html.escape(str(value)[:19].replace("T", " "))
     if name == "key" and item.get("destination"):
-        return _link(_key_href(item["destination"], value), value)
+        return link(_key_href(item["destination"], value), value)
     if name == "action":
         return f'<span class="action">{html.escape(value)}</span>'
     return html.escape(str(value))

@@ -26,6 +26,11 @@ def render(template: str, **values: object) -> str:
     )
 
 
+def link(href: str, text: str) -> str:
+    """An `<a>` to `href`, both escaped."""
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
 @functools.cache
 def _template(name: str) -> string.Template:
     return string.Template(
