@@ -21,7 +21,12 @@ to the gateway, and whether it was a replay.
 connection with `Prefer: wait=30`, held on one key whose original the upstream
 answers in `--hold-s` (6) seconds. Figures: the gateway's CPU (share of one
 core) over one second once all are held, and each duplicate's answer time
-minus the original's (p50, p99, max).
+minus the original's (p50, p99, max), and the gateway's CPU from then to the
+last answer (the wake-up). A second row (unless `--no-floor`) runs the same
+burst, from the same client, against `bench.held_floor`: the same aiohttp
+stack answering the held writes with one precomputed body once the original is
+answered, deciding nothing: the part of the figure that is the server stack and
+the client alone.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ async def _all_held(session: aiohttp.ClientSession, metrics_url: str, waiters: i
         await asyncio.sleep(0.1)
 
 
-async def many(base: str, admin: str, waiters: int, hold_s: float, gateway_pid: int) -> str:
+async def many(base: str, admin: str, waiters: int, gateway_pid: int) -> str:
     """N duplicates held on one slow key: CPU while held, then how soon they are answered."""
     leases = await HTTPLeaseStore.open(base)
     try:
@@ -126,6 +131,13 @@ async def many(base: str, admin: str, waiters: int, hold_s: float, gateway_pid: 
         "Fencing-Token": str(lease.generation),
         "Idempotency-Key": "many-1",
     }
+    return await burst(base, f"{admin}/metrics", headers, waiters, gateway_pid)
+
+
+async def burst(
+    base: str, metrics_url: str, headers: dict[str, str], waiters: int, pid: int
+) -> str:
+    """An original, then N writes with `Prefer: wait=30` held until it is answered."""
     url = f"{base}/to/bench/items"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -140,22 +152,34 @@ async def many(base: str, admin: str, waiters: int, hold_s: float, gateway_pid: 
         await asyncio.sleep(0.05)
         started = time.monotonic()
         held = [asyncio.create_task(post({"Prefer": "wait=30"})) for _ in range(waiters)]
-        await _all_held(session, f"{admin}/metrics", waiters)
+        await _all_held(session, metrics_url, waiters)
         held_after = time.monotonic() - started
-        cpu_before, at = bench.cpu_seconds(gateway_pid), time.monotonic()
+        cpu_before, at = bench.cpu_seconds(pid), time.monotonic()
         await asyncio.sleep(1.0)
-        cpu_share = (bench.cpu_seconds(gateway_pid) - cpu_before) / (time.monotonic() - at)
+        cpu_held = bench.cpu_seconds(pid)
+        cpu_share = (cpu_held - cpu_before) / (time.monotonic() - at)
         original_at, status, _ = await original
         answers = await asyncio.gather(*held)
+        cpu_woken = bench.cpu_seconds(pid) - cpu_held  # the wake-up (the rest is idle)
     after = sorted((answered - original_at) * 1000 for answered, _, _ in answers)
     replays = sum(1 for _, code, replayed in answers if replayed and code == status)
     return (
         f"{waiters} held on one key (all held {held_after:.1f} s after the first was sent): "
-        f"gateway CPU while held {cpu_share:.1%} of a core; "
+        f"CPU while held {cpu_share:.1%} of a core; "
         f"answered after the original: p50 {statistics.median(after):.1f} ms, "
         f"p99 {after[int(len(after) * 0.99) - 1]:.1f} ms, max {after[-1]:.1f} ms; "
-        f"replays {replays}/{waiters}"
+        f"replays {replays}/{waiters}; CPU from then to the last answer {cpu_woken * 1000:.0f} ms"
     )
+
+
+def floor(procs: bench.Processes, tmp: Path, waiters: int, hold_s: float) -> str:
+    """The same burst against `bench.held_floor`: the server's part, nothing decided."""
+    base = f"http://127.0.0.1:{bench.free_port()}"
+    command = [sys.executable, "-m", "bench.held_floor", "--port", base.rsplit(":", 1)[1]]
+    proc = procs.start([*command, "--hold-s", str(hold_s)], tmp / "floor.log")
+    _wait_listening(base)
+    headers = {"Content-Type": "application/json"}
+    return asyncio.run(burst(base, f"{base}/metrics", headers, waiters, proc.pid))
 
 
 def _wait_listening(base: str, within: float = 30.0) -> None:
@@ -191,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waiters", type=int, default=0)
     parser.add_argument("--hold-s", type=float, default=6.0)
     parser.add_argument("--workers", type=int, default=1, help="gateway processes (replicas)")
+    parser.add_argument(
+        "--no-floor", action="store_true", help="--waiters without the held floor's row"
+    )
     args = parser.parse_args(argv)
     if args.waiters:
         args.upstream_latency_ms = args.hold_s * 1000
@@ -223,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.waiters:
                 assert gateway.proc is not None
                 admin = f"http://127.0.0.1:{admin_port}"
-                text = asyncio.run(
-                    many(gateway.base, admin, args.waiters, args.hold_s, gateway.proc.pid)
+                text = "gateway:     " + asyncio.run(
+                    many(gateway.base, admin, args.waiters, gateway.proc.pid)
                 )
+                if not args.no_floor:
+                    text += "\nheld floor:  " + floor(procs, tmp, args.waiters, args.hold_s)
             else:
                 text = summary(asyncio.run(measure(gateway.base, args.rounds)))
         finally:
