@@ -10,7 +10,7 @@ Backends: `gateway.store.sqlite.SQLiteStore`, `gateway.store.postgres.PostgresSt
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from gateway.policy.decision import KeyRecord, WriteFacts
@@ -37,6 +37,33 @@ class WriteStore(Protocol):
 
     async def record_rejection(self, record: RejectionRecord) -> int:
         """Log a rejection decided outside `decide_write` (steps 3 and 5)."""
+        ...
+
+
+class Queued(Protocol):
+    """A write decision queued in a group (`GroupDecisions`). `dropped` turns true
+    when its caller goes away; the store may read it from another thread."""
+
+    @property
+    def facts(self) -> WriteFacts: ...
+    @property
+    def context(self) -> WriteContext: ...
+    @property
+    def dropped(self) -> bool: ...
+
+
+@runtime_checkable
+class GroupDecisions(Protocol):
+    """A store that decides a group of writes of one key in one transaction."""
+
+    async def decide_group(self, writes: Sequence[Queued]) -> list[Verdict | None]:
+        """`decide_write` for each of `writes`, all of one job, generation,
+        destination and key, in their order and in ONE transaction: each decided
+        as if it had arrived just after the one before (it sees what they
+        changed, as `gateway.policy.batch_plan` plans), each with its own
+        rejection row. The stored state is read once for the group. A write
+        `dropped` when the group's decisions begin is not decided (None): a
+        decision nobody waits for must not reserve a key. Durable on return."""
         ...
 
 

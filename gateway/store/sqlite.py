@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from gateway.policy.decision import KeyRecord, WriteFacts
 from gateway.policy.plan import Reservation
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import sqlite_admin
+from gateway.store.protocol import Queued
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -72,6 +74,11 @@ class SQLiteStore(sqlite_admin.SQLiteAdmin, SQLiteLeaseStore):
         return await self._executor.run(
             lambda c: _decide_tx(c, facts, context, clock()), drop_cancelled=True
         )
+
+    async def decide_group(self, writes: Sequence[Queued]) -> list[Verdict | None]:
+        """`GroupDecisions`: one operation of the group commit for the whole group."""
+        clock = self.clock
+        return await self._executor.run(lambda c: _decide_group_tx(c, writes, clock()))
 
     async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         clock = self.clock
@@ -132,6 +139,35 @@ def _decide_tx(
         return plan.verdict()
     assert plan.rejection is not None
     return plan.verdict(_insert_rejection(conn, plan.rejection, now))
+
+
+def _decide_group_tx(
+    conn: sqlite3.Connection, writes: Sequence[Queued], now: float
+) -> list[Verdict | None]:
+    """`_decide_tx` for each write of one key's group, in order, the state read
+    once: a plan sees what the ones before it changed (`batch_plan`), a rejection
+    changes nothing a later decision reads. `dropped` is read here, once, as the
+    group commit reads a cancelled caller's future before its batch begins."""
+    live = [w for w in writes if not w.dropped]
+    if not live:
+        return [None] * len(writes)
+    first = live[0].facts
+    ident = (first.job_id, first.generation, first.destination, first.key)
+    assert all(
+        (w.facts.job_id, w.facts.generation, w.facts.destination, w.facts.key) == ident
+        for w in live
+    ), "one group, one job generation and key"
+    state = _read_state(conn, first, now)
+    plans = batch_plan.plan_batch([(w.facts, w.context) for w in live], state, new_attempt_id)
+    verdicts: dict[int, Verdict] = {}
+    for write, plan in zip(live, plans, strict=True):
+        if plan.reservation is not None:
+            _reserve(conn, plan.reservation)
+            verdicts[id(write)] = plan.verdict()
+        else:
+            assert plan.rejection is not None
+            verdicts[id(write)] = plan.verdict(_insert_rejection(conn, plan.rejection, now))
+    return [verdicts.get(id(w)) for w in writes]
 
 
 # The rows a decision reads, as the PostgreSQL batch reads them, assembled by the

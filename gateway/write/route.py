@@ -26,7 +26,7 @@ from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
 from gateway.policy.outcome import RELEASED, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
-from gateway.store.protocol import WriteStore
+from gateway.store.protocol import GroupDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
@@ -51,6 +51,7 @@ from gateway.write.upstream import (
     upstream_url,
 )
 from gateway.write.waiting import Waiters
+from gateway.write.woken import WokenDecisions
 from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
@@ -79,6 +80,9 @@ class WriteGateway:
         self.upstreams = upstreams
         self.metrics = metrics
         self.waiters = waiters or Waiters(limit=config.max_waiting, metrics=metrics)
+        # Woken writes decided by key in groups, where the store can (SQLite; on
+        # PostgreSQL every decision rides a batch already).
+        self.woken = WokenDecisions(store) if isinstance(store, GroupDecisions) else None
         # Writes on the wire to each destination, and to all; writes waiting for
         # their decision (neither counts the other).
         self.in_flight: dict[str, int] = {}
@@ -254,7 +258,11 @@ class WriteGateway:
             self._release(destination)
 
     async def _counted(
-        self, destination: DestinationConfig, facts: WriteFacts, context: WriteContext
+        self,
+        destination: DestinationConfig,
+        facts: WriteFacts,
+        context: WriteContext,
+        woken: bool = False,
     ) -> Decided:
         """One decision (step 6), counted among the writes waiting for theirs (at
         most `[server] max_deciding`): they are not on the wire, so they take no
@@ -264,15 +272,21 @@ class WriteGateway:
             raise _overloaded(destination, "too many writes waiting for their decision")
         self.deciding += 1
         try:
-            return await self._decide(facts, context)
+            return await self._decide(facts, context, woken)
         finally:
             self.deciding -= 1
 
-    async def _decide(self, facts: WriteFacts, context: WriteContext) -> Decided:
-        """Step 6 in the store, timed; an unreachable store is a rejection."""
+    async def _decide(
+        self, facts: WriteFacts, context: WriteContext, woken: bool = False
+    ) -> Decided:
+        """Step 6 in the store, timed; an unreachable store is a rejection. `woken`:
+        a held write decided again, with the others of its key when it can be."""
         store_started = time.perf_counter()
         try:
-            verdict = await self.store.decide_write(facts, context)
+            if woken and self.woken is not None:
+                verdict = await self.woken.decide(facts, context)
+            else:
+                verdict = await self.store.decide_write(facts, context)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("decide").inc()
             raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)) from exc
@@ -329,7 +343,7 @@ class WriteGateway:
         last: list[Decided] = []  # each decision taken while waiting; the line times the last
 
         async def decide() -> Verdict:
-            last.append(await self._counted(destination, facts, context))
+            last.append(await self._counted(destination, facts, context, woken=bool(last)))
             return last[-1].verdict
 
         waited = await self.waiters.decide(facts, cap, decide, lambda: request.transport is None)

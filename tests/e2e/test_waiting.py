@@ -208,6 +208,31 @@ async def test_one_more_than_max_waiting_gets_the_409_at_once(
         assert status == 200 and headers["Idempotent-Replayed"] == "true"
 
 
+async def test_the_woken_writes_of_a_key_are_decided_each_with_its_own_row(
+    gw: Gateway, upstream: HeldUpstream, store_url: str
+) -> None:
+    """Woken together, the held duplicates are decided again together where the
+    store can (SQLite: one transaction), each still getting its replay and its
+    own `duplicate` row, as if each had just arrived."""
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/200")
+    held = [asyncio.create_task(gw.write("/to/pay/hold/200", headers=WAIT)) for _ in range(2)]
+    await eventually(lambda: waiting(gw) == 2, what="both duplicates waiting")
+    upstream.release.set()
+    first = await original
+    for task in held:
+        status, headers, body = await task
+        assert (status, body) == (200, first[2]) and headers["Idempotent-Replayed"] == "true"
+    rows = await gw.store.list_rejections(RejectionQuery(job_id="job-1"))
+    assert sorted(r.record.reason for r in rows) == ["duplicate"] * 2 + ["request_in_progress"] * 2
+    woken = gw.app[WRITES].woken
+    if store_url == "sqlite":
+        assert woken is not None and woken.transactions == 1
+    else:  # on PostgreSQL every decision rides a batch of the group commit already
+        assert woken is None
+    assert len(upstream.received) == 1
+
+
 async def test_a_waiter_whose_worker_goes_away_stops_and_changes_nothing(
     gw: Gateway, upstream: HeldUpstream
 ) -> None:

@@ -8,7 +8,8 @@ a fault kind of `sinkgate chaos` does reach what the protection guards:
 - `fail_open`: a write whose decision could not be made durable (the store
   failed: a backend terminated, the connection cut, the database refusing,
   a lock wait given up, a failed SQLite commit) is forwarded anyway, without a
-  reservation - the gateway that forwards before its reservation commits; the
+  reservation (a woken write decided in its key's group too) - the gateway that
+  forwards before its reservation commits; the
   PostgreSQL store's second try of a batch that failed before COMMIT is off too,
   or it would hide most of those failures from the weakness;
 - `impatient`: gives up on SQLite's write lock after 0.2 s instead of
@@ -44,6 +45,18 @@ def _fail_open() -> None:
                 return Verdict(Forward(), attempt=new_attempt_id())
 
         cls.decide_write = weak  # type: ignore[method-assign]
+
+    group = SQLiteStore.decide_group
+
+    async def weak_group(self: Any, writes: Any, _group: Any = group) -> Any:
+        try:
+            return await _group(self, writes)
+        except StoreUnavailable:
+            return [
+                None if w.dropped else Verdict(Forward(), attempt=new_attempt_id()) for w in writes
+            ]
+
+    SQLiteStore.decide_group = weak_group  # type: ignore[method-assign]
     gateway.store.postgres.DECISION_TRIES = 1
 
 
