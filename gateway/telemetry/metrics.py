@@ -113,7 +113,7 @@ class Metrics:
         self.waits = Counter(
             "sinkgate_waits_total",
             "Writes held under Prefer: wait, by result (replayed, forwarded, refused, "
-            "timed_out, disconnected).",
+            "timed_out, disconnected, stopped).",
             ["result"],
             registry=r,
         )

@@ -148,7 +148,8 @@ class Waiters:
             now = time.monotonic()
             if (now >= until and now < blocker_ends) or self._stopping:
                 remaining = retry_after(blocker_ends - now)
-                return _with_retry_after(verdict, decision, remaining), "timed_out"
+                ended = "stopped" if self._stopping else "timed_out"
+                return _with_retry_after(verdict, decision, remaining), ended
             self._rewatch(waiter)
             verdict = await decide()
             if not waitable(verdict):

@@ -202,7 +202,7 @@ async def test_a_stopping_gateway_answers_held_writes_at_once() -> None:
     await held(waiters)
     waiters.stop()
     waited = await asyncio.wait_for(task, 5)
-    assert waited.result == "timed_out" and len(given) == 1
+    assert waited.result == "stopped" and len(given) == 1
     assert waited.verdict.decision.reason == Reason.REQUEST_IN_PROGRESS
     assert 1 <= waited.verdict.decision.retry_after <= 60
     late = await waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone)
