@@ -43,6 +43,9 @@ log = structlog.get_logger("gateway.write")
 WAITABLE = frozenset({Reason.REQUEST_IN_PROGRESS, Reason.OLDER_GENERATION_IN_FLIGHT})
 # How often waiters are checked for a worker gone away, when nothing polls sooner.
 GONE_CHECK_S = 1.0
+# Reads of one poll at once: writes held on many blockers take a few of the
+# store's connections at a time, not a burst of one per blocker.
+POLL_READS = 8
 
 T = TypeVar("T")
 Decide = Callable[[], Awaitable[Verdict]]
@@ -235,11 +238,18 @@ class Waiters:
         """One read per blocker that holds writes: wake them if it no longer does."""
         keys = [(i, _holding(w)) for i, w in self._keys.items()]
         jobs = [(j, _holding(w)) for j, w in self._jobs.items()]
+        reads = [
+            *(self._poll_key(ident, waiters) for ident, waiters in keys if waiters),
+            *(self._poll_job(job_id, waiters) for job_id, waiters in jobs if waiters),
+        ]
+        gate = asyncio.Semaphore(POLL_READS)
+
+        async def one(read: Awaitable[None]) -> None:
+            async with gate:
+                await read
+
         try:
-            await asyncio.gather(
-                *(self._poll_key(ident, waiters) for ident, waiters in keys if waiters),
-                *(self._poll_job(job_id, waiters) for job_id, waiters in jobs if waiters),
-            )
+            await asyncio.gather(*(one(read) for read in reads))
         except StoreUnavailable as exc:
             log.warning("wait_poll_failed", error=str(exc))
 

@@ -21,6 +21,7 @@ from gateway.policy.decision import (
 from gateway.policy.records import Verdict
 from gateway.store.records import JobState
 from gateway.telemetry.metrics import Metrics
+from gateway.write import waiting
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
 
@@ -232,3 +233,42 @@ async def test_a_poll_of_the_job_wakes_a_barred_write_once_no_older_attempt_is_o
     on_wire.remove(older)  # only its own generation's attempt is left: no barrier
     waited = await asyncio.wait_for(task, 5)
     assert waited.result == "forwarded" and nothing_left(waiters)
+
+
+async def test_a_poll_reads_a_few_blockers_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes held on 40 keys: their poll takes at most `POLL_READS` of the store's
+    connections at once, not one per key."""
+    monkeypatch.setattr(waiting, "POLL_READS", 4)
+    store = PolledStore()
+    reading, most = 0, 0
+    every_key_read = asyncio.Event()
+
+    async def key_record(destination: str, key: str) -> KeyRecord | None:
+        nonlocal reading, most
+        reading += 1
+        most = max(most, reading)
+        await asyncio.sleep(0.005)
+        reading -= 1
+        store.reads += 1
+        if store.reads >= 40:
+            every_key_read.set()
+        return store.record
+
+    store.key_record = key_record  # type: ignore[method-assign]
+    waiters = Waiters(limit=100, metrics=Metrics(), store=store, poll_s=0.01)
+    tasks = [
+        asyncio.create_task(
+            waiters.decide(
+                dataclasses.replace(FACTS, key=f"k{n}"),
+                30,
+                decisions(IN_PROGRESS, REPLAY)[0],
+                never_gone,
+            )
+        )
+        for n in range(40)
+    ]
+    await held(waiters, 40)
+    await asyncio.wait_for(every_key_read.wait(), 5)
+    assert 1 < most <= 4
+    store.record = None
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
