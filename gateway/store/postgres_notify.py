@@ -14,8 +14,9 @@ Each gateway process listens on one connection of its own, outside the pool
 (`listen_settlements`); LISTEN is session state, so behind a pooler in
 transaction mode no notification arrives and the waiters' fallback poll wakes
 them instead. A lost connection is opened again after `RECONNECT_S`, and one
-that cannot be opened is tried again at growing intervals (up to
-`MAX_RECONNECT_S`).
+that cannot be opened, or refuses LISTEN, is tried again at growing intervals
+(up to `MAX_RECONNECT_S`). An idle connection is asked `SELECT 1` every
+`PING_S`, so one gone silent is found and opened again.
 
 The triggers notify only while some process holds writes. A transaction that
 notifies takes a cluster-wide lock from just before its commit to its end, so
@@ -51,6 +52,8 @@ APPLICATION_NAME = "sinkgate-settlements"
 HOLDING_TABLE = "sinkgate_holding"
 HOLDING_TTL_S = 30.0  # how long a row says its process holds writes
 HOLDING_REFRESH_S = 10.0  # how often it is written again while the process does
+# How often an idle listening connection is asked something, to find it gone silent.
+PING_S = 30.0
 _HOLDING_SQL = (
     f"INSERT INTO {HOLDING_TABLE} (process, until) "
     "VALUES ($1, extract(epoch FROM clock_timestamp()) + $2) "
@@ -137,12 +140,15 @@ async def listen_settlements(
             delay = min(delay * 2, MAX_RECONNECT_S)  # a server refusing us is not hammered
             continue
         try:
-            if await _listen(conn, on_notification, holding, process, connect_timeout):
-                delay = RECONNECT_S
+            listened = await _listen(conn, on_notification, holding, process, connect_timeout)
         finally:
             conn.terminate()  # no goodbye needed: LISTEN ends with the session
         log.warning("settlements_unheard", error="the listening connection was lost")
+        if listened:
+            delay = RECONNECT_S
         await asyncio.sleep(delay)
+        if not listened:  # a server that refuses LISTEN (a pooler) is not hammered either
+            delay = min(delay * 2, MAX_RECONNECT_S)
 
 
 async def _listen(
@@ -166,10 +172,18 @@ async def _say_holding(
     conn: Any, holding: asyncio.Event, lost: asyncio.Event, process: str, bound: float
 ) -> None:
     """Keep this process's row in `HOLDING_TABLE` current while `holding` is set,
-    and take it away once it is not; until the connection is `lost`. Each
-    statement waits at most `bound` seconds for its answer."""
+    and take it away once it is not, and ask the server something at least every
+    `PING_S`; until the connection is `lost` (or a statement fails: each waits at
+    most `bound` seconds for its answer)."""
     while True:
-        await _first_of(holding, lost)
+        await _first_of(holding, lost, seconds=PING_S)
+        if lost.is_set():
+            return
+        if not holding.is_set():
+            # Nothing to say, so ask anyway: a connection gone silent (a failover, a
+            # firewall dropping its state) is found and opened again, not left deaf.
+            await conn.execute("SELECT 1", timeout=bound)
+            continue
         while holding.is_set() and not lost.is_set():
             await conn.execute(_HOLDING_SQL, process, HOLDING_TTL_S, timeout=bound)
             await _first_of(lost, seconds=HOLDING_REFRESH_S)

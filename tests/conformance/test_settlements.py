@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -15,10 +16,15 @@ import pytest
 from gateway.policy.records import Outcome
 from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
-from gateway.store.postgres_notify import APPLICATION_NAME, HOLDING_TABLE, parse_payload
+from gateway.store.postgres_notify import (
+    APPLICATION_NAME,
+    HOLDING_TABLE,
+    listen_settlements,
+    parse_payload,
+)
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
 from tests.harness import eventually
-from tests.pg import fresh_database
+from tests.pg import FreezingRelay, fresh_database
 
 pytestmark = pytest.mark.postgres
 
@@ -135,6 +141,50 @@ async def test_nothing_is_told_while_no_process_holds_writes(
 
 async def _zero(count: Any) -> bool:
     return await count == 0
+
+
+async def test_a_listening_connection_gone_silent_is_found_and_opened_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that stops answering without a reset (a failover, a firewall
+    dropping its state) would leave the process deaf until TCP gives up: an idle
+    listener asks the server something every `PING_S` and opens a new one."""
+    monkeypatch.setattr(postgres_notify, "PING_S", 0.1)
+    monkeypatch.setattr(postgres_notify, "RECONNECT_S", 0.05)
+    async with fresh_database() as url:
+        store = await PostgresStore.open(url)
+        parts = urlsplit(url)
+        relay = FreezingRelay(parts.hostname or "127.0.0.1", parts.port or 5432)
+        await relay.start()
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = f"{netloc[0]}@" if len(netloc) == 2 else ""
+        relayed = urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{relay.port}"))
+        heard: Heard = []
+        idle = asyncio.Event()  # this process holds nothing: the connection is idle
+        watch = asyncio.create_task(
+            listen_settlements(relayed, lambda *s: heard.append(s), idle, 1.0)
+        )
+        try:
+            conn = await asyncpg.connect(url)
+            try:  # another process holds writes, so settlements are told
+                await conn.execute(f"INSERT INTO {HOLDING_TABLE} VALUES ('other', 1e12)")
+            finally:
+                await conn.close()
+            first = await eventually(lambda: _listening(url), what="the listener")
+            relay.freeze()
+
+            async def another() -> bool:
+                return bool(await _listening(url) - first)
+
+            await eventually(another, what="a new listening connection")
+            verdict = await store.decide_write(write(), CONTEXT)
+            assert await store.record_outcome(write(), verdict.attempt, COMPLETED)
+            await eventually(lambda: heard == [("pay", "key-1", "job-1")], what="it told")
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await relay.stop()
+            await store.close()
 
 
 @pytest.mark.parametrize(
