@@ -8,7 +8,8 @@ Each simulated write is what the handler asks of the store: `decide_write`
 Round trips are counted by wrapping asyncpg's `Connection`: every extended-protocol
 call (`fetch*`, `execute` with arguments) and every simple query (`BEGIN`,
 `COMMIT`) is one. Prints writes/s, round trips per write and per batch of
-decisions and of outcomes, and the process CPU per write. `--src DIR` imports
+decisions and of outcomes, the process CPU per write and (with the server on this
+machine) the CPU per write of the backends serving the bench database. `--src DIR` imports
 the gateway from another source tree (e.g. `git archive` of an older revision),
 to compare two revisions in one sitting. Needs the PostgreSQL of the tests
 (`SINKGATE_TEST_PG`); each run gets a fresh database.
@@ -23,6 +24,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from bench.run import cpu_since, matching_cpu_seconds
 
 
 def _count_round_trips() -> list[int]:
@@ -102,9 +105,12 @@ async def run(url: str, callers: int, seconds: float, counter: list[int]) -> dic
         writes[0] = 0
         trips = counter[0]
         decisions, outcomes = store._decisions.batches, store._outcomes.batches
+        database = url.rsplit("/", 1)[-1]
+        db_cpu = matching_cpu_seconds(database)
         cpu, wall = time.process_time(), time.monotonic()
         await asyncio.gather(*(caller(c) for c in range(callers)))
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        db_cpu = cpu_since(db_cpu, matching_cpu_seconds(database))
         trips = counter[0] - trips
         batches = store._decisions.batches - decisions + store._outcomes.batches - outcomes
     finally:
@@ -116,6 +122,7 @@ async def run(url: str, callers: int, seconds: float, counter: list[int]) -> dic
         "round trips/write": trips / writes[0],
         "writes/batch": 2 * writes[0] / batches,
         "CPU ms/write": cpu * 1000 / writes[0],
+        "database CPU ms/write": db_cpu * 1000 / writes[0],
     }
 
 
