@@ -12,10 +12,11 @@ of all its jobs and keys and then reading all their state, the decisions in
 Python in arrival order, all their changes in one statement, COMMIT (durable);
 see `postgres_batch`. The
 outcomes recorded meanwhile go together in one call of a server-side function,
-its own transaction, one round trip (`postgres_outcomes`). Both plan their
-statements for custom plans (`CUSTOM_PLANS`): a generic plan costed while the
-tables were small is kept per connection and went on hashing the whole key
-table as it grew. Each
+its own transaction, one round trip (`postgres_outcomes`). Both keep one plan
+per connection for their statements, with the scans and joins that read a whole
+table ruled out (`PLAN_SETTINGS`): a plan costed while the tables were small
+went on hashing the whole key table as it grew, and planning again for every
+batch was half of the database's CPU. Each
 caller gets its own answer once its batch has committed. A batch that fails
 other than by the store being unreachable is run again one operation at a time,
 so an operation's failure is its own alone.

@@ -4,8 +4,8 @@
 
 1. one call of a server-side function (`STATE_FUNCTION`, created by the schema
    migration) doing what were two statements:
-   - `synchronous_commit` on for this transaction, custom plans for the
-     statements after it (`postgres_outcomes.CUSTOM_PLANS`), then
+   - `synchronous_commit` on for this transaction, plans through the indexes
+     for the statements after it (`postgres_outcomes.INDEX_PLANS`), then
      `pg_advisory_xact_lock` on every job and every (destination, key) of the
      batch, in the order of the locks' keys. The job lock serialises the
      decisions of one job across replicas, which the generation barrier needs
@@ -46,7 +46,7 @@ from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import WriteFacts
 from gateway.policy.plan import Reservation, WritePlan
 from gateway.policy.records import RejectionRecord, Verdict, WriteContext
-from gateway.store.postgres_outcomes import CUSTOM_PLANS
+from gateway.store.postgres_outcomes import INDEX_PLANS
 from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
@@ -130,9 +130,9 @@ FROM n
 # function takes the advisory locks of $6 (the lock names; in the order of their
 # keys unless $7 is false), then reads the state with a snapshot taken after them
 # (each statement of a function under READ COMMITTED sees what committed before it
-# began), and sets the transaction durable and its plans custom (`DURABLE`,
-# `CUSTOM_PLANS`: set_config with is_local, so they last to COMMIT and the apply
-# statement is planned for its arrays too). It returns anonymous records (`SETOF
+# began), and sets the transaction durable and its plans through the indexes
+# (`DURABLE`, `INDEX_PLANS`: set_config with is_local, so they last to COMMIT and
+# the apply statement is planned so too). It returns anonymous records (`SETOF
 # record`, typed by the call), which the driver decodes without looking up a type.
 # Created and replaced by the schema migration; the version in the name is the call's.
 STATE_FUNCTION = "sinkgate_decision_state_v1"
@@ -141,7 +141,7 @@ CREATE OR REPLACE FUNCTION {STATE_FUNCTION}(float8, text[], text[], text[], int8
     text[], boolean)
 RETURNS SETOF record LANGUAGE plpgsql VOLATILE AS $fn$
 BEGIN
-    PERFORM {DURABLE}, {CUSTOM_PLANS};
+    PERFORM {DURABLE}, {INDEX_PLANS};
     IF $7 THEN
         PERFORM count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT
             hashtextextended(name, 0) AS h FROM unnest($6) AS name ORDER BY h) AS ordered;

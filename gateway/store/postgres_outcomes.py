@@ -2,8 +2,8 @@
 
 The outcomes recorded while the previous batch is on its way go together in one
 statement inside a server-side function (`OUTCOMES_FUNCTION`), called on its own:
-the call is its transaction, durable (`DURABLE`) and planned for its arrays
-(`CUSTOM_PLANS`), one round trip whatever the batch's size (it was four: BEGIN,
+the call is its transaction, durable (`DURABLE`) and planned through the indexes
+(`PLAN_SETTINGS`), one round trip whatever the batch's size (it was four: BEGIN,
 the setting, the statement, COMMIT).
 
 No advisory lock is needed: the statement first locks the rows it will change,
@@ -26,16 +26,32 @@ from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
 from gateway.policy.records import Outcome
 from leases.postgres import DURABLE, STORE_NOW, Conn
 
-# Custom plans for the rest of the transaction. The batch statements join arrays
-# to the tables; a generic plan, made once per connection and kept, is costed on
-# the statistics of that moment. Made while the tables were small (a new
-# database, or one that grew faster than autovacuum analyses it), it joins by
-# hashing the whole key table, and went on doing so at 50,000 rows: 10 ms a
-# statement, a tenth of the writes per second. A custom plan sees the arrays'
-# lengths and the tables' present size every time. Transaction-scoped (no
-# session state); it must be set before the statements it is for are planned,
-# i.e. by an earlier statement of the transaction.
-CUSTOM_PLANS = "set_config('plan_cache_mode', 'force_custom_plan', true)"
+# The planner settings of the batch statements. They join arrays to the tables,
+# and a plan kept per connection is costed on the statistics of the moment it was
+# made: made while the tables were small (a new database, or one that grew faster
+# than autovacuum analyses it), it joined by hashing the whole key table, and went
+# on doing so at 50,000 rows: 10 ms a statement, a tenth of the writes per second.
+# Custom plans (planned again for every call) fixed that, but planning was then
+# half of the database's CPU per batch. So the statements keep one plan per
+# connection (`force_generic_plan`), and the scans and joins that read a whole
+# table are ruled out (`enable_seqscan`, `enable_hashjoin`, `enable_mergejoin`
+# off): every table is reached through an index by the arrays' values, whatever the
+# statistics say. `jit` off: the penalty those settings add to a plan's cost would
+# otherwise have a statement without an index path (the triggers' read of
+# `sinkgate_holding`, a table of a few rows) compiled on every execution.
+# `(name, value)`, set per function (`SET` clauses) or per transaction
+# (`INDEX_PLANS`); they must be in force when the statements are planned.
+PLAN_SETTINGS = (
+    ("plan_cache_mode", "force_generic_plan"),
+    ("enable_seqscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+    ("jit", "off"),
+)
+# For the rest of the transaction (no session state): set by an earlier statement
+# of the transaction than the ones it is for.
+INDEX_PLANS = ", ".join(f"set_config('{name}', '{value}', true)" for name, value in PLAN_SETTINGS)
+_SET_CLAUSES = " ".join(f"SET {name} = {value}" for name, value in PLAN_SETTINGS)
 
 
 class ReservationDeadlines:
@@ -119,8 +135,8 @@ SELECT ARRAY(SELECT attempt FROM completed UNION ALL SELECT attempt FROM release
 
 # One round trip per batch of outcomes: the statement in a server-side function,
 # called outside any explicit transaction (the call is its own transaction, and
-# COMMIT is part of it). The function's `SET plan_cache_mode` gives its statement a
-# custom plan every time (see `CUSTOM_PLANS`), and `DURABLE` raised inside it lasts
+# COMMIT is part of it). The function's `SET` clauses plan its statement (and the
+# triggers' read) through the indexes (see `PLAN_SETTINGS`), and `DURABLE` raised inside it lasts
 # to that COMMIT (a SET clause restores only the variable it names). Created and
 # replaced by the schema migration (`postgres_schema`); the version in its name is
 # the call's, so replicas of two releases each call their own.
@@ -128,7 +144,7 @@ OUTCOMES_FUNCTION = "sinkgate_record_outcomes_v1"
 OUTCOMES_FUNCTION_DDL = f"""
 CREATE OR REPLACE FUNCTION {OUTCOMES_FUNCTION}(text[], text[], text[], text[], int4[],
     text[], bytea[], bool[], text[], float8)
-RETURNS text[] LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $fn$
+RETURNS text[] LANGUAGE plpgsql VOLATILE {_SET_CLAUSES} AS $fn$
 DECLARE
     touched text[];
 BEGIN

@@ -272,48 +272,106 @@ async def test_outcomes_recorded_together_share_one_statement(store: PostgresSto
 
 # --- plans --------------------------------------------------------------------------------
 
-# What the decision batch's apply statement looks like in `pg_prepared_statements`
-# (asyncpg prepares and caches each statement per connection).
-_BATCH_STATEMENTS = {"apply": "WITH reserve AS ("}
+# Plans kept per connection, made while the tables are empty: with the settings of
+# `PLAN_SETTINGS` every table is still reached through an index once it has grown.
+# Switched off, the same functions with a plan kept and nothing ruled out.
+_KEPT_PLANS_ONLY = "set_config('plan_cache_mode', 'force_generic_plan', true)"
 
 
-async def _plans_of_batch_statements(store: PostgresStore, rounds: int) -> dict[str, list[int]]:
-    """Run `rounds` decide+outcome batches, then read, on the store's one
-    connection, how often each batch statement was planned generic and custom."""
-    for n in range(rounds):
-        facts = write(key=f"plan-{n}", generation=1)
-        verdict = await store.decide_write(facts, CONTEXT)
-        assert verdict.attempt is not None
-        assert await store.record_outcome(facts, verdict.attempt, COMPLETED)
-    async with store._pool.acquire() as conn:
-        rows = await conn.fetch(
-            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
-        )
-    plans: dict[str, list[int]] = {}
-    for name, marker in _BATCH_STATEMENTS.items():
-        (row,) = [r for r in rows if marker in r["statement"]]
-        plans[name] = [row["generic_plans"], row["custom_plans"]]
-    return plans
-
-
-async def test_batch_statements_are_planned_for_their_arrays_every_time(url: str) -> None:
-    """A generic plan is made once per connection on the statistics of the moment and
-    kept: made while the tables were small, it hashed the whole key table on every
-    batch once they had grown. The decision batch's state function asks for custom
-    plans for the rest of its transaction (the apply statement's are counted here);
-    the outcomes' function is declared with them (the plans of statements inside a
-    function are kept out of `pg_prepared_statements`' sight)."""
+async def _seq_scans_after_growth(url: str, protected: bool) -> dict[str, int]:
+    """Per table, whole-table scans of one decision batch and one outcome batch,
+    run on a connection whose plans were made while the tables were empty."""
     store = await PostgresStore.open(url, max_size=1)
     try:
-        plans = await _plans_of_batch_statements(store, rounds=12)
         async with store._pool.acquire() as conn:
-            config = await conn.fetchval(
-                "SELECT proconfig FROM pg_proc WHERE proname = $1", OUTCOMES_FUNCTION
+            # No autovacuum: an ANALYZE would replan the statements for the grown table.
+            for table in ("idempotency", "attempts", "fences", "leases"):
+                await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+            if not protected:
+                await conn.execute(
+                    postgres_batch.STATE_FUNCTION_DDL.replace(
+                        postgres_outcomes.INDEX_PLANS, _KEPT_PLANS_ONLY
+                    )
+                )
+                await conn.execute(
+                    postgres_outcomes.OUTCOMES_FUNCTION_DDL.replace(
+                        postgres_outcomes._SET_CLAUSES, "SET plan_cache_mode = force_generic_plan"
+                    )
+                )
+        for n in range(3):  # the plans, made on empty tables
+            facts = write(key=f"small-{n}", generation=1)
+            verdict = await store.decide_write(facts, CONTEXT)
+            assert verdict.attempt is not None
+            assert await store.record_outcome(facts, verdict.attempt, COMPLETED)
+        async with store._pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO idempotency (destination, key, state, fingerprint, attempt, "
+                "attempts, job_id, generation, created_at, updated_at, deadline) "
+                "SELECT 'pay', 'grown-' || g, 'completed', 'fp', 'a-' || g, 1, "
+                "'job-' || (g % 8), 1, 0, 0, 0 FROM generate_series(1, 20000) AS g"
             )
+            async with conn.transaction():
+                facts = write(key="after-growth", generation=1)
+                answers, _ = await postgres_batch.decide_batch(
+                    conn, [postgres_batch.Decide(facts, CONTEXT)], 0.0
+                )
+                (verdict,) = answers
+                assert isinstance(verdict.decision, Forward)
+                recorded = postgres_outcomes.Recorded(facts, verdict.attempt, COMPLETED)
+                assert await postgres_outcomes.record_outcomes(conn, [recorded], 0.0) == [True]
+                rows = await conn.fetch(
+                    "SELECT relname, seq_scan, idx_scan FROM pg_stat_xact_user_tables "
+                    "WHERE relname IN ('idempotency', 'attempts', 'fences', 'leases')"
+                )
+                assert sum(r["idx_scan"] for r in rows) > 0  # the transaction's counts
     finally:
         await store.close()
-    assert plans == {"apply": [0, 12]}
-    assert config == ["plan_cache_mode=force_custom_plan"]
+    return {r["relname"]: r["seq_scan"] for r in rows}
+
+
+async def test_batch_statements_reach_a_grown_table_through_its_indexes(url: str) -> None:
+    """A plan is kept per connection (planning again for every batch was half of the
+    database's CPU), made on the statistics of its moment: made while the tables
+    were small, it hashed the whole key table on every batch once they had grown.
+    With the scans and joins that read a whole table ruled out, none is read whole."""
+    assert await _seq_scans_after_growth(url, protected=True) == {
+        "idempotency": 0,
+        "attempts": 0,
+        "fences": 0,
+        "leases": 0,
+    }
+
+
+async def test_without_the_plan_settings_a_plan_made_small_scans_the_grown_table(
+    url: str,
+) -> None:
+    """The protection switched off: the same plans, kept but with nothing ruled out,
+    read the whole key table after it has grown."""
+    scans = await _seq_scans_after_growth(url, protected=False)
+    assert scans["idempotency"] > 0
+
+
+async def test_the_batch_functions_plan_through_the_indexes(url: str) -> None:
+    """The outcomes' function declares the settings; the state function sets them
+    for the rest of its transaction (the apply statement is planned after it);
+    neither leaves one behind in the session."""
+    store = await PostgresStore.open(url, max_size=1)
+    await store.close()
+    settings = dict(postgres_outcomes.PLAN_SETTINGS)
+    conn = await asyncpg.connect(url)
+    try:
+        config = await conn.fetchval(
+            "SELECT proconfig FROM pg_proc WHERE proname = $1", OUTCOMES_FUNCTION
+        )
+        assert config == [f"{name}={value}" for name, value in settings.items()]
+        defaults = {name: await conn.fetchval(f"SHOW {name}") for name in settings}
+        assert defaults != settings
+        async with conn.transaction():
+            await conn.fetchrow(postgres_batch._STATE_CALL, 0.0, [], [], [], [], [], True)
+            assert {name: await conn.fetchval(f"SHOW {name}") for name in settings} == settings
+        assert {name: await conn.fetchval(f"SHOW {name}") for name in settings} == defaults
+    finally:
+        await conn.close()
 
 
 async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behind(
@@ -321,7 +379,7 @@ async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behin
 ) -> None:
     """Called with `synchronous_commit` off for the session, the outcomes' function
     raises it for the transaction it is called in (its COMMIT waits for the WAL
-    flush); its own custom-plan setting ends with the call."""
+    flush); its own plan settings end with the call."""
     store = await PostgresStore.open(url)
     await store.close()
     conn = await asyncpg.connect(url, server_settings={"synchronous_commit": "off"})
@@ -330,28 +388,7 @@ async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behin
             await conn.fetchval(postgres_outcomes._CALL_SQL, *([[]] * 9), 0.0)
             assert await conn.fetchval("SHOW synchronous_commit") == "on"
             assert await conn.fetchval("SHOW plan_cache_mode") == "auto"
+            assert await conn.fetchval("SHOW enable_hashjoin") == "on"
         assert await conn.fetchval("SHOW synchronous_commit") == "off"
     finally:
         await conn.close()
-
-
-async def test_without_custom_plans_the_server_settles_on_a_generic_plan(url: str) -> None:
-    """The protection switched off: the outcomes' statement prepared as a plain
-    statement, without the function's `plan_cache_mode`, is planned generic after
-    its first few executions."""
-    store = await PostgresStore.open(url, max_size=1)
-    await store.close()
-    plain = postgres_outcomes._OUTCOMES_SQL.replace(" INTO touched", "")
-    conn = await asyncpg.connect(url)
-    try:
-        statement = await conn.prepare(plain)
-        for n in range(12):
-            await statement.fetchval(
-                ["pay"], [f"k{n}"], ["a"], ["completed"], [201], ["[]"], [b""], [False], [], 0.0
-            )
-        generic = await conn.fetchval(
-            "SELECT generic_plans FROM pg_prepared_statements WHERE statement = $1", plain
-        )
-    finally:
-        await conn.close()
-    assert generic > 0
