@@ -30,6 +30,7 @@ from yarl import URL
 from . import model, tracing
 from .hold import HeldLease, Hold
 from .model import MAX_KEY_LENGTH, VISIBLE, Lease
+from .prefer import preferences
 from .reasons import Reason
 from .rejections import (
     GATEWAY_TIMEOUT,
@@ -323,17 +324,15 @@ def _prefer(given: list[str], wait: str | None) -> str | None:
     """One `Prefer` value: the caller's preferences first, then the writer's
     `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
     option says it, and the gateway reads only the first `wait` it finds."""
-    for value in given:
-        for preference in value.split(","):
-            if preference.split(";", 1)[0].split("=", 1)[0].strip().lower() == "wait":
-                raise ValueError(
-                    f"Prefer {value!r}: the writer sets the wait preference itself; "
-                    "pass wait= to FencedWriter"
-                )
-    preferences = [value.strip() for value in given if value.strip()]
+    if any(name == "wait" for name, _ in preferences(given)):
+        raise ValueError(
+            f"Prefer {', '.join(given)!r}: the writer sets the wait preference itself; "
+            "pass wait= to FencedWriter"
+        )
+    preferences_given = [value.strip() for value in given if value.strip()]
     if wait is not None:
-        preferences.append(wait)
-    return ", ".join(preferences) or None
+        preferences_given.append(wait)
+    return ", ".join(preferences_given) or None
 
 
 def _stored_fence_refusal(status: int, body: bytes) -> bool:

@@ -372,6 +372,15 @@ async def test_a_callers_prefer_is_sent_before_the_writers_wait(fake: FakeGatewa
     ]
 
 
+async def test_a_wait_inside_a_callers_quoted_value_is_no_wait_preference(
+    fake: FakeGateway,
+) -> None:
+    """Read as the gateway reads it (RFC 7240): a comma inside quotes separates nothing."""
+    async with FencedWriter(fake.url, LEASE) as w:
+        await w.post("d", "/x", step="s", headers={"Prefer": 'note="a, wait=3"'})
+    assert [s.headers.get("Prefer") for s in fake.seen] == ['note="a, wait=3", wait=5']
+
+
 @pytest.mark.parametrize("prefer", ["wait=600", "return=minimal, WAIT = 3", "wait;x=1"])
 async def test_a_callers_wait_preference_is_a_bad_argument(fake: FakeGateway, prefer: str) -> None:
     """The gateway reads only the first `wait`: the caller's would silently win."""

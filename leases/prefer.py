@@ -1,0 +1,44 @@
+"""PURE: the preferences of `Prefer` header values (RFC 7240), read one way by the
+gateway (the `wait` it honours) and by the writers (a caller's own preferences).
+
+Several preferences may come in one header or several, comma separated, each
+with `;` parameters, and a value may be a token or a quoted string (a comma
+inside quotes separates nothing). A header value that stops being a preference
+list is read up to there; one longer than `MAX_VALUE` is not read at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+__all__ = ["MAX_VALUE", "preferences"]
+
+# One preference: its name, then an optional `= value` (token or quoted string),
+# then anything up to the next comma outside quotes (its parameters).
+# Every repetition is possessive (`*+`, `++`): a value ending in an unmatched
+# quote must fail in one pass, not backtrack over every way of splitting it.
+_PREFERENCE = re.compile(
+    r"""\s*+(?P<name>[!#$%&'*+\-.^_`|~0-9A-Za-z]++)\s*+"""
+    r"""(?:=\s*+(?:"(?P<quoted>(?:[^"\\]++|\\.)*+)"|(?P<token>[^\s,;"]*+)))?"""
+    r"""(?P<rest>(?:[^,"]++|"(?:[^"\\]++|\\.)*+")*+)(?:,|$)"""
+)
+# A `Prefer` value longer than this is not read: a `wait=N` needs a few bytes,
+# and a value the size of a whole header is not worth scanning.
+MAX_VALUE = 1024
+
+
+def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
+    """Each preference of the header `values`, in order: its name lower-cased,
+    and its value (a quoted one unquoted no further) or None when it has none."""
+    for value in values:
+        if len(value) > MAX_VALUE:
+            continue
+        position = 0
+        while position < len(value):
+            match = _PREFERENCE.match(value, position)
+            if match is None or match.end() == position:
+                break  # not a preference list from here on: nothing more to read
+            position = match.end()
+            given = match["quoted"] if match["quoted"] is not None else match["token"]
+            yield match["name"].lower(), given
