@@ -18,7 +18,7 @@ import orjson
 from gateway.policy import batch_plan
 from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import KeyRecord, WriteFacts
-from gateway.policy.plan import Reservation
+from gateway.policy.plan import Reservation, WritePlan
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store import sqlite_admin
 from gateway.store.protocol import Queued
@@ -134,6 +134,11 @@ def _decide_tx(
 ) -> Verdict:
     state = _read_state(conn, facts, now)
     (plan,) = batch_plan.plan_batch([(facts, context)], state, new_attempt_id)
+    return _apply(conn, plan, now)
+
+
+def _apply(conn: sqlite3.Connection, plan: WritePlan, now: float) -> Verdict:
+    """A planned decision's change: its reservation, or its rejection row."""
     if plan.reservation is not None:
         _reserve(conn, plan.reservation)
         return plan.verdict()
@@ -159,14 +164,7 @@ def _decide_group_tx(
     ), "one group, one job generation and key"
     state = _read_state(conn, first, now)
     plans = batch_plan.plan_batch([(w.facts, w.context) for w in live], state, new_attempt_id)
-    verdicts: dict[int, Verdict] = {}
-    for write, plan in zip(live, plans, strict=True):
-        if plan.reservation is not None:
-            _reserve(conn, plan.reservation)
-            verdicts[id(write)] = plan.verdict()
-        else:
-            assert plan.rejection is not None
-            verdicts[id(write)] = plan.verdict(_insert_rejection(conn, plan.rejection, now))
+    verdicts = {id(w): _apply(conn, plan, now) for w, plan in zip(live, plans, strict=True)}
     return [verdicts.get(id(w)) for w in writes]
 
 
