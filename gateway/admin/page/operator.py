@@ -363,12 +363,7 @@ class OperatorPage:
         presets = " ".join(
             link("/admin/audit?" + urlencode({"format": "html", "since": p}), p) for p in PRESETS
         )
-        more = ""
-        if cursor:
-            more = link(
-                "/admin/audit?" + urlencode({**params, "format": "html", "cursor": cursor}),
-                "older »",
-            )
+        more = pager("/admin/audit", {**params, "format": "html"}, cursor)
         body = (
             '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a></p>'
             f"<h2>Audit log</h2><p>since: {presets} · "
