@@ -217,6 +217,23 @@ def chromium(profile: Path) -> Iterator[Any]:
         driver.quit()
 
 
+def replaced(element: Any) -> Any:
+    """A wait condition: `element`'s page has been replaced. As Selenium's
+    `staleness_of`, but chromedriver may answer a question about an element of a
+    page being torn down with an inspector error ("Node with given id does not
+    belong to the document") instead of a stale reference: that is gone too."""
+    from selenium.common.exceptions import WebDriverException
+
+    def gone(_driver: Any) -> bool:
+        try:
+            element.is_enabled()
+        except WebDriverException:  # StaleElementReferenceException among them
+            return True
+        return False
+
+    return gone
+
+
 def sign_in(driver: Any, url: str, token: str = TOKEN) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -256,7 +273,7 @@ def test_page_lists_rejections_and_a_filter_click_narrows_it(server, driver):
     table = driver.find_element(By.ID, "rejections")
     Select(driver.find_element(By.ID, "reason")).select_by_value("stale_generation")
     driver.find_element(By.ID, "apply").click()
-    WebDriverWait(driver, 20).until(ec.staleness_of(table))
+    WebDriverWait(driver, 20).until(replaced(table))
     WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "rejections")))
 
     assert "reason=stale_generation" in driver.current_url
@@ -270,7 +287,7 @@ def test_page_lists_rejections_and_a_filter_click_narrows_it(server, driver):
     listing = driver.find_element(By.ID, "rejections")
     rows[0].find_element(By.CSS_SELECTOR, "a[href$='format=html']").click()
     # Wait for the detail page itself, not any h2 the listing may still show.
-    WebDriverWait(driver, 20).until(ec.staleness_of(listing))
+    WebDriverWait(driver, 20).until(replaced(listing))
     WebDriverWait(driver, 20).until(
         ec.text_to_be_present_in_element((By.TAG_NAME, "h2"), "Rejection #10")
     )
@@ -285,7 +302,7 @@ def test_job_link_filters_by_job(server, driver):
     sign_in(driver, server.url)
     table = driver.find_element(By.ID, "rejections")
     driver.find_element(By.LINK_TEXT, "mail-digest-17").click()
-    WebDriverWait(driver, 20).until(ec.staleness_of(table))
+    WebDriverWait(driver, 20).until(replaced(table))
     rows = WebDriverWait(driver, 20).until(
         ec.presence_of_all_elements_located((By.CSS_SELECTOR, "tr.rejection"))
     )
@@ -315,7 +332,7 @@ def test_chart_queue_resolve_and_audit(server, driver):
 
     glance = driver.find_element(By.ID, "glance")
     driver.find_element(By.LINK_TEXT, "unknown outcomes").click()
-    WebDriverWait(driver, 20).until(ec.staleness_of(glance))
+    WebDriverWait(driver, 20).until(replaced(glance))
     forms = WebDriverWait(driver, 20).until(
         ec.presence_of_all_elements_located((By.CSS_SELECTOR, "form.resolve"))
     )
@@ -327,7 +344,7 @@ def test_chart_queue_resolve_and_audit(server, driver):
     form.find_element(By.NAME, "body").send_keys('{"id":"ch_46"}')
     form.find_element(By.NAME, "note").send_keys("PSP dashboard shows ch_46")
     form.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
-    WebDriverWait(driver, 20).until(ec.staleness_of(form))
+    WebDriverWait(driver, 20).until(replaced(form))
     notice = WebDriverWait(driver, 20).until(
         ec.presence_of_element_located((By.CSS_SELECTOR, "p.notice"))
     )
@@ -361,7 +378,7 @@ def resolve_in_queue(driver: Any, key: str, note: str) -> None:
     form.find_element(By.CSS_SELECTOR, "input[value='not_applied']").click()
     form.find_element(By.NAME, "note").send_keys(note)
     form.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
-    WebDriverWait(driver, 20).until(ec.staleness_of(form))
+    WebDriverWait(driver, 20).until(replaced(form))
     notice = WebDriverWait(driver, 20).until(
         ec.presence_of_element_located((By.CSS_SELECTOR, "p.notice"))
     )
