@@ -121,7 +121,7 @@ def decide(facts: WriteFacts, state: StoredState, now: float) -> Decision:
     if state.older_in_flight_until is not None and state.older_in_flight_until > now:
         return Reject(
             Reason.OLDER_GENERATION_IN_FLIGHT,
-            "a write of an older generation of this job is still awaiting its upstream answer",
+            DETAILS[Reason.OLDER_GENERATION_IN_FLIGHT],
             current_generation=_current(state),
             highest_generation=state.highest_generation,
             retry_after=retry_after(state.older_in_flight_until - now),
@@ -135,7 +135,7 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
         if mark is not None and facts.generation < mark:
             return Reject(
                 Reason.STALE_GENERATION,
-                f"generation {facts.generation} is below the highest accepted ({mark})",
+                BELOW_ACCEPTED.format(generation=facts.generation, mark=mark),
                 highest_generation=mark,
             )
         return None
@@ -147,14 +147,14 @@ def check_fence(facts: WriteFacts, state: StoredState, now: float) -> Reject | N
             # monotonic destination with a higher token must never go back here.
             return Reject(
                 Reason.STALE_GENERATION,
-                f"generation {facts.generation} is below the highest forwarded ({mark})",
+                BELOW_FORWARDED.format(generation=facts.generation, mark=mark),
                 current_generation=lease.generation if lease is not None else None,
                 highest_generation=mark,
             )
         return None
     return Reject(
         str(refusal),
-        _FENCE_DETAIL[refusal],
+        DETAILS[refusal],
         current_generation=None if lease is None else lease.generation,
         highest_generation=mark,
     )
@@ -166,7 +166,7 @@ def check_key(facts: WriteFacts, record: KeyRecord | None, now: float) -> Decisi
     if record.fingerprint != facts.fingerprint:
         return Reject(
             Reason.IDEMPOTENCY_KEY_REUSED,
-            "this idempotency key was used with a different request",
+            DETAILS[Reason.IDEMPOTENCY_KEY_REUSED],
         )
     state = record.state_at(now)
     if state is KeyState.COMPLETED:
@@ -174,14 +174,14 @@ def check_key(facts: WriteFacts, record: KeyRecord | None, now: float) -> Decisi
     if state is KeyState.IN_FLIGHT:
         return Reject(
             Reason.REQUEST_IN_PROGRESS,
-            "a request with this idempotency key is still in progress",
+            DETAILS[Reason.REQUEST_IN_PROGRESS],
             retry_after=retry_after(record.deadline - now),
         )
     if facts.upstream_idempotent:
         return Forward(retry_of_unknown=True)
     return Reject(
         Reason.OUTCOME_UNKNOWN,
-        "an earlier attempt with this key may have reached the upstream; its outcome is unknown",
+        DETAILS[Reason.OUTCOME_UNKNOWN],
     )
 
 
@@ -225,11 +225,24 @@ def _current(state: StoredState) -> int | None:
     return None if state.lease is None else state.lease.generation
 
 
-_FENCE_DETAIL = {
+# The refusals' details, one text per reason (the PostgreSQL store's server-side
+# statement of the policy, `postgres_batch`, is generated from these too).
+DETAILS: dict[str, str] = {
     Reason.LEASE_NOT_HELD: "the job has no active lease",
     Reason.STALE_GENERATION: "a newer generation of this job has been claimed",
     Reason.UNKNOWN_GENERATION: "this generation was never issued for the job",
     Reason.JOB_COMPLETED: "the job is completed",
     Reason.LEASE_EXPIRED: "the lease of this generation has expired",
     Reason.OWNER_MISMATCH: "Fencing-Owner does not match the lease owner",
+    Reason.OLDER_GENERATION_IN_FLIGHT: (
+        "a write of an older generation of this job is still awaiting its upstream answer"
+    ),
+    Reason.IDEMPOTENCY_KEY_REUSED: "this idempotency key was used with a different request",
+    Reason.REQUEST_IN_PROGRESS: "a request with this idempotency key is still in progress",
+    Reason.OUTCOME_UNKNOWN: (
+        "an earlier attempt with this key may have reached the upstream; its outcome is unknown"
+    ),
 }
+# A stale generation's detail against the job's mark, by fencing mode.
+BELOW_ACCEPTED = "generation {generation} is below the highest accepted ({mark})"
+BELOW_FORWARDED = "generation {generation} is below the highest forwarded ({mark})"

@@ -15,6 +15,10 @@ from gateway.policy.decision import Decision, Reject, Replay, WriteFacts
 from leases.reasons import Reason
 
 
+# The rejection-log detail of a replay (recorded as `duplicate`).
+REPLAYED = "replayed the stored response"
+
+
 @dataclass(frozen=True, slots=True)
 class RejectionRecord:
     """One row of the rejection log (SPEC 4 item fields, minus id and at)."""
@@ -96,7 +100,7 @@ def rejection_record(
     }
     if isinstance(decision, Replay):
         return RejectionRecord(
-            reason=Reason.DUPLICATE, detail="replayed the stored response", **common
+            reason=Reason.DUPLICATE, detail=REPLAYED, **common
         )
     return RejectionRecord(
         reason=decision.reason,

@@ -6,27 +6,27 @@ lease table the lease API writes.
 
 Group commit, as on SQLite: the write decisions (and the rejections logged
 outside a decision) that arrive while a batch is on its way go into the next
-batch, and one batch is one short READ COMMITTED transaction on a pooled
-connection: BEGIN, one call of a server-side function taking the advisory locks
-of all its jobs and keys and then reading all their state, the decisions in
-Python in arrival order, all their changes in one statement, COMMIT (durable);
-see `postgres_batch`. The
-outcomes recorded meanwhile go together in one call of a server-side function,
-its own transaction, one round trip (`postgres_outcomes`). Both keep one plan
-per connection for their statements, with the scans and joins that read a whole
+batch, and one batch is one call of a server-side function on a pooled
+connection, its own READ COMMITTED transaction and one round trip: the advisory
+locks of all its jobs and keys, then each decision in arrival order, read,
+decided and applied, then COMMIT (durable); see `postgres_batch`. The outcomes
+recorded meanwhile go together in one call of another function, also its own
+transaction and one round trip (`postgres_outcomes`). Both keep one plan per
+connection for their statements, with the scans and joins that read a whole
 table ruled out (`PLAN_SETTINGS`): a plan costed while the tables were small
 went on hashing the whole key table as it grew, and planning again for every
-batch was half of the database's CPU. Each
-caller gets its own answer once its batch has committed. A batch that fails
-other than by the store being unreachable is run again one operation at a time,
-so an operation's failure is its own alone.
+batch was half of the database's CPU. Each caller gets its own answer once its
+batch has committed. A batch that fails other than by the store being
+unreachable is run again one operation at a time, so an operation's failure is
+its own alone.
 
 Connection resets (a backend terminated, a failover): an outcome the store
 failed to record is sent again on a fresh connection until its reservation's
-deadline, so an applied write is not left `unknown` by a reset; a decision
-batch that failed before its COMMIT was sent (nothing committed) is run again,
-up to `DECISION_TRIES` times; one whose COMMIT went unanswered is not, and its
-reservations, which nobody will forward, are released.
+deadline, so an applied write is not left `unknown` by a reset. A decision call
+that went unanswered may have committed or not; its attempt ids (drawn before
+the call) are looked for on a fresh connection: none found, it is run again, up
+to `DECISION_TRIES` times; found (or the store cannot say), its callers are told
+the store failed and its reservations, which nobody will forward, are released.
 
 The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
 `clock()` is synchronous (the lease API stamps `server_time`, the janitor and
@@ -59,7 +59,7 @@ from gateway.policy.records import (
 )
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
-from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch
+from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch, reserved_any
 from gateway.store.postgres_notify import listen_settlements
 from gateway.store.postgres_outcomes import (
     Recorded,
@@ -140,7 +140,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         self._reserved_until = ReservationDeadlines()
         self.outcome_retries = 0  # outcomes sent again after the store failed to answer
         self.decision_retries = 0  # decision batches run again, nothing committed
-        self.uncertain_released = 0  # reservations released after a COMMIT without answer
+        self.uncertain_released = 0  # key reservations released after a call without answer
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -241,25 +241,23 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         return await self._isolating(batch, self._decide_once)
 
     async def _decide_once(self, batch: list[Operation]) -> list[Any]:
-        """The batch in one transaction; run again on a fresh connection when the
-        store failed to answer before COMMIT was sent (then nothing committed:
-        the server rolls back a transaction whose connection is gone). A COMMIT
-        without its answer may have committed, and is not run again."""
+        """The batch in one call, its own transaction. When the store fails to
+        answer it, the call may have committed or not: the batch's attempt ids are
+        looked for on a fresh connection. Not found, nothing was reserved and the
+        batch is run again (up to `DECISION_TRIES` times); found, or not known, its
+        callers are told the store failed and its reservations are released."""
         for tries_left in reversed(range(DECISION_TRIES)):
             offset = self._offset()
             self._check_open()
-            committing = False
             try:
                 with driver_errors("PostgreSQL write decision failed"):
-                    async with transaction(
-                        self._pool, self._wait, isolation="read_committed"
-                    ) as conn:
+                    async with connection(self._pool, self._wait) as conn:
                         answers, now = await decide_batch(conn, batch, offset)
-                        committing = True
             except StoreUnavailable as exc:
-                if committing and _outage(exc):
-                    self._release_in_background(batch, answers)
-                if committing or not tries_left or self._closed or not _outage(exc):
+                if self._closed or not _outage(exc):
+                    raise
+                if not tries_left or await self._reserved(batch) is not False:
+                    self._release_in_background(batch)
                     raise
                 self.decision_retries += 1
                 continue
@@ -267,33 +265,42 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
             return list(answers)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _release_in_background(self, batch: list[Operation], answers: list[Any]) -> None:
+    async def _reserved(self, batch: list[Operation]) -> bool | None:
+        """Whether a batch whose call went unanswered reserved anything (None:
+        the store could not say)."""
+        try:
+            with driver_errors("PostgreSQL read failed"):
+                async with connection(self._pool, self._wait) as conn:
+                    return await reserved_any(conn, batch)
+        except StoreUnavailable:
+            return None
+
+    def _release_in_background(self, batch: list[Operation]) -> None:
         """`_release_uncertain` as a task of its own: the batch's callers get their
         answer (the store failed) now, not once the store answers again. Kept until
         done; cancelled by `close`."""
-        task = asyncio.create_task(self._release_uncertain(batch, answers))
+        task = asyncio.create_task(self._release_uncertain(batch))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release_uncertain(self, batch: list[Operation], answers: list[Any]) -> None:
-        """A COMMIT whose answer was lost may have committed the batch's
+    async def _release_uncertain(self, batch: list[Operation]) -> None:
+        """A call whose answer was lost may have committed the batch's
         reservations, and their callers are told the store failed: nobody will
         forward them. Release them (as a forward that could not be sent is), so
         the keys do not sit in flight and then read `unknown` without ever having
-        been sent. Best effort: a store still failing until their deadline, or
-        closing, leaves them to it."""
-        reserved = [
-            (op.facts, answer.attempt)
-            for op, answer in zip(batch, answers, strict=True)
-            if isinstance(op, Decide) and isinstance(answer, Verdict) and answer.attempt
-        ]
+        been sent. Every attempt id of the batch is released: one that reserved
+        nothing touches nothing. Best effort: a store still failing until their
+        deadline, or closing, leaves them to it."""
+        reserved = [(op.facts, op.attempt) for op in batch if isinstance(op, Decide)]
         for facts, attempt in reserved:
             self._reserved_until.add(attempt, facts.timeout + RESERVATION_GRACE_S)
         results = await asyncio.gather(
             *(self.record_outcome(f, a, Outcome(OutcomeKind.RELEASED)) for f, a in reserved),
             return_exceptions=True,
         )
-        self.uncertain_released += sum(1 for r in results if r is True)
+        self.uncertain_released += sum(
+            1 for (facts, _), r in zip(reserved, results, strict=True) if r is True and facts.key
+        )
 
     async def _run_outcomes(self, batch: list[Recorded]) -> list[Any]:
         return await self._isolating(batch, self._outcomes_once)

@@ -1,70 +1,81 @@
-"""One batch of write decisions on PostgreSQL: BEGIN, two calls, COMMIT.
+"""One batch of write decisions on PostgreSQL: one call, one round trip.
 
-`decide_batch(conn, operations)` runs inside a READ COMMITTED transaction:
+`decide_batch(conn, operations, offset)` calls a server-side function
+(`DECIDE_FUNCTION`, created and replaced by the schema migration) outside any
+explicit transaction: the call is its transaction, and its COMMIT (durable,
+`DURABLE`) is part of the same round trip. Inside it:
 
-1. one call of a server-side function (`STATE_FUNCTION`, created by the schema
-   migration) doing what were two statements:
-   - `synchronous_commit` on for this transaction, plans through the indexes
-     for the statements after it (`postgres_outcomes.INDEX_PLANS`), then
-     `pg_advisory_xact_lock` on every job and every (destination, key) of the
-     batch, in the order of the locks' keys. The job lock serialises the
-     decisions of one job across replicas, which the generation barrier needs
-     (two generations must not both see "no older attempt"); the key lock
-     serialises first reservations of one key, which no row lock can do (the row
-     does not exist yet). Every batch takes its locks in one and the same global
-     order, so two batches (of two replicas) never wait on each other in
-     opposite orders.
-   - then, in a statement of its own and so with a snapshot taken after the
-     locks (`_STATE_SQL`), everything the batch's decisions need: the store's
-     clock, the leases and marks of the batch's jobs, the barriers of their
-     older attempts, and the batch's key rows `FOR UPDATE`, locked in
-     (destination, key) order as the outcome statement locks them
-     (`postgres_outcomes`).
-2. the decisions, in Python, in arrival order, each seeing the ones before it
-   (`batch_plan`).
-3. one statement applying them all (`_APPLY_SQL`): key reservations, attempts,
-   marks, and the batch's rejection-log rows. The rows are inserted after the
-   transaction-scoped lock `REJECTION_ORDER_LOCK`, held until COMMIT by every
-   transaction that inserts rejections: ids are handed out in commit order, so
-   every set of rows a reader can see is a prefix of the ids and the admin
-   cursor (`id < before`) never skips a row that commits late.
+1. `pg_advisory_xact_lock` on every job and every (destination, key) of the
+   batch, in the order of the locks' keys. The job lock serialises the
+   decisions of one job across replicas, which the generation barrier needs (two
+   generations must not both see "no older attempt"); the key lock serialises
+   first reservations of one key, which no row lock can do (the row does not
+   exist yet). Every batch takes its locks in one and the same global order, so
+   two batches (of two replicas) never wait on each other in opposite orders.
+   Then the batch's key rows `FOR UPDATE`, in (destination, key) order, the order
+   in which the outcome statement locks them (`postgres_outcomes`).
+2. each operation in arrival order. A decision reads its job's lease and mark,
+   the latest barrier of an older attempt of the job still on the wire, and its
+   key's row, with the store's clock, in a statement of its own (so with a
+   snapshot taken after the locks and after the decisions before it); decides
+   (`_POLICY`, the policy of `gateway.policy.decision` written in PL/pgSQL); and
+   applies what it decided at once: a forward reserves its key (or records its
+   keyless attempt) and raises the job's mark, a refusal or replay inserts its
+   rejection-log row. So each decision sees the ones before it, as if it had been
+   decided and committed alone just before the next one (`batch_plan` states
+   the same order for the Python policy). A rejection decided outside the store
+   (a `Log`) is inserted in its turn.
 
-The lease row is read, not locked: every read of the batch comes from one
-snapshot and the clock is read in the same statement, so each decision is the
-one SQLite would have taken at that instant; later writes of the job see this
-batch's attempts through the job lock.
+   The rejection-log rows are inserted after the transaction-scoped lock
+   `REJECTION_ORDER_LOCK`, held until COMMIT by every transaction that inserts
+   rejections: ids are handed out in commit order, so every set of rows a reader
+   can see is a prefix of the ids and the admin cursor (`id < before`) never
+   skips a row that commits late.
+
+The policy is stated twice, in Python (`gateway.policy`, which the SQLite store
+runs) and here; `tests/conformance/test_postgres_policy.py` feeds the same random
+states and batches to both and compares every verdict and every row written.
+The texts of the refusals come from `gateway.policy.decision.DETAILS`.
+
+Attempt ids are drawn in Python, one per decision, before the call (`Decide`):
+a call whose answer was lost can then be told committed or not by looking for
+them (`reserved_any`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.policy import batch_plan
-from gateway.policy.batch_plan import BatchState
-from gateway.policy.decision import WriteFacts
-from gateway.policy.plan import Reservation, WritePlan
-from gateway.policy.records import RejectionRecord, Verdict, WriteContext
-from gateway.store.postgres_outcomes import INDEX_PLANS
-from gateway.store.records import (
-    KEY_COLUMNS,
-    KEY_COLUMNS_SQL,
-    REJECTION_FIELDS,
-    key_record,
-    new_attempt_id,
-    rejection_values,
+from gateway.policy.decision import (
+    BELOW_ACCEPTED,
+    BELOW_FORWARDED,
+    DETAILS,
+    RESERVATION_GRACE_S,
+    Decision,
+    Fencing,
+    Forward,
+    Reject,
+    Replay,
+    WriteFacts,
 )
-from leases.model import LeaseRow, State
+from gateway.policy.records import REPLAYED, RejectionRecord, Verdict, WriteContext
+from gateway.store.postgres_outcomes import _SET_CLAUSES
+from gateway.store.records import KEY_COLUMNS, key_record, new_attempt_id
+from leases.model import State
 from leases.postgres import DURABLE, STORE_NOW, Conn
+from leases.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
 class Decide:
-    """A write decision to take in the batch."""
+    """A write decision to take in the batch, and the id its attempt gets if forwarded."""
 
     facts: WriteFacts
     context: WriteContext
+    attempt: str = field(default_factory=new_attempt_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,214 +92,321 @@ Operation = Decide | Log
 LOCK_KINDS: tuple[str, ...] = ("job", "key")
 
 # Held by every transaction inserting rejection-log rows, from just before the
-# insert to COMMIT (see the module doc). The two-key form: a lock space of its
-# own, apart from the one-key locks on jobs, keys and the schema.
+# first insert to COMMIT (see the module doc). The two-key form: a lock space of
+# its own, apart from the one-key locks on jobs, keys and the schema.
 REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
+ORDERED_INSERTS = f"PERFORM pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]})"
 
 # Whether the batch takes its locks in the order of their keys (DISTINCT + ORDER
 # BY the lock key: one global order). Tests switch it off (arrival order) to show
 # the deadlock it prevents.
 LOCKS_ORDERED = True
 
-# The state read, inside `STATE_FUNCTION` after the locks: $1 clock offset, $2 the
-# batch's jobs, $3/$4 destinations/keys of its keyed writes, $5 per job the highest
-# generation it writes (only older attempts bar it).
-# Barriers: aggregated per (job, generation), job by job on the indexes by (job,
-# generation) (a scan of every in-flight row would also walk the dead versions of
-# completed ones), except the rows of the batch's own
-# keys, which come whole with their `barrier_until` (a reservation replaces them).
-_STATE_SQL = f"""
-WITH n AS MATERIALIZED (SELECT {STORE_NOW.format("$1")} AS now),
-k AS MATERIALIZED (
-    SELECT {KEY_COLUMNS_SQL}, barrier_until FROM idempotency
-    WHERE (destination, key) IN (SELECT * FROM unnest($3::text[], $4::text[]))
-    ORDER BY destination, key FOR UPDATE
-)
-SELECT n.now,
-    ARRAY(SELECT row(job_id, owner, generation, state, lease_until, ttl) FROM leases
-        WHERE job_id = ANY($2::text[])),
-    ARRAY(SELECT row(job_id, highest_generation) FROM fences
-        WHERE job_id = ANY($2::text[])),
-    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
-            AS j(job_id, below)
-        CROSS JOIN LATERAL (SELECT generation, max(barrier_until) AS until FROM idempotency i
-            WHERE i.job_id = j.job_id AND state = 'in_flight' AND generation < j.below
-            AND barrier_until > n.now
-            AND NOT EXISTS (SELECT 1 FROM k WHERE k.destination = i.destination
-                AND k.key = i.key)
-            GROUP BY generation) AS b),
-    ARRAY(SELECT row(j.job_id, b.generation, b.until) FROM unnest($2::text[], $5::int8[])
-            AS j(job_id, below)
-        CROSS JOIN LATERAL (SELECT generation, max(deadline) AS until FROM attempts a
-            WHERE a.job_id = j.job_id AND generation < j.below AND deadline > n.now
-            GROUP BY generation) AS b),
-    ARRAY(SELECT row(k.*) FROM k)
-FROM n
-"""
 
-# BEGIN, then one round trip for what the batch took two statements for: this
-# function takes the advisory locks of $6 (the lock names; in the order of their
-# keys unless $7 is false), then reads the state with a snapshot taken after them
-# (each statement of a function under READ COMMITTED sees what committed before it
-# began), and sets the transaction durable and its plans through the indexes
-# (`DURABLE`, `INDEX_PLANS`: set_config with is_local, so they last to COMMIT and
-# the apply statement is planned so too). It returns anonymous records (`SETOF
-# record`, typed by the call), which the driver decodes without looking up a type.
-# Created and replaced by the schema migration; the version in the name is the call's.
-STATE_FUNCTION = "sinkgate_decision_state_v1"
-STATE_FUNCTION_DDL = f"""
-CREATE OR REPLACE FUNCTION {STATE_FUNCTION}(float8, text[], text[], text[], int8[],
-    text[], boolean)
-RETURNS SETOF record LANGUAGE plpgsql VOLATILE AS $fn$
-BEGIN
-    PERFORM {DURABLE}, {INDEX_PLANS};
-    IF $7 THEN
-        PERFORM count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT
-            hashtextextended(name, 0) AS h FROM unnest($6) AS name ORDER BY h) AS ordered;
-    ELSE
-        PERFORM count(pg_advisory_xact_lock(hashtextextended(name, 0)))
-            FROM unnest($6) AS name;
+def _text(value: str) -> str:
+    """`value` as an SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _template(text: str) -> str:
+    """A detail template of `decision` as an argument list of `format()`."""
+    pattern = text.replace("%", "%%").replace("{generation}", "%1$s").replace("{mark}", "%2$s")
+    return f"format({_text(pattern)}, g, v_mark)"
+
+
+_GRACE = f"{RESERVATION_GRACE_S!r}::float8"
+
+# Steps 6 (fence, barrier) then 7 (idempotency) of one write, as `decide` and
+# `check_fence`/`check_key`/`hold_refusal` take them, in the same order. In: g (the
+# write's generation), v_now, v_lease (FOUND as v_leased; read only in lease mode),
+# v_mark, v_older, v_rec (FOUND as v_keyed). Out: v_verdict ('f' forward, 'u' forward
+# of an unknown outcome, 'p' replay, 'r' refusal) and the refusal's fields.
+_POLICY = f"""
+v_verdict := NULL; v_reason := NULL; v_detail := NULL; v_current := NULL; v_retry := NULL;
+v_highest := v_mark;
+IF p_monotonic[i] THEN
+    IF v_mark IS NOT NULL AND g < v_mark THEN
+        v_verdict := 'r'; v_reason := {_text(Reason.STALE_GENERATION)};
+        v_detail := {_template(BELOW_ACCEPTED)};
     END IF;
-    RETURN QUERY {_STATE_SQL.strip()};
-END
-$fn$;
+ELSE
+    IF v_leased THEN
+        v_current := v_lease.generation;
+    END IF;
+    v_reason := CASE
+        WHEN NOT v_leased THEN {_text(Reason.LEASE_NOT_HELD)}
+        WHEN g < v_lease.generation THEN {_text(Reason.STALE_GENERATION)}
+        WHEN g > v_lease.generation THEN {_text(Reason.UNKNOWN_GENERATION)}
+        WHEN v_lease.state = {_text(State.DONE)} THEN {_text(Reason.JOB_COMPLETED)}
+        WHEN v_lease.state = {_text(State.FREE)} THEN {_text(Reason.LEASE_NOT_HELD)}
+        WHEN v_lease.lease_until <= v_now THEN {_text(Reason.LEASE_EXPIRED)}
+        WHEN p_owner[i] IS NOT NULL AND p_owner[i] <> v_lease.owner
+            THEN {_text(Reason.OWNER_MISMATCH)}
+    END;
+    IF v_reason IS NOT NULL THEN
+        v_verdict := 'r';
+        v_detail := CASE v_reason
+            {" ".join(f"WHEN {_text(r)} THEN {_text(DETAILS[r])}" for r in (
+                Reason.LEASE_NOT_HELD, Reason.STALE_GENERATION, Reason.UNKNOWN_GENERATION,
+                Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.OWNER_MISMATCH))}
+        END;
+    ELSIF v_mark IS NOT NULL AND g < v_mark THEN
+        v_verdict := 'r'; v_reason := {_text(Reason.STALE_GENERATION)};
+        v_detail := {_template(BELOW_FORWARDED)};
+    END IF;
+END IF;
+IF v_verdict IS NULL AND v_older IS NOT NULL AND v_older > v_now THEN
+    v_verdict := 'r'; v_reason := {_text(Reason.OLDER_GENERATION_IN_FLIGHT)};
+    v_detail := {_text(DETAILS[Reason.OLDER_GENERATION_IN_FLIGHT])};
+    v_current := CASE WHEN v_leased THEN v_lease.generation END;
+    v_retry := greatest(1, ceil(v_older - v_now))::int4;
+END IF;
+IF v_verdict IS NULL THEN
+    v_current := NULL; v_highest := NULL;
+    IF p_key[i] IS NULL OR NOT v_keyed THEN
+        v_verdict := 'f';
+    ELSIF v_rec.fingerprint <> p_fingerprint[i] THEN
+        v_verdict := 'r'; v_reason := {_text(Reason.IDEMPOTENCY_KEY_REUSED)};
+        v_detail := {_text(DETAILS[Reason.IDEMPOTENCY_KEY_REUSED])};
+    ELSIF v_rec.state = 'completed' THEN
+        v_verdict := 'p';
+    ELSIF v_rec.state = 'in_flight' AND v_rec.deadline > v_now THEN
+        v_verdict := 'r'; v_reason := {_text(Reason.REQUEST_IN_PROGRESS)};
+        v_detail := {_text(DETAILS[Reason.REQUEST_IN_PROGRESS])};
+        v_retry := greatest(1, ceil(v_rec.deadline - v_now))::int4;
+    ELSIF p_idempotent[i] THEN
+        v_verdict := 'u';
+    ELSE
+        v_verdict := 'r'; v_reason := {_text(Reason.OUTCOME_UNKNOWN)};
+        v_detail := {_text(DETAILS[Reason.OUTCOME_UNKNOWN])};
+    END IF;
+END IF;
 """
-_STATE_CALL = (
-    f"SELECT * FROM {STATE_FUNCTION}($1, $2, $3, $4, $5, $6, $7) AS s(now float8, "
-    "leases record[], marks record[], keyed record[], keyless record[], records record[])"
-)
 
-# fmt: off
-_REJECTION_TYPES = (  # the types of REJECTION_FIELDS, in order
-    "text", "text", "text", "text", "text", "text", "int8", "text", "text", "int8", "int8",
-    "text", "text", "int8",
-)
-# fmt: on
-assert len(_REJECTION_TYPES) == len(REJECTION_FIELDS)
-_REJECTION_ARGS = ", ".join(f"${22 + n}::{t}[]" for n, t in enumerate(_REJECTION_TYPES))
-
-# $1-$12 key reservations, $13-$18 keyless attempts, $19-$20 raised marks, $21 now,
-# $22.. the rejection rows' columns. Every array may be empty.
-_APPLY_SQL = f"""
-WITH reserve AS (
-    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts,
-        job_id, generation, owner, created_at, updated_at, deadline, barrier_until)
-    SELECT d, k, 'in_flight', f, a, n, j, g, o, c, u, dl, b FROM unnest($1::text[],
-        $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], $7::int8[], $8::text[],
-        $9::float8[], $10::float8[], $11::float8[], $12::float8[])
-        AS r(d, k, f, a, n, j, g, o, c, u, dl, b)
+# What a forwarded write stores before it goes out (`plan.Reservation`): its key in
+# flight until the deadline (or its keyless attempt), barring newer generations of
+# its job until its timeout, and the job's mark raised to its generation.
+_RESERVE = f"""
+IF p_key[i] IS NULL THEN
+    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
+    VALUES (p_attempt[i], p_job[i], g, p_destination[i], NULL, v_now, v_now + p_timeout[i]);
+ELSE
+    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, job_id,
+        generation, owner, created_at, updated_at, deadline, barrier_until)
+    VALUES (p_destination[i], p_key[i], 'in_flight', p_fingerprint[i], p_attempt[i], 1,
+        p_job[i], g, p_owner[i], v_now, v_now, v_now + p_timeout[i] + {_GRACE},
+        v_now + p_timeout[i])
     ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
-        attempt = excluded.attempt, attempts = excluded.attempts,
+        attempt = excluded.attempt, attempts = idempotency.attempts + 1,
         job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
         updated_at = excluded.updated_at, deadline = excluded.deadline,
         barrier_until = excluded.barrier_until, completed_at = NULL,
-        status = NULL, headers = NULL, body = NULL, body_omitted = false
-), attempt AS (
-    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
-    SELECT a, j, g, d, NULL, s, dl FROM unnest($13::text[], $14::text[], $15::int8[],
-        $16::text[], $17::float8[], $18::float8[]) AS r(a, j, g, d, s, dl)
-), mark AS (
-    INSERT INTO fences (job_id, highest_generation, updated_at)
-    SELECT j, g, $21::float8 FROM unnest($19::text[], $20::int8[]) AS r(j, g)
+        status = NULL, headers = NULL, body = NULL, body_omitted = false;
+END IF;
+IF v_mark IS NULL OR g > v_mark THEN
+    INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (p_job[i], g, v_now)
     ON CONFLICT (job_id) DO UPDATE SET
         highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
-        updated_at = excluded.updated_at
-), ordered AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]}) AS held
-    WHERE cardinality($22::text[]) > 0
-), logged AS (
-    INSERT INTO rejections (at, {", ".join(REJECTION_FIELDS)})
-    SELECT $21::float8, {", ".join(f"r.{f}" for f in REJECTION_FIELDS)}
-    FROM ordered, unnest({_REJECTION_ARGS}) WITH ORDINALITY
-        AS r({", ".join(REJECTION_FIELDS)}, n)
-    ORDER BY r.n
-    RETURNING id
-)
-SELECT ARRAY(SELECT id FROM logged ORDER BY id)
+        updated_at = excluded.updated_at;
+END IF;
 """
+
+DECIDE_FUNCTION = "sinkgate_decide_v1"
+DECIDE_FUNCTION_DDL = f"""
+CREATE OR REPLACE FUNCTION {DECIDE_FUNCTION}(
+    p_offset float8, p_now float8, p_locks text[], p_ordered boolean, p_kind text[],
+    p_destination text[], p_method text[], p_path text[], p_job text[], p_generation int8[],
+    p_owner text[], p_key text[], p_fingerprint text[], p_monotonic boolean[],
+    p_idempotent boolean[], p_timeout float8[], p_attempt text[], p_remote text[],
+    p_sha text[], p_bytes int8[], p_reason text[], p_detail text[], p_current int8[],
+    p_highest int8[])
+RETURNS SETOF record LANGUAGE plpgsql VOLATILE {_SET_CLAUSES} AS $fn$
+DECLARE
+    g int8;
+    v_now float8;
+    v_lease leases;
+    v_leased boolean := false;
+    v_mark int8;
+    v_older float8;
+    v_rec idempotency;
+    v_keyed boolean;
+    v_verdict text;
+    v_reason text;
+    v_detail text;
+    v_current int8;
+    v_highest int8;
+    v_retry int4;
+    v_id int8;
+    v_ordered boolean := false;
+    o_verdict text[] := '{{}}';
+    o_id int8[] := '{{}}';
+    o_reason text[] := '{{}}';
+    o_detail text[] := '{{}}';
+    o_current int8[] := '{{}}';
+    o_highest int8[] := '{{}}';
+    o_retry int4[] := '{{}}';
+    o_replay idempotency[] := '{{}}';
+BEGIN
+    PERFORM {DURABLE};
+    IF p_ordered THEN
+        PERFORM count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT
+            hashtextextended(name, 0) AS h FROM unnest(p_locks) AS name ORDER BY h) AS ordered;
+    ELSE
+        PERFORM count(pg_advisory_xact_lock(hashtextextended(name, 0)))
+            FROM unnest(p_locks) AS name;
+    END IF;
+    PERFORM 1 FROM idempotency WHERE (destination, key) IN (
+        SELECT d, k FROM unnest(p_kind, p_destination, p_key) AS u(kind, d, k)
+        WHERE kind = 'd' AND k IS NOT NULL)
+    ORDER BY destination, key FOR UPDATE;
+    FOR i IN 1 .. coalesce(cardinality(p_kind), 0) LOOP
+        g := p_generation[i];
+        IF p_kind[i] = 'l' THEN
+            v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
+            v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
+            v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
+        ELSE
+            SELECT coalesce(p_now, {STORE_NOW.format("p_offset")}),
+                (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
+                greatest(
+                    (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
+                        AND state = 'in_flight' AND generation < g),
+                    (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
+                        AND generation < g))
+            INTO v_now, v_mark, v_older;
+            v_leased := false;
+            IF NOT p_monotonic[i] THEN
+                SELECT * INTO v_lease FROM leases WHERE job_id = p_job[i];
+                v_leased := FOUND;
+            END IF;
+            v_keyed := false;
+            IF p_key[i] IS NOT NULL THEN
+                SELECT * INTO v_rec FROM idempotency
+                    WHERE destination = p_destination[i] AND key = p_key[i];
+                v_keyed := FOUND;
+            END IF;
+            {_POLICY.strip()}
+        END IF;
+        v_id := NULL;
+        IF v_verdict IN ('f', 'u') THEN
+            {_RESERVE.strip()}
+        ELSE
+            IF v_verdict = 'p' THEN
+                o_replay := o_replay || v_rec;
+                v_reason := {_text(Reason.DUPLICATE)};
+                v_detail := {_text(REPLAYED)};
+            END IF;
+            IF NOT v_ordered THEN
+                {ORDERED_INSERTS};
+                v_ordered := true;
+            END IF;
+            INSERT INTO rejections (at, reason, detail, destination, method, path, job_id,
+                generation, owner, idempotency_key, current_generation, highest_generation,
+                remote, body_sha256, body_bytes)
+            VALUES (v_now, v_reason, v_detail, p_destination[i], p_method[i], p_path[i],
+                p_job[i], g, p_owner[i], p_key[i],
+                CASE WHEN v_verdict = 'p' THEN NULL ELSE v_current END,
+                CASE WHEN v_verdict = 'p' THEN NULL ELSE v_highest END,
+                p_remote[i], p_sha[i], p_bytes[i])
+            RETURNING id INTO v_id;
+        END IF;
+        o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
+        o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
+        o_retry[i] := v_retry;
+    END LOOP;
+    RETURN QUERY SELECT coalesce(v_now, p_now, {STORE_NOW.format("p_offset")}), o_verdict,
+        o_id, o_reason, o_detail, o_current, o_highest, o_retry,
+        ARRAY(SELECT row({", ".join(f"r.{c}" for c in KEY_COLUMNS)})
+            FROM unnest(o_replay) WITH ORDINALITY AS r ORDER BY r.ordinality);
+END
+$fn$;
+"""
+_DECIDE_CALL = (
+    f"SELECT * FROM {DECIDE_FUNCTION}({', '.join(f'${n}' for n in range(1, 25))}) AS s("
+    "now float8, verdict text[], id int8[], reason text[], detail text[], current int8[], "
+    "highest int8[], retry int4[], replays record[])"
+)
 
 
 async def decide_batch(
-    conn: Conn, operations: Sequence[Operation], offset: float
+    conn: Conn, operations: Sequence[Operation], offset: float, now: float | None = None
 ) -> tuple[list[Verdict | int], float]:
-    """Decide and apply the batch inside the caller's transaction: each operation's
-    answer (a Verdict, or a `Log`'s rejection id) and the store's clock."""
-    writes = [(op.facts, op.context) for op in operations if isinstance(op, Decide)]
-    facts = [f for f, _ in writes]
+    """Decide and apply the batch in one call, its own transaction (`conn` must not
+    be in one): each operation's answer (a Verdict, or a `Log`'s rejection id) and
+    the store's clock. `now` fixes the clock for every decision (tests)."""
+    facts = [op.facts for op in operations if isinstance(op, Decide)]
     names = batch_plan.lock_names(facts, LOCK_KINDS)
-    row = await conn.fetchrow(_STATE_CALL, offset, *_read_args(facts), names, LOCKS_ORDERED)
-    state = _batch_state(row)
-    plans = iter(batch_plan.plan_batch(writes, state, new_attempt_id))
-    planned = [next(plans) if isinstance(op, Decide) else op for op in operations]
-    rejections = [
-        r
-        for r in (p.rejection if isinstance(p, WritePlan) else p.record for p in planned)
-        if r is not None
-    ]
-    forwarded = [
-        p.reservation for p in planned if isinstance(p, WritePlan) and p.reservation is not None
-    ]
-    args = _apply_args(forwarded, state, rejections)
-    ids = iter(await conn.fetchval(_APPLY_SQL, *args))
-    return [_answer(p, ids) for p in planned], state.now
+    row = await conn.fetchrow(_DECIDE_CALL, offset, now, names, LOCKS_ORDERED, *_args(operations))
+    replays = iter(row["replays"])
+    answers: list[Verdict | int] = []
+    for n, op in enumerate(operations):
+        verdict, rejection_id = row["verdict"][n], row["id"][n]
+        if isinstance(op, Log):
+            answers.append(int(rejection_id))
+            continue
+        decision: Decision
+        if verdict in ("f", "u"):
+            decision = Forward(retry_of_unknown=verdict == "u")
+            answers.append(Verdict(decision, attempt=op.attempt))
+            continue
+        if verdict == "p":
+            decision = Replay(key_record(next(replays)[: len(KEY_COLUMNS)]))
+        else:
+            decision = Reject(
+                row["reason"][n],
+                row["detail"][n],
+                current_generation=row["current"][n],
+                highest_generation=row["highest"][n],
+                retry_after=row["retry"][n],
+            )
+        answers.append(Verdict(decision, rejection_id=int(rejection_id)))
+    return answers, float(row["now"])
 
 
-def _answer(planned: WritePlan | Log, ids: Any) -> Verdict | int:
-    if isinstance(planned, Log):
-        return int(next(ids))
-    if planned.rejection is None:
-        return planned.verdict()
-    return planned.verdict(int(next(ids)))
+def _args(operations: Sequence[Operation]) -> list[list[Any]]:
+    """The per-operation arrays of `DECIDE_FUNCTION`, from `p_kind` to `p_highest`."""
+    columns: list[list[Any]] = [[] for _ in range(20)]
+    for op in operations:
+        if isinstance(op, Decide):
+            f, c = op.facts, op.context
+            row: tuple[Any, ...] = (
+                "d", f.destination, f.method, f.path + (f"?{f.query}" if f.query else ""),
+                f.job_id, f.generation, f.owner, f.key, f.fingerprint,
+                f.fencing is Fencing.MONOTONIC, f.upstream_idempotent, f.timeout, op.attempt,
+                c.remote, c.body_sha256, c.body_bytes, None, None, None, None,
+            )  # fmt: skip
+        else:
+            r = op.record
+            row = (
+                "l", r.destination, r.method, r.path, r.job_id, r.generation, r.owner,
+                r.idempotency_key, None, None, None, None, None, r.remote, r.body_sha256,
+                r.body_bytes, r.reason, r.detail, r.current_generation, r.highest_generation,
+            )  # fmt: skip
+        for column, value in zip(columns, row, strict=True):
+            column.append(value)
+    return columns
 
 
-def _read_args(facts: Sequence[WriteFacts]) -> tuple[list[Any], ...]:
-    below: dict[str, int] = {}
-    for f in facts:
-        below[f.job_id] = max(f.generation, below.get(f.job_id, f.generation))
-    keyed = sorted({(f.destination, f.key) for f in facts if f.key is not None})
-    return list(below), [d for d, _ in keyed], [k for _, k in keyed], list(below.values())
+# Whether any of the batch's attempts holds a reservation: looked up by primary
+# key, (destination, key, attempt) for a keyed write and the attempt for a keyless one.
+_RESERVED_SQL = """
+SELECT EXISTS (SELECT 1 FROM idempotency i JOIN unnest($1::text[], $2::text[], $3::text[])
+        AS r(d, k, a) ON i.destination = r.d AND i.key = r.k AND i.attempt = r.a)
+    OR EXISTS (SELECT 1 FROM attempts WHERE attempt = ANY($4::text[]))
+"""
 
 
-def _batch_state(row: Any) -> BatchState:
-    width = len(KEY_COLUMNS)
-    return batch_plan.batch_state(
-        row["now"],
-        leases=(
-            LeaseRow(job, owner, generation, State(lease_state), until, ttl)
-            for job, owner, generation, lease_state, until, ttl in row["leases"]
-        ),
-        marks=((job, mark) for job, mark in row["marks"]),
-        barriers=(*row["keyed"], *row["keyless"]),
-        keys=((key_record(values[:width]), values[width]) for values in row["records"]),
+async def reserved_any(conn: Conn, operations: Sequence[Operation]) -> bool:
+    """Whether a batch whose call went unanswered committed a reservation: its
+    attempts are found. (A batch that forwarded nothing changed nothing a retry
+    would decide differently; at worst its rejection-log rows are written twice.)"""
+    decides = [op for op in operations if isinstance(op, Decide)]
+    keyed = [op for op in decides if op.facts.key is not None]
+    found = await conn.fetchval(
+        _RESERVED_SQL,
+        [op.facts.destination for op in keyed],
+        [op.facts.key for op in keyed],
+        [op.attempt for op in keyed],
+        [op.attempt for op in decides if op.facts.key is None],
     )
-
-
-def _apply_args(
-    forwarded: Sequence[Reservation],
-    state: BatchState,
-    rejections: Sequence[RejectionRecord],
-) -> list[Any]:
-    """The arguments of `_APPLY_SQL`, in order."""
-    reservations = batch_plan.final_reservations(forwarded)
-    keyed = [r for r in reservations if r.key is not None]
-    records = [state.records[(r.destination, r.key)] for r in keyed]  # type: ignore[index]
-    keyless = [r for r in reservations if r.key is None]
-    marks = batch_plan.raised_marks(forwarded, state)
-    rows = [rejection_values(record) for record in rejections]
-    return [
-        *_columns(keyed, ("destination", "key", "fingerprint", "attempt")),
-        [k.attempts for k in records],
-        *_columns(keyed, ("job_id", "generation", "owner")),
-        [k.created_at for k in records],
-        *_columns(keyed, ("at", "deadline", "barrier_until")),
-        *_columns(keyless, ("attempt", "job_id", "generation", "destination", "at")),
-        [r.barrier_until for r in keyless],
-        list(marks),
-        list(marks.values()),
-        state.now,
-        *([row[n] for row in rows] for n in range(len(REJECTION_FIELDS))),
-    ]
-
-
-def _columns(reservations: Sequence[Reservation], names: Sequence[str]) -> list[list[Any]]:
-    return [[getattr(r, name) for r in reservations] for name in names]
+    return bool(found)

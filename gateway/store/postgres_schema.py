@@ -8,7 +8,7 @@ database the lease store (`leases.postgres`) uses.
 from __future__ import annotations
 
 from gateway.store import postgres_admin
-from gateway.store.postgres_batch import STATE_FUNCTION_DDL
+from gateway.store.postgres_batch import DECIDE_FUNCTION_DDL
 from gateway.store.postgres_notify import NOTIFY_DDL
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION_DDL
 from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
@@ -20,7 +20,9 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # v5: a batch of outcomes is one call of a server-side function
 # (`postgres_outcomes.OUTCOMES_FUNCTION`), and a decision batch's locks and state
 # read another (`postgres_batch.STATE_FUNCTION`), created and replaced here.
-GATEWAY_SCHEMA_VERSION = 5
+# v6: a decision batch is one call (`postgres_batch.DECIDE_FUNCTION`): the policy
+# runs in the server; v5's state function is dropped.
+GATEWAY_SCHEMA_VERSION = 6
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -110,7 +112,13 @@ async def init_schema(conn: Conn) -> None:
         if current != GATEWAY_SCHEMA_VERSION:
             await conn.execute(GATEWAY_DDL)
             await postgres_admin.migrate(conn)
+            # v5's decision state read; a v5 replica still running fails its
+            # batches from here on (the tables it would write are unchanged).
+            await conn.execute(
+                "DROP FUNCTION IF EXISTS sinkgate_decision_state_v1(float8, text[], text[], "
+                "text[], int8[], text[], boolean)"
+            )
         await conn.execute(NOTIFY_DDL)
         await conn.execute(OUTCOMES_FUNCTION_DDL)
-        await conn.execute(STATE_FUNCTION_DDL)
+        await conn.execute(DECIDE_FUNCTION_DDL)
         await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

@@ -1,9 +1,10 @@
 """Older gateway schemas upgraded on both backends: from v1, the key's row gains
 `barrier_until` and an attempt a v1 gateway left in flight still bars newer
 generations; from v3, the audit log gains `operator` and keeps every row. On
-PostgreSQL, a v4 database in use (keys completed and in flight) gains v5's
-functions: the attempts a v4 gateway left in flight record their outcomes through
-one, and the decisions after the upgrade read what v4 wrote through the other."""
+PostgreSQL, a v4 or v5 database in use (keys completed and in flight) gains v6's
+functions and loses v5's state read: the attempts an older gateway left in flight
+record their outcomes through one, and the decisions after the upgrade read what
+it wrote in the other."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gateway.policy.decision import Forward, KeyState, Reject, Replay
 from gateway.store import postgres_schema
 from gateway.store.admin_records import AuditQuery
 from gateway.store.postgres import PostgresStore
-from gateway.store.postgres_batch import STATE_FUNCTION
+from gateway.store.postgres_batch import DECIDE_FUNCTION
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.sqlite import GATEWAY_SCHEMA_VERSION, SQLiteStore
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
@@ -156,8 +157,16 @@ async def test_postgres_v3_audit_log_keeps_its_rows() -> None:
             await store.close()
 
 
+# v5's decision state read, as the v5 release created it (its body does not matter).
+_V5_STATE_FUNCTION = (
+    "CREATE FUNCTION sinkgate_decision_state_v1(float8, text[], text[], text[], int8[], "
+    "text[], boolean) RETURNS SETOF record LANGUAGE sql AS 'SELECT NULL::record WHERE false'"
+)
+
+
 @pytest.mark.postgres
-async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
+@pytest.mark.parametrize("old", [4, 5])
+async def test_postgres_database_in_use_is_upgraded_to_v6(old: int) -> None:
     async with fresh_database() as url:
         store = await PostgresStore.open(url)
         try:
@@ -170,9 +179,15 @@ async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
         finally:
             await store.close()
         conn = await asyncpg.connect(url)
-        try:  # the database as the v4 release leaves it: no function, version 4
-            await conn.execute(f"DROP FUNCTION {OUTCOMES_FUNCTION}, {STATE_FUNCTION}")
-            await conn.execute("UPDATE sinkgate_schema SET version = 4 WHERE component = 'gateway'")
+        try:  # the database as the older release leaves it
+            await conn.execute(f"DROP FUNCTION {DECIDE_FUNCTION}")
+            if old == 4:
+                await conn.execute(f"DROP FUNCTION {OUTCOMES_FUNCTION}")
+            else:
+                await conn.execute(_V5_STATE_FUNCTION)
+            await conn.execute(
+                "UPDATE sinkgate_schema SET version = $1 WHERE component = 'gateway'", old
+            )
         finally:
             await conn.close()
         store = await PostgresStore.open(url)
@@ -194,9 +209,15 @@ async def test_postgres_v4_database_in_use_is_upgraded_to_v5() -> None:
             version = await conn.fetchval(
                 "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
             )
+            functions = await conn.fetchval(
+                "SELECT array_agg(proname::text ORDER BY proname) FROM pg_proc "
+                "WHERE proname LIKE 'sinkgate_%'"
+            )
         finally:
             await conn.close()
-        assert version == postgres_schema.GATEWAY_SCHEMA_VERSION == 5
+        assert version == postgres_schema.GATEWAY_SCHEMA_VERSION == 6
+        assert DECIDE_FUNCTION in functions and OUTCOMES_FUNCTION in functions
+        assert "sinkgate_decision_state_v1" not in functions
 
 
 @pytest.mark.postgres
