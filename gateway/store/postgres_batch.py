@@ -118,8 +118,8 @@ _GRACE = f"{RESERVATION_GRACE_S!r}::float8"
 
 # Steps 6 (fence, barrier) then 7 (idempotency) of one write, as `decide` and
 # `check_fence`/`check_key`/`hold_refusal` take them, in the same order. In: g (the
-# write's generation), v_now, v_lease (FOUND as v_leased; read only in lease mode),
-# v_mark, v_older, v_rec (FOUND as v_keyed). Out: v_verdict ('f' forward, 'u' forward
+# write's generation), v_now, the lease's columns (v_leased: found; read only in
+# lease mode), v_mark, v_older, the key row's columns (v_keyed: found). Out: v_verdict ('f' forward, 'u' forward
 # of an unknown outcome, 'p' replay, 'r' refusal) and the refusal's fields.
 _POLICY = f"""
 v_verdict := NULL; v_reason := NULL; v_detail := NULL; v_current := NULL; v_retry := NULL;
@@ -131,16 +131,16 @@ IF p_monotonic[i] THEN
     END IF;
 ELSE
     IF v_leased THEN
-        v_current := v_lease.generation;
+        v_current := v_generation;
     END IF;
     v_reason := CASE
         WHEN NOT v_leased THEN {_text(Reason.LEASE_NOT_HELD)}
-        WHEN g < v_lease.generation THEN {_text(Reason.STALE_GENERATION)}
-        WHEN g > v_lease.generation THEN {_text(Reason.UNKNOWN_GENERATION)}
-        WHEN v_lease.state = {_text(State.DONE)} THEN {_text(Reason.JOB_COMPLETED)}
-        WHEN v_lease.state = {_text(State.FREE)} THEN {_text(Reason.LEASE_NOT_HELD)}
-        WHEN v_lease.lease_until <= v_now THEN {_text(Reason.LEASE_EXPIRED)}
-        WHEN p_owner[i] IS NOT NULL AND p_owner[i] <> v_lease.owner
+        WHEN g < v_generation THEN {_text(Reason.STALE_GENERATION)}
+        WHEN g > v_generation THEN {_text(Reason.UNKNOWN_GENERATION)}
+        WHEN v_state = {_text(State.DONE)} THEN {_text(Reason.JOB_COMPLETED)}
+        WHEN v_state = {_text(State.FREE)} THEN {_text(Reason.LEASE_NOT_HELD)}
+        WHEN v_until <= v_now THEN {_text(Reason.LEASE_EXPIRED)}
+        WHEN p_owner[i] IS NOT NULL AND p_owner[i] <> v_owner
             THEN {_text(Reason.OWNER_MISMATCH)}
     END;
     IF v_reason IS NOT NULL THEN
@@ -158,22 +158,22 @@ END IF;
 IF v_verdict IS NULL AND v_older IS NOT NULL AND v_older > v_now THEN
     v_verdict := 'r'; v_reason := {_text(Reason.OLDER_GENERATION_IN_FLIGHT)};
     v_detail := {_text(DETAILS[Reason.OLDER_GENERATION_IN_FLIGHT])};
-    v_current := CASE WHEN v_leased THEN v_lease.generation END;
+    v_current := CASE WHEN v_leased THEN v_generation END;
     v_retry := greatest(1, ceil(v_older - v_now))::int4;
 END IF;
 IF v_verdict IS NULL THEN
     v_current := NULL; v_highest := NULL;
     IF p_key[i] IS NULL OR NOT v_keyed THEN
         v_verdict := 'f';
-    ELSIF v_rec.fingerprint <> p_fingerprint[i] THEN
+    ELSIF v_fingerprint <> p_fingerprint[i] THEN
         v_verdict := 'r'; v_reason := {_text(Reason.IDEMPOTENCY_KEY_REUSED)};
         v_detail := {_text(DETAILS[Reason.IDEMPOTENCY_KEY_REUSED])};
-    ELSIF v_rec.state = 'completed' THEN
+    ELSIF v_key_state = 'completed' THEN
         v_verdict := 'p';
-    ELSIF v_rec.state = 'in_flight' AND v_rec.deadline > v_now THEN
+    ELSIF v_key_state = 'in_flight' AND v_deadline > v_now THEN
         v_verdict := 'r'; v_reason := {_text(Reason.REQUEST_IN_PROGRESS)};
         v_detail := {_text(DETAILS[Reason.REQUEST_IN_PROGRESS])};
-        v_retry := greatest(1, ceil(v_rec.deadline - v_now))::int4;
+        v_retry := greatest(1, ceil(v_deadline - v_now))::int4;
     ELSIF p_idempotent[i] THEN
         v_verdict := 'u';
     ELSE
@@ -224,12 +224,18 @@ RETURNS SETOF record LANGUAGE plpgsql VOLATILE {_SET_CLAUSES} AS $fn$
 DECLARE
     g int8;
     v_now float8;
-    v_lease leases;
-    v_leased boolean := false;
+    v_leased boolean;
+    v_owner text;
+    v_generation int8;
+    v_state text;
+    v_until float8;
     v_mark int8;
     v_older float8;
-    v_rec idempotency;
     v_keyed boolean;
+    v_fingerprint text;
+    v_key_state text;
+    v_deadline float8;
+    v_rec idempotency;
     v_verdict text;
     v_reason text;
     v_detail text;
@@ -272,19 +278,14 @@ BEGIN
                     (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
                         AND state = 'in_flight' AND generation < g),
                     (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
-                        AND generation < g))
-            INTO v_now, v_mark, v_older;
-            v_leased := false;
-            IF NOT p_monotonic[i] THEN
-                SELECT * INTO v_lease FROM leases WHERE job_id = p_job[i];
-                v_leased := FOUND;
-            END IF;
-            v_keyed := false;
-            IF p_key[i] IS NOT NULL THEN
-                SELECT * INTO v_rec FROM idempotency
-                    WHERE destination = p_destination[i] AND key = p_key[i];
-                v_keyed := FOUND;
-            END IF;
+                        AND generation < g)),
+                l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
+                k.key IS NOT NULL, k.fingerprint, k.state, k.deadline
+            FROM (SELECT) AS one
+            LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]
+            LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
+            INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state, v_until,
+                v_keyed, v_fingerprint, v_key_state, v_deadline;
             {_POLICY.strip()}
         END IF;
         v_id := NULL;
@@ -292,6 +293,8 @@ BEGIN
             {_RESERVE.strip()}
         ELSE
             IF v_verdict = 'p' THEN
+                SELECT * INTO v_rec FROM idempotency
+                    WHERE destination = p_destination[i] AND key = p_key[i];
                 o_replay := o_replay || v_rec;
                 v_reason := {_text(Reason.DUPLICATE)};
                 v_detail := {_text(REPLAYED)};
