@@ -14,7 +14,6 @@ from typing import Any
 from gateway.policy.decision import Decision, Reject, Replay, WriteFacts
 from leases.reasons import Reason
 
-
 # The rejection-log detail of a replay (recorded as `duplicate`).
 REPLAYED = "replayed the stored response"
 
@@ -99,9 +98,7 @@ def rejection_record(
         "body_bytes": context.body_bytes,
     }
     if isinstance(decision, Replay):
-        return RejectionRecord(
-            reason=Reason.DUPLICATE, detail=REPLAYED, **common
-        )
+        return RejectionRecord(reason=Reason.DUPLICATE, detail=REPLAYED, **common)
     return RejectionRecord(
         reason=decision.reason,
         detail=decision.detail,

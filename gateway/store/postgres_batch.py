@@ -95,7 +95,9 @@ LOCK_KINDS: tuple[str, ...] = ("job", "key")
 # first insert to COMMIT (see the module doc). The two-key form: a lock space of
 # its own, apart from the one-key locks on jobs, keys and the schema.
 REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
-ORDERED_INSERTS = f"PERFORM pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]})"
+ORDERED_INSERTS = (
+    f"PERFORM pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]})"
+)
 
 # Whether the batch takes its locks in the order of their keys (DISTINCT + ORDER
 # BY the lock key: one global order). Tests switch it off (arrival order) to show
@@ -119,8 +121,9 @@ _GRACE = f"{RESERVATION_GRACE_S!r}::float8"
 # Steps 6 (fence, barrier) then 7 (idempotency) of one write, as `decide` and
 # `check_fence`/`check_key`/`hold_refusal` take them, in the same order. In: g (the
 # write's generation), v_now, the lease's columns (v_leased: found; read only in
-# lease mode), v_mark, v_older, the key row's columns (v_keyed: found). Out: v_verdict ('f' forward, 'u' forward
-# of an unknown outcome, 'p' replay, 'r' refusal) and the refusal's fields.
+# lease mode), v_mark, v_older, the key row's columns (v_keyed: found). Out:
+# v_verdict ('f' forward, 'u' forward of an unknown outcome, 'p' replay, 'r'
+# refusal) and the refusal's fields.
 _POLICY = f"""
 v_verdict := NULL; v_reason := NULL; v_detail := NULL; v_current := NULL; v_retry := NULL;
 v_highest := v_mark;
@@ -146,9 +149,19 @@ ELSE
     IF v_reason IS NOT NULL THEN
         v_verdict := 'r';
         v_detail := CASE v_reason
-            {" ".join(f"WHEN {_text(r)} THEN {_text(DETAILS[r])}" for r in (
-                Reason.LEASE_NOT_HELD, Reason.STALE_GENERATION, Reason.UNKNOWN_GENERATION,
-                Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.OWNER_MISMATCH))}
+            {
+    " ".join(
+        f"WHEN {_text(r)} THEN {_text(DETAILS[r])}"
+        for r in (
+            Reason.LEASE_NOT_HELD,
+            Reason.STALE_GENERATION,
+            Reason.UNKNOWN_GENERATION,
+            Reason.JOB_COMPLETED,
+            Reason.LEASE_EXPIRED,
+            Reason.OWNER_MISMATCH,
+        )
+    )
+}
         END;
     ELSIF v_mark IS NOT NULL AND g < v_mark THEN
         v_verdict := 'r'; v_reason := {_text(Reason.STALE_GENERATION)};

@@ -8,20 +8,16 @@ must show the violation.
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.policy import batch_plan
-from gateway.policy.batch_plan import BatchState
 from gateway.policy.decision import Forward, WriteFacts
-from gateway.policy.plan import WritePlan, plan_write
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
-from gateway.store import postgres_batch, postgres_outcomes
+from gateway.store import postgres_batch, postgres_outcomes, postgres_schema
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_batch import Log
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
@@ -77,24 +73,25 @@ async def test_two_writes_of_one_key_in_one_batch_forward_it_once(store: Postgre
 
 
 async def test_against_the_state_before_the_batch_one_key_is_forwarded_twice(
-    store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+    url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The in-batch ordering switched off (each write decided against the state as
-    it was before the batch, its changes still applied): shows the test above can fail."""
-
-    def pre_batch(writes: Any, state: BatchState, new_attempt: Any) -> list[WritePlan]:
-        before = copy.deepcopy(state)
-        plans = []
-        for facts, context in writes:
-            plan = plan_write(facts, context, before.state_for(facts), state.now, new_attempt)
-            if plan.reservation is not None:
-                state.apply(plan.reservation)
-            plans.append(plan)
-        return plans
-
-    monkeypatch.setattr(batch_plan, "plan_batch", pre_batch)
-    one_key = [write(job_id="job-a"), write(job_id="job-b")]
-    assert await _one_batch(store, one_key) == ["forward", "forward"]
+    """The in-batch ordering switched off (each write decided against the rows as
+    they were before the batch, its changes still applied): shows the test above
+    can fail."""
+    join = "LEFT JOIN idempotency k ON "
+    assert join in postgres_schema.DECIDE_FUNCTION_DDL
+    before_the_batch = join + "k.xmin <> xid(pg_current_xact_id()) AND "
+    monkeypatch.setattr(
+        postgres_schema,
+        "DECIDE_FUNCTION_DDL",
+        postgres_schema.DECIDE_FUNCTION_DDL.replace(join, before_the_batch),
+    )
+    store = await PostgresStore.open(url)
+    try:
+        one_key = [write(job_id="job-a"), write(job_id="job-b")]
+        assert await _one_batch(store, one_key) == ["forward", "forward"]
+    finally:
+        await store.close()
 
 
 # --- the lock order across replicas ------------------------------------------------------
@@ -160,15 +157,18 @@ async def test_in_arrival_order_the_same_batches_deadlock(
 
 async def _ids_skipped(url: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Replica A logs a rejection and holds its transaction open after taking its
-    id; replica B logs one meanwhile. The ids visible then must be a prefix of all
-    ids: returns those that committed later yet below a visible one (a reader
-    paging down from the newest would never see them)."""
+    id (its call made inside a transaction left open); replica B logs one
+    meanwhile. The ids visible then must be a prefix of all ids: returns those that
+    committed later yet below a visible one (a reader paging down from the newest
+    would never see them)."""
     held, release = asyncio.Event(), asyncio.Event()
     original = postgres_store.decide_batch
 
     async def holding(conn: Any, batch: Any, offset: float) -> Any:
-        answers = await original(conn, batch, offset)
-        if any(isinstance(op, Log) and op.record.detail == "held" for op in batch):
+        if not any(isinstance(op, Log) and op.record.detail == "held" for op in batch):
+            return await original(conn, batch, offset)
+        async with conn.transaction():  # the call's COMMIT, delayed
+            answers = await original(conn, batch, offset)
             held.set()
             await release.wait()
         return answers
@@ -216,9 +216,10 @@ async def test_without_the_order_lock_a_late_commit_hides_below_the_cursor(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The protection switched off: shows the test above can fail."""
-    lock = "pg_advisory_xact_lock({}, {})".format(*postgres_batch.REJECTION_ORDER_LOCK)
-    assert lock in postgres_batch._APPLY_SQL
-    monkeypatch.setattr(postgres_batch, "_APPLY_SQL", postgres_batch._APPLY_SQL.replace(lock, "1"))
+    lock = postgres_batch.ORDERED_INSERTS
+    assert lock in postgres_schema.DECIDE_FUNCTION_DDL
+    unordered = postgres_schema.DECIDE_FUNCTION_DDL.replace(lock, "PERFORM 1")
+    monkeypatch.setattr(postgres_schema, "DECIDE_FUNCTION_DDL", unordered)
     assert await _ids_skipped(url, monkeypatch) == [2]
 
 
@@ -275,7 +276,7 @@ async def test_outcomes_recorded_together_share_one_statement(store: PostgresSto
 # Plans kept per connection, made while the tables are empty: with the settings of
 # `PLAN_SETTINGS` every table is still reached through an index once it has grown.
 # Switched off, the same functions with a plan kept and nothing ruled out.
-_KEPT_PLANS_ONLY = "set_config('plan_cache_mode', 'force_generic_plan', true)"
+_KEPT_PLANS_ONLY = "SET plan_cache_mode = force_generic_plan"
 
 
 async def _seq_scans_after_growth(url: str, protected: bool) -> dict[str, int]:
@@ -288,16 +289,13 @@ async def _seq_scans_after_growth(url: str, protected: bool) -> dict[str, int]:
             for table in ("idempotency", "attempts", "fences", "leases"):
                 await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
             if not protected:
-                await conn.execute(
-                    postgres_batch.STATE_FUNCTION_DDL.replace(
-                        postgres_outcomes.INDEX_PLANS, _KEPT_PLANS_ONLY
+                for ddl in (
+                    postgres_batch.DECIDE_FUNCTION_DDL,
+                    postgres_outcomes.OUTCOMES_FUNCTION_DDL,
+                ):
+                    await conn.execute(
+                        ddl.replace(postgres_outcomes._SET_CLAUSES, _KEPT_PLANS_ONLY)
                     )
-                )
-                await conn.execute(
-                    postgres_outcomes.OUTCOMES_FUNCTION_DDL.replace(
-                        postgres_outcomes._SET_CLAUSES, "SET plan_cache_mode = force_generic_plan"
-                    )
-                )
         for n in range(3):  # the plans, made on empty tables
             facts = write(key=f"small-{n}", generation=1)
             verdict = await store.decide_write(facts, CONTEXT)
@@ -352,23 +350,24 @@ async def test_without_the_plan_settings_a_plan_made_small_scans_the_grown_table
 
 
 async def test_the_batch_functions_plan_through_the_indexes(url: str) -> None:
-    """The outcomes' function declares the settings; the state function sets them
-    for the rest of its transaction (the apply statement is planned after it);
-    neither leaves one behind in the session."""
-    store = await PostgresStore.open(url, max_size=1)
+    """Both functions declare the settings (`SET` clauses: in force while they run,
+    so for the plans of their statements, and not left behind in the session)."""
+    store = await PostgresStore.open(url)
     await store.close()
     settings = dict(postgres_outcomes.PLAN_SETTINGS)
     conn = await asyncpg.connect(url)
     try:
-        config = await conn.fetchval(
-            "SELECT proconfig FROM pg_proc WHERE proname = $1", OUTCOMES_FUNCTION
-        )
-        assert config == [f"{name}={value}" for name, value in settings.items()]
+        for function in (OUTCOMES_FUNCTION, postgres_batch.DECIDE_FUNCTION):
+            config = await conn.fetchval(
+                "SELECT proconfig FROM pg_proc WHERE proname = $1", function
+            )
+            assert config == [f"{name}={value}" for name, value in settings.items()]
         defaults = {name: await conn.fetchval(f"SHOW {name}") for name in settings}
         assert defaults != settings
-        async with conn.transaction():
-            await conn.fetchrow(postgres_batch._STATE_CALL, 0.0, [], [], [], [], [], True)
-            assert {name: await conn.fetchval(f"SHOW {name}") for name in settings} == settings
+        answers, _ = await postgres_batch.decide_batch(
+            conn, [postgres_batch.Decide(write(), CONTEXT)], 0.0
+        )
+        assert isinstance(answers[0].decision, Forward)  # type: ignore[union-attr]
         assert {name: await conn.fetchval(f"SHOW {name}") for name in settings} == defaults
     finally:
         await conn.close()

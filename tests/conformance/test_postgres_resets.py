@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,20 +141,18 @@ async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
     writes, and their reservations are released rather than left in flight to
     turn `unknown`. (Switched off by hand, `_release_in_background` doing nothing: the
     key is found in flight, and the retry answers `request_in_progress`.)"""
-    real = postgres_store.transaction
+    real = postgres_store.decide_batch
 
-    @asynccontextmanager
-    async def answer_lost(pool: Any, wait: Any, **options: Any) -> AsyncIterator[Any]:
-        async with real(pool, wait, **options) as conn:
-            yield conn
-        raise asyncpg.ConnectionDoesNotExistError("connection was closed")  # after COMMIT
+    async def answer_lost(conn: Any, *args: Any) -> Any:
+        await real(conn, *args)  # committed
+        raise asyncpg.ConnectionDoesNotExistError("connection was closed")
 
     store = await PostgresStore.open(url)
     try:
-        monkeypatch.setattr(postgres_store, "transaction", answer_lost)
+        monkeypatch.setattr(postgres_store, "decide_batch", answer_lost)
         with pytest.raises(StoreUnavailable):
             await store.decide_write(write(key="lost"), CONTEXT)
-        monkeypatch.setattr(postgres_store, "transaction", real)
+        monkeypatch.setattr(postgres_store, "decide_batch", real)
         await eventually(lambda: store.uncertain_released == 1, what="the release")
         assert await store.key_record("pay", "lost") is None
         verdict = await store.decide_write(write(key="lost"), CONTEXT)
