@@ -1,8 +1,11 @@
 """PURE: the decisions of one group-committed batch, in arrival order.
 
-A backend that decides a whole batch in one transaction reads the stored state
-of every job and key of the batch once, at the start (`BatchState`), then plans
-each write in the order it arrived (`plan_batch`). Each plan sees what the ones
+A backend that decides a whole batch in one transaction can read the stored
+state of every job and key of the batch once, at the start (`BatchState`), then
+plan each write in the order it arrived (`plan_batch`): the SQLite store does so
+for the woken writes of one key. (The PostgreSQL store decides in the server,
+write by write, in the same order: `gateway/store/postgres_batch.py`, held to
+this module by a property test.) Each plan sees what the ones
 before it changed: a forwarded write holds its key in flight, bars the newer
 generations of its job and raises its job's mark, exactly as if it had been
 decided and committed alone just before the next one. So two writes of one key
@@ -147,23 +150,3 @@ def lock_names(writes: Iterable[WriteFacts], kinds: Sequence[str] = ("job", "key
         if "key" in kinds and facts.key is not None:
             names.append(f"key:{facts.destination}\n{facts.key}")
     return names
-
-
-def final_reservations(reservations: Iterable[Reservation]) -> list[Reservation]:
-    """The batch's reservations as rows to write: the last one only for a key
-    reserved twice (one statement may not change a row twice; the last is what
-    sequential decisions would have left)."""
-    keyed: dict[KeyId, Reservation] = {}
-    keyless: list[Reservation] = []
-    for r in reservations:
-        if r.key is None:
-            keyless.append(r)
-        else:
-            keyed.pop((r.destination, r.key), None)
-            keyed[(r.destination, r.key)] = r
-    return [*keyed.values(), *keyless]
-
-
-def raised_marks(reservations: Iterable[Reservation], state: BatchState) -> dict[str, int]:
-    """The marks the batch raises: per job, its mark once the batch is applied."""
-    return {r.job_id: state.marks[r.job_id] for r in reservations if r.raise_mark}

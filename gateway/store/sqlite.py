@@ -168,8 +168,8 @@ def _decide_group_tx(
     return [verdicts.get(id(w)) for w in writes]
 
 
-# The rows a decision reads, as the PostgreSQL batch reads them, assembled by the
-# same `batch_plan.batch_state`: the job's mark and lease, the key's row with its
+# The rows a decision reads (the PostgreSQL decision function reads the same),
+# assembled by `batch_plan.batch_state`: the job's mark and lease, the key's row with its
 # `barrier_until`, and per older generation of the job the latest barrier still on
 # the wire (a keyed write's in its key's row, other than this write's own key; a
 # keyless one's in the attempts table). ?1 job, ?2 generation, ?3 now,
