@@ -18,6 +18,8 @@ from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
 from gateway.policy import decision as decision_module
 from gateway.policy.decision import Fencing
+from gateway.store import postgres_batch
+from gateway.store.postgres import PostgresStore
 from gateway.store.records import RejectionQuery
 from leases.errors import StoreUnavailable
 from tests.harness import (
@@ -946,6 +948,14 @@ async def test_without_the_fence_the_stale_write_lands(
     """The protection switched off: the same run lets A's generation-7 write reach
     the destination. Shows the worked-example test can fail."""
     monkeypatch.setattr(decision_module, "check_fence", lambda facts, state, now: None)
+    if isinstance(gw.store, PostgresStore):  # there the policy runs in the server
+        barrier = "IF v_verdict IS NULL AND v_older IS NOT NULL"
+        assert barrier in postgres_batch.DECIDE_FUNCTION_DDL
+        no_fence = postgres_batch.DECIDE_FUNCTION_DDL.replace(
+            barrier, f"v_verdict := NULL; {barrier}"
+        )
+        async with gw.store._pool.acquire() as conn:
+            await conn.execute(no_fence)
     r = await worked_example(gw, upstream)
     assert r["late_a"][0] == 201  # type: ignore[index]
     assert [x.headers["Fencing-Token"] for x in upstream.received] == ["7", "8"]
