@@ -249,15 +249,19 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         for tries_left in reversed(range(DECISION_TRIES)):
             offset = self._offset()
             self._check_open()
+            called = False  # no connection, no call: nothing can have committed
             try:
                 with driver_errors("PostgreSQL write decision failed"):
                     async with connection(self._pool, self._wait) as conn:
+                        called = True
                         answers, now = await decide_batch(conn, batch, offset)
             except StoreUnavailable as exc:
                 if self._closed or not _outage(exc):
                     raise
-                if not tries_left or await self._reserved(batch) is not False:
+                if called and (not tries_left or await self._reserved(batch) is not False):
                     self._release_in_background(batch)
+                    raise
+                if not tries_left:
                     raise
                 self.decision_retries += 1
                 continue
