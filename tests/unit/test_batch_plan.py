@@ -85,19 +85,6 @@ def test_without_the_batch_state_two_writes_of_one_key_are_both_forwarded(
     ]
 
 
-def test_a_key_reserved_twice_is_written_once_with_its_last_reservation() -> None:
-    state = BatchState(now=NOW)
-    plans = plan_batch(
-        [(MONOTONIC, CONTEXT), (replace(MONOTONIC, key=None), CONTEXT)], state, _ids()
-    )
-    first = plans[0].reservation
-    assert first is not None
-    again = replace(first, attempt="attempt-9")
-    rows = batch_plan.final_reservations([first, plans[1].reservation, again])  # type: ignore[list-item]
-    assert [r.attempt for r in rows] == ["attempt-9", "attempt-2"]
-    assert batch_plan.raised_marks([first], state) == {"job": 7}
-
-
 def test_lock_names_name_each_job_and_key_and_no_key_of_a_keyless_write() -> None:
     writes = [MONOTONIC, replace(MONOTONIC, key=None, job_id="j2")]
     assert batch_plan.lock_names(writes) == ["job:job", "key:pay\nk", "job:j2"]
