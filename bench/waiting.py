@@ -22,7 +22,8 @@ connection with `Prefer: wait=30`, held on one key whose original the upstream
 answers in `--hold-s` (6) seconds. Figures: the gateway's CPU (share of one
 core) over one second once all are held, and each duplicate's answer time
 minus the original's (p50, p99, max), and the gateway's CPU from then to the
-last answer (the wake-up). A second row (unless `--no-floor`) runs the same
+last answer (the wake-up), with the part its event loops took (their main
+threads, from the scheduler's nanosecond counter). A second row (unless `--no-floor`) runs the same
 burst, from the same client, against `bench.held_floor`: the same aiohttp
 stack answering the held writes with one precomputed body once the original is
 answered, deciding nothing: the part of the figure that is the server stack and
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import statistics
 import sys
@@ -118,7 +120,7 @@ async def _all_held(session: aiohttp.ClientSession, metrics_url: str, waiters: i
         await asyncio.sleep(0.1)
 
 
-async def many(base: str, admin: str, waiters: int, gateway_pid: int) -> str:
+async def many(base: str, admin: str, waiters: int, gateway_pid: int, hold_s: float) -> str:
     """N duplicates held on one slow key: CPU while held, then how soon they are answered."""
     leases = await HTTPLeaseStore.open(base)
     try:
@@ -131,11 +133,11 @@ async def many(base: str, admin: str, waiters: int, gateway_pid: int) -> str:
         "Fencing-Token": str(lease.generation),
         "Idempotency-Key": "many-1",
     }
-    return await burst(base, f"{admin}/metrics", headers, waiters, gateway_pid)
+    return await burst(base, f"{admin}/metrics", headers, waiters, gateway_pid, hold_s)
 
 
 async def burst(
-    base: str, metrics_url: str, headers: dict[str, str], waiters: int, pid: int
+    base: str, metrics_url: str, headers: dict[str, str], waiters: int, pid: int, hold_s: float
 ) -> str:
     """An original, then N writes with `Prefer: wait=30` held until it is answered."""
     url = f"{base}/to/bench/items"
@@ -149,6 +151,7 @@ async def burst(
                 return time.monotonic(), resp.status, replayed
 
         original = asyncio.create_task(post({}))
+        original_sent = time.monotonic()
         await asyncio.sleep(0.05)
         started = time.monotonic()
         held = [asyncio.create_task(post({"Prefer": "wait=30"})) for _ in range(waiters)]
@@ -158,9 +161,14 @@ async def burst(
         await asyncio.sleep(1.0)
         cpu_held = bench.cpu_seconds(pid)
         cpu_share = (cpu_held - cpu_before) / (time.monotonic() - at)
+        # The wake-up's CPU is counted from just before the original's answer is due,
+        # not from here: the idle seconds between are not the wake-up's.
+        await asyncio.sleep(max(0.0, original_sent + hold_s - 0.2 - time.monotonic()))
+        cpu_due, loop_due = run_seconds(pid)
         original_at, status, _ = await original
         answers = await asyncio.gather(*held)
-        cpu_woken = bench.cpu_seconds(pid) - cpu_held  # the wake-up (the rest is idle)
+        cpu_done, loop_done = run_seconds(pid)
+        cpu_woken, loop_woken = cpu_done - cpu_due, loop_done - loop_due
     after = sorted((answered - original_at) * 1000 for answered, _, _ in answers)
     replays = sum(1 for _, code, replayed in answers if replayed and code == status)
     return (
@@ -169,7 +177,29 @@ async def burst(
         f"answered after the original: p50 {statistics.median(after):.1f} ms, "
         f"p99 {after[int(len(after) * 0.99) - 1]:.1f} ms, max {after[-1]:.1f} ms; "
         f"replays {replays}/{waiters}; CPU from then to the last answer {cpu_woken * 1000:.0f} ms"
+        f" (event loop {loop_woken * 1000:.1f} ms)"
     )
+
+
+def run_seconds(pgid: int) -> tuple[float, float]:
+    """The CPU time of every thread of every process in the group, and of their
+    main threads (the event loops) alone, from the scheduler's nanosecond
+    counters rather than the 10 ms ticks of `bench.cpu_seconds`."""
+    every, main = 0, 0
+    for pid in bench.group_pids(pgid):
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+            except OSError:
+                continue
+            every += ns
+            main += ns if tid == str(pid) else 0
+    return every / 1e9, main / 1e9
 
 
 def floor(procs: bench.Processes, tmp: Path, waiters: int, hold_s: float) -> str:
@@ -179,7 +209,7 @@ def floor(procs: bench.Processes, tmp: Path, waiters: int, hold_s: float) -> str
     proc = procs.start([*command, "--hold-s", str(hold_s)], tmp / "floor.log")
     _wait_listening(base)
     headers = {"Content-Type": "application/json"}
-    return asyncio.run(burst(base, f"{base}/metrics", headers, waiters, proc.pid))
+    return asyncio.run(burst(base, f"{base}/metrics", headers, waiters, proc.pid, hold_s))
 
 
 def _wait_listening(base: str, within: float = 30.0) -> None:
@@ -251,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert gateway.proc is not None
                 admin = f"http://127.0.0.1:{admin_port}"
                 text = "gateway:     " + asyncio.run(
-                    many(gateway.base, admin, args.waiters, gateway.proc.pid)
+                    many(gateway.base, admin, args.waiters, gateway.proc.pid, args.hold_s)
                 )
                 if not args.no_floor:
                     text += "\nheld floor:  " + floor(procs, tmp, args.waiters, args.hold_s)
