@@ -150,7 +150,7 @@ class WriteGateway:
             for name, value in (("job_id", job_id), ("generation", generation)):
                 if value is not None:
                     rejection.members.setdefault(name, value)
-        self.metrics.child(self.metrics.rejections, rejection.reason).inc()
+        self.metrics.tally.add(self.metrics.child(self.metrics.rejections, rejection.reason))
         rejection_id = rejection.members.get("rejection_id")
         return Written(problem_response(rejection), "rejected", rejection.reason, rejection_id)
 
@@ -173,7 +173,8 @@ class WriteGateway:
         # Only configured names become label values: `/to/<anything>` must not
         # grow the metric series without bound.
         label = target.destination if target.destination in self.in_flight else "(unknown)"
-        self.metrics.child(self.metrics.writes, label, written.decision).inc()
+        metrics = self.metrics
+        metrics.tally.add(metrics.child(metrics.writes, label, written.decision))
         if facts is None and written.decision == "rejected":  # steps 1-4: nowhere else
             self.metrics.refusals.note(
                 written.reason, target.destination, request.method, request.remote
@@ -238,7 +239,7 @@ class WriteGateway:
         verdict = decided.verdict
         decision = verdict.decision
         if isinstance(decision, Reject):
-            self.metrics.child(self.metrics.rejections, decision.reason).inc()
+            self.metrics.tally.add(self.metrics.child(self.metrics.rejections, decision.reason))
             rejection = _reject(decision, facts, verdict.rejection_id)
             return Written(
                 problem_response(rejection),
@@ -248,7 +249,7 @@ class WriteGateway:
                 decided=decided,
             )
         if isinstance(decision, Replay):
-            self.metrics.child(self.metrics.rejections, Reason.DUPLICATE).inc()
+            self.metrics.tally.add(self.metrics.child(self.metrics.rejections, Reason.DUPLICATE))
             return Written(_replay(decision), "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
         await self._admit(destination, facts, verdict.attempt)
@@ -292,7 +293,8 @@ class WriteGateway:
             raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)) from exc
         finally:
             elapsed = time.perf_counter() - store_started
-            self.metrics.child(self.metrics.store_latency, "decide").observe(elapsed)
+            metrics = self.metrics
+            metrics.tally.observe(metrics.child(metrics.store_latency, "decide"), elapsed)
         return Decided(verdict, round(elapsed * 1000, 3))
 
     async def _forward_shielded(

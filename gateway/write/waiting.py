@@ -131,8 +131,9 @@ class Waiters:
         finally:
             self._unwatch(waiter)
         waited = time.monotonic() - started
-        self._metrics.child(self._metrics.waits, result).inc()
-        self._metrics.wait_seconds.observe(waited)
+        metrics = self._metrics
+        metrics.tally.add(metrics.child(metrics.waits, result))
+        metrics.tally.observe(metrics.wait_seconds, waited)
         return Waited(verdict, result=result, seconds=waited)
 
     async def _hold(
@@ -197,13 +198,13 @@ class Waiters:
     def _enter(self) -> None:
         self.count += 1
         self.holding.set()
-        self._metrics.waiting.inc()
+        self._metrics.tally.add(self._metrics.waiting)
 
     def _leave(self) -> None:
         self.count -= 1
         if self.count == 0:
             self.holding.clear()
-        self._metrics.waiting.dec()
+        self._metrics.tally.add(self._metrics.waiting, -1.0)
 
     # --- the ticker: workers gone away, and polls --------------------------------------
 
