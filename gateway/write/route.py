@@ -22,7 +22,7 @@ from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http.auth import authorization, bearer_matches
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
-from gateway.policy.decision import Forward, Reject, Replay, WriteFacts
+from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
 from gateway.policy.outcome import RELEASED, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
@@ -93,6 +93,7 @@ class WriteGateway:
         self._shared_gauge = metrics.shared_directory is not None
         self.forwards: set[asyncio.Task[Any]] = set()
         self.body_budget = BodyBudget(config.max_body_buffer)
+        self.replays = Replays()
         for name in config.destinations:
             self.track(name)
 
@@ -135,7 +136,8 @@ class WriteGateway:
             written = await self._write(request, destination, checked)
         except Rejection as rejection:
             written = self._refused(request, rejection, facts)
-        _preference_applied(written.response, written.decided)
+        if written.decision != "replayed":  # a replay's headers say it already
+            _preference_applied(written.response, written.decided)
         total_ms = round((time.perf_counter() - started) * 1000, 3)
         self._log(request, target, facts, written, total_ms)
         return written.response
@@ -182,7 +184,7 @@ class WriteGateway:
         fields = line.fields()
         if traces.TRACER is not None:
             traces.annotate(fields)  # the span gets the fields, the line the trace ids
-        info_line(log, "write_decision", fields)
+        info_line(log, "write_decision", fields, owned=True)
 
     # --- steps 1-5: request shape, nothing stored unless recorded as a rejection ---------
 
@@ -250,7 +252,8 @@ class WriteGateway:
             )
         if isinstance(decision, Replay):
             self.metrics.tally.add(self.metrics.child(self.metrics.rejections, Reason.DUPLICATE))
-            return Written(_replay(decision), "replayed", Reason.DUPLICATE, decided=decided)
+            response = self.replays.response(decision, decided.prefer_wait)  # says the wait
+            return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
         await self._admit(destination, facts, verdict.attempt)
         try:
@@ -491,8 +494,12 @@ def _preference_applied(
     replayed answer may carry its own `Preference-Applied`)."""
     cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
-        applied = [*answer.headers.getall("Preference-Applied", ()), f"wait={cap}"]
-        answer.headers["Preference-Applied"] = ", ".join(applied)
+        _add_applied(answer.headers, cap)
+
+
+def _add_applied(headers: CIMultiDict[str], cap: int) -> None:
+    applied = [*headers.getall("Preference-Applied", ()), f"wait={cap}"]
+    headers["Preference-Applied"] = ", ".join(applied)
 
 
 def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:
@@ -519,11 +526,35 @@ def _reject(decision: Reject, facts: WriteFacts, rejection_id: int | None) -> Re
     )
 
 
-def _replay(decision: Replay) -> web.Response:
-    record = decision.record
+class Replays:
+    """Replays of stored answers. The woken writes of one key replay the same
+    stored record (one read for the group), each with the wait it was granted:
+    the answer's headers are built once for that pair and copied for each."""
+
+    __slots__ = ("_cap", "_headers", "_record")
+
+    def __init__(self) -> None:
+        self._record: KeyRecord | None = None
+        self._cap: int | None = None
+        self._headers: CIMultiDict[str] = CIMultiDict()
+
+    def response(self, decision: Replay, prefer_wait: int | None) -> web.Response:
+        """The replay of `decision`'s record; `prefer_wait`: the wait honoured,
+        said in `Preference-Applied` after the record's own."""
+        record = decision.record
+        if record is not self._record or prefer_wait != self._cap:
+            self._headers = replay_headers(record, prefer_wait)
+            self._record, self._cap = record, prefer_wait
+        assert record.status is not None
+        return web.Response(status=record.status, body=record.body, headers=self._headers)
+
+
+def replay_headers(record: KeyRecord, prefer_wait: int | None) -> CIMultiDict[str]:
+    """A replay's headers: the stored ones, marked, and the wait honoured."""
     headers: CIMultiDict[str] = CIMultiDict(record.headers)
     headers["Idempotent-Replayed"] = "true"
     if record.body_omitted:
         headers["Sinkgate-Replay-Body"] = "omitted"
-    assert record.status is not None
-    return web.Response(status=record.status, body=record.body, headers=headers)
+    if prefer_wait is not None:
+        _add_applied(headers, prefer_wait)
+    return headers

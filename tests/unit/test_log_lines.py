@@ -47,6 +47,21 @@ def test_info_line_writes_what_structlog_writes_field_for_field_in_its_order(
     assert fields.keys().isdisjoint({"event", "level", "timestamp"})  # the caller's dict is kept
 
 
+def test_an_owned_dict_gives_the_same_line_made_in_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    configure_logging("info", json=True)
+    log = structlog.get_logger("gateway.write")
+    owned = dict(FIELDS)
+    info_line(log, "write_decision", dict(FIELDS))
+    info_line(log, "write_decision", owned, owned=True)
+    copied, made_in = _lines(capsys)
+    assert list(copied) == list(made_in)
+    copied.pop("timestamp"), made_in.pop("timestamp")
+    assert copied == made_in
+    assert owned["event"] == "write_decision"  # the caller's dict became the line
+
+
 def test_info_line_honours_the_level(capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging("warning", json=True)
     info_line(structlog.get_logger(), "write_decision", FIELDS)

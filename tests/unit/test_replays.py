@@ -1,0 +1,54 @@
+"""`Replays`: a replay's answer from the stored record, its headers built once per
+record and honoured wait and copied for each write that replays it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gateway.policy.decision import KeyRecord, KeyState, Replay
+from gateway.write.route import Replays
+
+RECORD = KeyRecord(
+    destination="pay",
+    key="k",
+    state=KeyState.COMPLETED,
+    fingerprint="fp",
+    attempt="a1",
+    attempts=1,
+    job_id="job-1",
+    generation=1,
+    owner=None,
+    created_at=1.0,
+    updated_at=2.0,
+    deadline=3.0,
+    completed_at=2.0,
+    status=201,
+    headers=(("Content-Type", "application/json"), ("Preference-Applied", "respond-async")),
+    body=b'{"ok":true}',
+)
+
+
+def test_a_replay_says_it_replays_then_the_wait_after_the_records_own_preferences() -> None:
+    response = Replays().response(Replay(RECORD), 30)
+    assert (response.status, response.body) == (201, b'{"ok":true}')
+    assert list(response.headers.items()) == [
+        ("Content-Type", "application/json"),
+        ("Preference-Applied", "respond-async, wait=30"),
+        ("Idempotent-Replayed", "true"),
+    ]
+
+
+def test_each_write_gets_its_own_headers_and_a_new_record_or_wait_new_ones() -> None:
+    replays = Replays()
+    first = replays.response(Replay(RECORD), 30)
+    first.headers["X-Changed"] = "by the first answer"  # as aiohttp adds its own
+    again = replays.response(Replay(RECORD), 30)
+    assert "X-Changed" not in again.headers
+    other_wait = replays.response(Replay(RECORD), 5)
+    assert other_wait.headers["Preference-Applied"] == "respond-async, wait=5"
+    omitted = dataclasses.replace(RECORD, headers=(), body=b"", body_omitted=True)
+    without = replays.response(Replay(omitted), None)
+    assert list(without.headers.items()) == [
+        ("Idempotent-Replayed", "true"),
+        ("Sinkgate-Replay-Body", "omitted"),
+    ]
