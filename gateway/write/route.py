@@ -261,30 +261,22 @@ class WriteGateway:
         finally:
             self._release(destination)
 
-    async def _counted(
+    async def _decide(
         self,
         destination: DestinationConfig,
         facts: WriteFacts,
         context: WriteContext,
         woken: bool = False,
     ) -> Decided:
-        """One decision (step 6), counted among the writes waiting for theirs (at
-        most `[server] max_deciding`): they are not on the wire, so they take no
-        place of `max_in_flight`, but their queue is bounded all the same. A write
-        held under `Prefer: wait` is counted only while it is being decided."""
+        """Step 6 in the store, timed; an unreachable store is a rejection. Counted
+        among the writes waiting for their decision (at most `[server]
+        max_deciding`): they are not on the wire, so they take no place of
+        `max_in_flight`, but their queue is bounded all the same. A write held
+        under `Prefer: wait` is counted only while it is being decided. `woken`:
+        a held write decided again, with the others of its key when it can be."""
         if self.deciding >= self.config.max_deciding:
             raise _overloaded(destination, "too many writes waiting for their decision")
         self.deciding += 1
-        try:
-            return await self._decide(facts, context, woken)
-        finally:
-            self.deciding -= 1
-
-    async def _decide(
-        self, facts: WriteFacts, context: WriteContext, woken: bool = False
-    ) -> Decided:
-        """Step 6 in the store, timed; an unreachable store is a rejection. `woken`:
-        a held write decided again, with the others of its key when it can be."""
         store_started = time.perf_counter()
         try:
             if woken and self.woken is not None:
@@ -295,6 +287,7 @@ class WriteGateway:
             self.metrics.store_errors.labels("decide").inc()
             raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)) from exc
         finally:
+            self.deciding -= 1
             elapsed = time.perf_counter() - store_started
             metrics = self.metrics
             metrics.tally.observe(metrics.child(metrics.store_latency, "decide"), elapsed)
@@ -344,11 +337,11 @@ class WriteGateway:
             )
         )
         if cap == 0:
-            return await self._counted(destination, facts, context)
+            return await self._decide(destination, facts, context)
         last: list[Decided] = []  # each decision taken while waiting; the line times the last
 
         async def decide() -> Verdict:
-            last.append(await self._counted(destination, facts, context, woken=bool(last)))
+            last.append(await self._decide(destination, facts, context, woken=bool(last)))
             return last[-1].verdict
 
         waited = await self.waiters.decide(facts, cap, decide, lambda: request.transport is None)
