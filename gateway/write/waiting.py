@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -232,6 +233,7 @@ class Waiters:
             if now - last_gone_check >= GONE_CHECK_S:
                 last_gone_check = now
                 self._wake_gone()
+                _collect_young()
             if self._poll_s is not None and now - last_poll >= self._poll_s:
                 last_poll = now
                 await self._poll()
@@ -295,6 +297,17 @@ def _wake(waiters: Iterable[_Waiter]) -> None:
 def _wake_one(waiter: _Waiter) -> None:
     if not waiter.woken.done():
         waiter.woken.set_result(None)
+
+
+def _collect_young() -> None:
+    """The young generation collected now, while writes are held and the loop is
+    idle, once it is half-way to its threshold: the objects of hundreds of held
+    requests fill it, and the collection they would otherwise trigger falls in
+    the wake-up, stalling every answer behind it (4-10 ms for 1,000 held writes
+    under the gateway's threshold of 20,000). Only then: each collection counts
+    towards an older generation's, which would cost more."""
+    if gc.get_count()[0] * 2 >= gc.get_threshold()[0]:
+        gc.collect(0)
 
 
 def _holding(waiters: set[_Waiter]) -> list[_Waiter]:

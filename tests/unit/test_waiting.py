@@ -272,3 +272,15 @@ async def test_a_poll_reads_a_few_blockers_at_a_time(monkeypatch: pytest.MonkeyP
     assert 1 < most <= 4
     store.record = None
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
+@pytest.mark.parametrize(("young", "collected"), [(9_999, []), (10_000, [0])])
+def test_the_young_generation_is_collected_while_held_once_half_way_to_its_threshold(
+    monkeypatch: pytest.MonkeyPatch, young: int, collected: list[int]
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(waiting.gc, "get_threshold", lambda: (20_000, 20, 20))
+    monkeypatch.setattr(waiting.gc, "get_count", lambda: (young, 0, 0))
+    monkeypatch.setattr(waiting.gc, "collect", calls.append)
+    waiting._collect_young()
+    assert calls == collected
