@@ -23,10 +23,13 @@ its own alone.
 Connection resets (a backend terminated, a failover): an outcome the store
 failed to record is sent again on a fresh connection until its reservation's
 deadline, so an applied write is not left `unknown` by a reset. A decision call
-that went unanswered may have committed or not; its attempt ids (drawn before
-the call) are looked for on a fresh connection: none found, it is run again, up
-to `DECISION_TRIES` times; found (or the store cannot say), its callers are told
-the store failed and its reservations, which nobody will forward, are released.
+that got no answer may have committed or not; it is run again on a fresh
+connection, up to `DECISION_TRIES` times in all, which is safe: a write it did
+reserve is found under its own attempt id (drawn before the call) and answered
+as forwarded. When every try fails, its callers are told the store failed and
+its reservations, which nobody will forward, are released (best effort: a call
+still running in the server after its client gave up, waiting for a lock, can
+commit later than the release and leave its key in flight until its deadline).
 
 The store's clock is the server's `clock_timestamp()` plus `clock_offset`.
 `clock()` is synchronous (the lease API stamps `server_time`, the janitor and
@@ -45,9 +48,11 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar, cast
 
 import asyncpg  # type: ignore[import-untyped]
+import structlog
 
 from gateway.policy.decision import RESERVATION_GRACE_S, WriteFacts
 from gateway.policy.records import (
@@ -59,7 +64,13 @@ from gateway.policy.records import (
 )
 from gateway.store import postgres_admin
 from gateway.store.batching import GroupCommit
-from gateway.store.postgres_batch import Decide, Log, Operation, decide_batch, reserved_any
+from gateway.store.postgres_batch import (
+    NOT_READ_COMMITTED,
+    Decide,
+    Log,
+    Operation,
+    decide_batch,
+)
 from gateway.store.postgres_notify import listen_settlements
 from gateway.store.postgres_outcomes import (
     Recorded,
@@ -83,6 +94,8 @@ from leases.postgres import (
 )
 
 T = TypeVar("T")
+
+log = structlog.get_logger("gateway.store")
 
 __all__ = ["GATEWAY_SCHEMA_VERSION", "PostgresStore"]
 
@@ -141,6 +154,9 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         self.outcome_retries = 0  # outcomes sent again after the store failed to answer
         self.decision_retries = 0  # decision batches run again, nothing committed
         self.uncertain_released = 0  # key reservations released after a call without answer
+        # The database's default isolation is not READ COMMITTED: each decision call
+        # goes inside an explicit READ COMMITTED transaction (three round trips).
+        self._read_committed = False
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -241,43 +257,42 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         return await self._isolating(batch, self._decide_once)
 
     async def _decide_once(self, batch: list[Operation]) -> list[Any]:
-        """The batch in one call, its own transaction. When the store fails to
-        answer it, the call may have committed or not: the batch's attempt ids are
-        looked for on a fresh connection. Not found, nothing was reserved and the
-        batch is run again (up to `DECISION_TRIES` times); found, or not known, its
-        callers are told the store failed and its reservations are released."""
-        for tries_left in reversed(range(DECISION_TRIES)):
+        """The batch in one call, its own transaction. A call that got no answer may
+        have committed or not; it is run again, up to `DECISION_TRIES` times in all:
+        a write it did reserve is found under its own attempt id and answered as
+        forwarded, nothing written twice (`postgres_batch`). When every try fails,
+        its callers are told the store failed and its reservations are released."""
+        tries = DECISION_TRIES
+        while True:
             offset = self._offset()
             self._check_open()
             called = False  # no connection, no call: nothing can have committed
             try:
                 with driver_errors("PostgreSQL write decision failed"):
-                    async with connection(self._pool, self._wait) as conn:
+                    async with self._decision_connection() as conn:
                         called = True
                         answers, now = await decide_batch(conn, batch, offset)
             except StoreUnavailable as exc:
-                if self._closed or not _outage(exc):
-                    raise
-                if called and (not tries_left or await self._reserved(batch) is not False):
-                    self._release_in_background(batch)
-                    raise
-                if not tries_left:
+                if _sqlstate(exc) == NOT_READ_COMMITTED and not self._read_committed:
+                    self._read_committed = True  # nothing ran: the function refused first
+                    log.warning("postgres_not_read_committed", detail=str(exc.__cause__))
+                    continue
+                tries -= 1
+                if self._closed or not _outage(exc) or not tries:
+                    if called and _outage(exc):
+                        self._release_in_background(batch)
                     raise
                 self.decision_retries += 1
                 continue
             self._observed(now, offset)
             return list(answers)
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reserved(self, batch: list[Operation]) -> bool | None:
-        """Whether a batch whose call went unanswered reserved anything (None:
-        the store could not say)."""
-        try:
-            with driver_errors("PostgreSQL read failed"):
-                async with connection(self._pool, self._wait) as conn:
-                    return await reserved_any(conn, batch)
-        except StoreUnavailable:
-            return None
+    def _decision_connection(self) -> AbstractAsyncContextManager[Conn]:
+        """A pooled connection for a decision call; inside an explicit READ COMMITTED
+        transaction once the database's default isolation was found to be another."""
+        if self._read_committed:
+            return transaction(self._pool, self._wait, isolation="read_committed")
+        return connection(self._pool, self._wait)
 
     def _release_in_background(self, batch: list[Operation]) -> None:
         """`_release_uncertain` as a task of its own: the batch's callers get their
@@ -367,6 +382,10 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         with driver_errors("PostgreSQL read failed"):
             async with connection(self._pool, self._wait) as conn:
                 return await fn(conn)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__ or exc, "sqlstate", None)
 
 
 def _failure(exc: BaseException) -> str:

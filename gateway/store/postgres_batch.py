@@ -37,9 +37,17 @@ runs) and here; `tests/conformance/test_postgres_policy.py` feeds the same rando
 states and batches to both and compares every verdict and every row written.
 The texts of the refusals come from `gateway.policy.decision.DETAILS`.
 
-Attempt ids are drawn in Python, one per decision, before the call (`Decide`):
-a call whose answer was lost can then be told committed or not by looking for
-them (`reserved_any`).
+Attempt ids are drawn in Python, one per decision, before the call (`Decide`),
+so running a call again is safe: a call whose answer was lost may have
+committed, and a write it reserved is found under its own attempt id (the key's
+row, or the keyless attempt's) and answered as forwarded again, before any
+policy, with nothing written twice. (A refusal or replay is decided again, and
+its rejection-log row is then written twice.) The store runs a call again when
+it got no answer (`postgres.PostgresStore._decide_once`).
+
+The function decides only under READ COMMITTED (each statement's snapshot taken
+after the locks it waited for); called under another isolation level it raises
+`NOT_READ_COMMITTED` before doing anything.
 """
 
 from __future__ import annotations
@@ -98,6 +106,12 @@ REJECTION_ORDER_LOCK = (0x73696E6B, 1)  # "sink", 1
 ORDERED_INSERTS = (
     f"PERFORM pg_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]})"
 )
+
+# The SQLSTATE the function raises when called under another isolation level than
+# READ COMMITTED (a database or role whose default is REPEATABLE READ or
+# SERIALIZABLE): the store then calls it inside an explicit READ COMMITTED
+# transaction (`decide_batch(..., explicit=True)`).
+NOT_READ_COMMITTED = "SG001"
 
 # Whether the batch takes its locks in the order of their keys (DISTINCT + ORDER
 # BY the lock key: one global order). Tests switch it off (arrival order) to show
@@ -248,6 +262,8 @@ DECLARE
     v_fingerprint text;
     v_key_state text;
     v_deadline float8;
+    v_attempts int4;
+    v_mine boolean := false;
     v_rec idempotency;
     v_verdict text;
     v_reason text;
@@ -266,6 +282,12 @@ DECLARE
     o_retry int4[] := '{{}}';
     o_replay idempotency[] := '{{}}';
 BEGIN
+    -- Each statement below must see what committed before it (after the locks it
+    -- waited for): only READ COMMITTED takes a snapshot per statement.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'sinkgate decides under READ COMMITTED, not %',
+            current_setting('transaction_isolation') USING ERRCODE = {_text(NOT_READ_COMMITTED)};
+    END IF;
     PERFORM {DURABLE};
     IF p_ordered THEN
         PERFORM count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT
@@ -280,6 +302,7 @@ BEGIN
     ORDER BY destination, key FOR UPDATE;
     FOR i IN 1 .. coalesce(cardinality(p_kind), 0) LOOP
         g := p_generation[i];
+        v_mine := false;
         IF p_kind[i] = 'l' THEN
             v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
             v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
@@ -293,17 +316,31 @@ BEGIN
                     (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
                         AND generation < g)),
                 l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
-                k.key IS NOT NULL, k.fingerprint, k.state, k.deadline
+                k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
+                CASE WHEN p_key[i] IS NULL
+                    THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
+                    ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END
             FROM (SELECT) AS one
             LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]
             LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
             INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state, v_until,
-                v_keyed, v_fingerprint, v_key_state, v_deadline;
-            {_POLICY.strip()}
+                v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts, v_mine;
+            IF v_mine THEN
+                -- This call was made before and committed (its answer was lost):
+                -- the write is reserved under its own attempt id. It was forwarded
+                -- then; it is answered so again, and nothing is written twice.
+                v_verdict := CASE WHEN v_attempts > 1 THEN 'u' ELSE 'f' END;
+                v_reason := NULL; v_detail := NULL; v_current := NULL; v_highest := NULL;
+                v_retry := NULL;
+            ELSE
+                {_POLICY.strip()}
+            END IF;
         END IF;
         v_id := NULL;
-        IF v_verdict IN ('f', 'u') THEN
+        IF v_verdict IN ('f', 'u') AND NOT v_mine THEN
             {_RESERVE.strip()}
+        ELSIF v_verdict IN ('f', 'u') THEN
+            NULL;
         ELSE
             IF v_verdict = 'p' THEN
                 SELECT * INTO v_rec FROM idempotency
@@ -347,9 +384,9 @@ _DECIDE_CALL = (
 async def decide_batch(
     conn: Conn, operations: Sequence[Operation], offset: float, now: float | None = None
 ) -> tuple[list[Verdict | int], float]:
-    """Decide and apply the batch in one call, its own transaction (`conn` must not
-    be in one): each operation's answer (a Verdict, or a `Log`'s rejection id) and
-    the store's clock. `now` fixes the clock for every decision (tests)."""
+    """Decide and apply the batch in one call (its own transaction, unless `conn` is
+    in one): each operation's answer (a Verdict, or a `Log`'s rejection id) and the
+    store's clock. `now` fixes the clock for every decision (tests)."""
     facts = [op.facts for op in operations if isinstance(op, Decide)]
     names = batch_plan.lock_names(facts, LOCK_KINDS)
     row = await conn.fetchrow(_DECIDE_CALL, offset, now, names, LOCKS_ORDERED, *_args(operations))
@@ -401,28 +438,3 @@ def _args(operations: Sequence[Operation]) -> list[list[Any]]:
         for column, value in zip(columns, row, strict=True):
             column.append(value)
     return columns
-
-
-# Whether any of the batch's attempts holds a reservation: looked up by primary
-# key, (destination, key, attempt) for a keyed write and the attempt for a keyless one.
-_RESERVED_SQL = """
-SELECT EXISTS (SELECT 1 FROM idempotency i JOIN unnest($1::text[], $2::text[], $3::text[])
-        AS r(d, k, a) ON i.destination = r.d AND i.key = r.k AND i.attempt = r.a)
-    OR EXISTS (SELECT 1 FROM attempts WHERE attempt = ANY($4::text[]))
-"""
-
-
-async def reserved_any(conn: Conn, operations: Sequence[Operation]) -> bool:
-    """Whether a batch whose call went unanswered committed a reservation: its
-    attempts are found. (A batch that forwarded nothing changed nothing a retry
-    would decide differently; at worst its rejection-log rows are written twice.)"""
-    decides = [op for op in operations if isinstance(op, Decide)]
-    keyed = [op for op in decides if op.facts.key is not None]
-    found = await conn.fetchval(
-        _RESERVED_SQL,
-        [op.facts.destination for op in keyed],
-        [op.facts.key for op in keyed],
-        [op.attempt for op in keyed],
-        [op.attempt for op in decides if op.facts.key is None],
-    )
-    return bool(found)

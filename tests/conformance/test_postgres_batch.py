@@ -391,3 +391,70 @@ async def test_the_outcomes_function_commits_durably_and_leaves_no_setting_behin
         assert await conn.fetchval("SHOW synchronous_commit") == "off"
     finally:
         await conn.close()
+
+
+# --- isolation -----------------------------------------------------------------------------
+
+
+async def _decided_after_a_mark_raised_meanwhile(url: str) -> tuple[str, bool]:
+    """A database whose default isolation is REPEATABLE READ. Job j's mark is 2; a
+    write of generation 2 waits for the job's lock while another transaction
+    raises the mark to 3 and commits. Returns the write's decision, and whether
+    the store went over to explicit READ COMMITTED transactions."""
+    admin = await asyncpg.connect(url)
+    await admin.execute(
+        f'ALTER DATABASE "{url.rsplit("/", 1)[1]}" '
+        "SET default_transaction_isolation = 'repeatable read'"
+    )
+    store = await PostgresStore.open(url)
+    try:
+        first = await store.decide_write(write(job_id="j", generation=2, key="a"), CONTEXT)
+        assert isinstance(first.decision, Forward)
+        raising = admin.transaction()
+        await raising.start()
+        await admin.execute("SELECT pg_advisory_xact_lock(hashtextextended('job:j', 0))")
+        await admin.execute("UPDATE fences SET highest_generation = 3 WHERE job_id = 'j'")
+        late = asyncio.create_task(
+            store.decide_write(write(job_id="j", generation=2, key="b"), CONTEXT)
+        )
+        watcher = await asyncpg.connect(url)
+
+        async def waiting() -> bool:
+            count = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' "
+                "AND datname = current_database()"
+            )
+            return bool(count == 1)
+
+        await eventually(waiting, every=0.01, what="the write waiting for the job's lock")
+        await watcher.close()
+        await raising.commit()
+        verdict = await late
+        return _names([verdict])[0], store._read_committed
+    finally:
+        await admin.close()
+        await store.close()
+
+
+async def test_under_another_default_isolation_the_batch_still_reads_after_its_locks(
+    url: str,
+) -> None:
+    """The function refuses to decide under REPEATABLE READ (its snapshot would be
+    taken before the locks it waits for); the store then decides inside explicit
+    READ COMMITTED transactions, and the raised mark is seen."""
+    assert await _decided_after_a_mark_raised_meanwhile(url) == ("stale_generation", True)
+
+
+async def test_without_the_isolation_check_the_raised_mark_is_missed(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check switched off: the write is decided on a snapshot taken before it
+    waited, and a generation below the mark is forwarded. Shows the test above can fail."""
+    check = "IF current_setting('transaction_isolation') <> 'read committed' THEN"
+    assert check in postgres_schema.DECIDE_FUNCTION_DDL
+    monkeypatch.setattr(
+        postgres_schema,
+        "DECIDE_FUNCTION_DDL",
+        postgres_schema.DECIDE_FUNCTION_DDL.replace(check, "IF false THEN"),
+    )
+    assert await _decided_after_a_mark_raised_meanwhile(url) == ("forward", False)

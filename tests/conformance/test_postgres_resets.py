@@ -27,8 +27,9 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.policy.decision import Forward, KeyState
+from gateway.policy.decision import Forward, KeyState, Reject
 from gateway.store import postgres as postgres_store
+from gateway.store import postgres_schema
 from gateway.store.postgres import PostgresStore
 from leases.errors import StoreUnavailable
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
@@ -136,11 +137,12 @@ async def test_outcomes_survive_backends_terminated_during_a_burst(url: str) -> 
 async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The decision batch commits, then its connection is lost before the answer
-    arrives: its callers are told the store failed, so nobody forwards those
-    writes, and their reservations are released rather than left in flight to
-    turn `unknown`. (Switched off by hand, `_release_in_background` doing nothing: the
-    key is found in flight, and the retry answers `request_in_progress`.)"""
+    """Every try of the decision call commits, then its connection is lost before
+    the answer arrives: its callers are told the store failed, so nobody forwards
+    those writes, and their reservations are released rather than left in flight
+    to turn `unknown`. (Switched off by hand, `_release_in_background` doing
+    nothing: the key is found in flight, and the retry answers
+    `request_in_progress`.)"""
     real = postgres_store.decide_batch
 
     async def answer_lost(conn: Any, *args: Any) -> Any:
@@ -152,10 +154,83 @@ async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
         monkeypatch.setattr(postgres_store, "decide_batch", answer_lost)
         with pytest.raises(StoreUnavailable):
             await store.decide_write(write(key="lost"), CONTEXT)
+        assert store.decision_retries == postgres_store.DECISION_TRIES - 1
         monkeypatch.setattr(postgres_store, "decide_batch", real)
         await eventually(lambda: store.uncertain_released == 1, what="the release")
         assert await store.key_record("pay", "lost") is None
         verdict = await store.decide_write(write(key="lost"), CONTEXT)
         assert isinstance(verdict.decision, Forward)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_call_run_again_after_its_commit_answers_forward_and_reserves_once(
+    url: str, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    """The first call commits and loses its answer; the call run again finds the
+    write reserved under its own attempt id: the caller is told to forward, and the
+    key (or the keyless attempt) is reserved once, by that attempt."""
+    real = postgres_store.decide_batch
+    calls = 0
+
+    async def first_answer_lost(conn: Any, *args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        answers = await real(conn, *args)
+        if calls == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        return answers
+
+    store = await PostgresStore.open(url)
+    try:
+        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
+        facts = write(key="again" if keyed else None)
+        verdict = await store.decide_write(facts, CONTEXT)
+        assert isinstance(verdict.decision, Forward) and verdict.attempt is not None
+        assert (calls, store.decision_retries) == (2, 1)
+        async with store._pool.acquire() as conn:
+            if keyed:
+                row = await conn.fetchrow("SELECT attempt, attempts FROM idempotency")
+                assert (row["attempt"], row["attempts"]) == (verdict.attempt, 1)
+            else:
+                assert await conn.fetchval("SELECT array_agg(attempt) FROM attempts") == [
+                    verdict.attempt
+                ]
+        assert await store.record_outcome(facts, verdict.attempt, COMPLETED)
+    finally:
+        await store.close()
+
+
+async def test_without_its_attempt_found_the_call_run_again_refuses_its_own_write(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recognition switched off (the function no longer looks for the write's
+    own attempt): the call run again finds the key in flight and refuses the write
+    its first run reserved. Shows the test above can fail."""
+    mine = "ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END"
+    assert mine in postgres_schema.DECIDE_FUNCTION_DDL
+    monkeypatch.setattr(
+        postgres_schema,
+        "DECIDE_FUNCTION_DDL",
+        postgres_schema.DECIDE_FUNCTION_DDL.replace(mine, "ELSE false END"),
+    )
+    real = postgres_store.decide_batch
+    calls = 0
+
+    async def first_answer_lost(conn: Any, *args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        answers = await real(conn, *args)
+        if calls == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        return answers
+
+    store = await PostgresStore.open(url)
+    try:
+        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
+        verdict = await store.decide_write(write(key="again"), CONTEXT)
+        assert isinstance(verdict.decision, Reject)
+        assert verdict.decision.reason == "request_in_progress"
     finally:
         await store.close()
