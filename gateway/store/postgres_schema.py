@@ -21,7 +21,8 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # (`postgres_outcomes.OUTCOMES_FUNCTION`), and a decision batch's locks and state
 # read another (`postgres_batch.STATE_FUNCTION`), created and replaced here.
 # v6: a decision batch is one call (`postgres_batch.DECIDE_FUNCTION`): the policy
-# runs in the server; v5's state function is dropped.
+# runs in the server. v5's state function is left in place, so v5 replicas still
+# running decide on (their batches take the same locks in the same order).
 GATEWAY_SCHEMA_VERSION = 6
 
 GATEWAY_DDL = """
@@ -112,12 +113,6 @@ async def init_schema(conn: Conn) -> None:
         if current != GATEWAY_SCHEMA_VERSION:
             await conn.execute(GATEWAY_DDL)
             await postgres_admin.migrate(conn)
-            # v5's decision state read; a v5 replica still running fails its
-            # batches from here on (the tables it would write are unchanged).
-            await conn.execute(
-                "DROP FUNCTION IF EXISTS sinkgate_decision_state_v1(float8, text[], text[], "
-                "text[], int8[], text[], boolean)"
-            )
         await conn.execute(NOTIFY_DDL)
         await conn.execute(OUTCOMES_FUNCTION_DDL)
         await conn.execute(DECIDE_FUNCTION_DDL)
