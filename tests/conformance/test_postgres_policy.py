@@ -86,7 +86,9 @@ def _case(rng: random.Random) -> Case:
                 headers=(("Content-Type", "application/json"),) if completed else (),
                 body=b'{"x":1}' if completed else b"",
             )  # fmt: skip
-            barrier = at() if state is KeyState.IN_FLIGHT and rng.random() < 0.9 else None
+            # A settled row may keep a `barrier_until` (an operator's resolve leaves it):
+            # it bars nothing.
+            barrier = at() if rng.random() < 0.8 else None
             keys.append((record, barrier))
     keyless = [
         (f"kl-{n}", rng.choice(JOBS), rng.randint(1, 4), at()) for n in range(rng.randint(0, 2))
@@ -95,9 +97,14 @@ def _case(rng: random.Random) -> Case:
     for n in range(rng.randint(1, 8)):
         job = rng.choice(JOBS)
         if rng.random() < 0.1:
+            maybe = lambda value: value if rng.random() < 0.7 else None  # noqa: E731
             operations.append(Log(RejectionRecord(
-                "unauthorized", f"logged {n}", destination="pay", job_id=job,
-                generation=rng.randint(1, 3), remote="10.0.0.1",
+                rng.choice(("unauthorized", "invalid_fencing_token")), f"logged {n}",
+                destination=maybe("pay"), method=maybe("PUT"), path=maybe(f"/p{n}?q=1"),
+                job_id=maybe(job), generation=maybe(rng.randint(1, 3)), owner=maybe("w9"),
+                idempotency_key=maybe(f"lk{n}"), current_generation=maybe(rng.randint(1, 9)),
+                highest_generation=maybe(rng.randint(10, 19)), remote=maybe("10.0.0.1"),
+                body_sha256=maybe("cd" * 32), body_bytes=maybe(rng.randint(0, 99)),
             )))  # fmt: skip
             continue
         destination, key = rng.choice(KEYS)
@@ -274,6 +281,10 @@ MUTATIONS = {
     "the forwarded mark": (
         "ELSIF v_mark IS NOT NULL AND g < v_mark",
         "ELSIF v_mark IS NOT NULL AND g <= v_mark",
+    ),
+    "a settled row's barrier": (
+        "AND state = 'in_flight' AND generation < g),",
+        "AND generation < g),",
     ),
     "in flight at the deadline": (
         "v_key_state = 'in_flight' AND v_deadline > v_now",

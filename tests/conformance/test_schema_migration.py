@@ -2,9 +2,9 @@
 `barrier_until` and an attempt a v1 gateway left in flight still bars newer
 generations; from v3, the audit log gains `operator` and keeps every row. On
 PostgreSQL, a v4 or v5 database in use (keys completed and in flight) gains v6's
-functions (v5's state read is left for v5 replicas still running): the attempts an older gateway left in flight
-record their outcomes through one, and the decisions after the upgrade read what
-it wrote in the other."""
+functions (v5's state read is left for v5 replicas still running): the attempts
+an older gateway left in flight record their outcomes through one, and the
+decisions after the upgrade read what it wrote in the other."""
 
 from __future__ import annotations
 
