@@ -70,7 +70,7 @@ from gateway.policy.decision import (
     WriteFacts,
 )
 from gateway.policy.records import REPLAYED, RejectionRecord, Verdict, WriteContext
-from gateway.store.postgres_outcomes import _SET_CLAUSES
+from gateway.store.postgres_outcomes import SET_CLAUSES
 from gateway.store.records import KEY_COLUMNS, key_record, new_attempt_id
 from leases.model import State
 from leases.postgres import DURABLE, STORE_NOW, Conn
@@ -125,12 +125,19 @@ def _text(value: str) -> str:
 
 
 def _template(text: str) -> str:
-    """A detail template of `decision` as an argument list of `format()`."""
+    """A detail template of `gateway.policy.decision` (`{generation}`, `{mark}`) as
+    the SQL that formats it, with the write's generation and the job's mark."""
     pattern = text.replace("%", "%%").replace("{generation}", "%1$s").replace("{mark}", "%2$s")
     return f"format({_text(pattern)}, g, v_mark)"
 
 
 _GRACE = f"{RESERVATION_GRACE_S!r}::float8"
+# The fence's refusals (`hold_refusal`'s), each with its detail, as CASE branches.
+_FENCE_REFUSALS = (
+    Reason.LEASE_NOT_HELD, Reason.STALE_GENERATION, Reason.UNKNOWN_GENERATION,
+    Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.OWNER_MISMATCH,
+)  # fmt: skip
+_FENCE_DETAILS = " ".join(f"WHEN {_text(r)} THEN {_text(DETAILS[r])}" for r in _FENCE_REFUSALS)
 
 # Steps 6 (fence, barrier) then 7 (idempotency) of one write, as `decide` and
 # `check_fence`/`check_key`/`hold_refusal` take them, in the same order. In: g (the
@@ -163,19 +170,7 @@ ELSE
     IF v_reason IS NOT NULL THEN
         v_verdict := 'r';
         v_detail := CASE v_reason
-            {
-    " ".join(
-        f"WHEN {_text(r)} THEN {_text(DETAILS[r])}"
-        for r in (
-            Reason.LEASE_NOT_HELD,
-            Reason.STALE_GENERATION,
-            Reason.UNKNOWN_GENERATION,
-            Reason.JOB_COMPLETED,
-            Reason.LEASE_EXPIRED,
-            Reason.OWNER_MISMATCH,
-        )
-    )
-}
+            {_FENCE_DETAILS}
         END;
     ELSIF v_mark IS NOT NULL AND g < v_mark THEN
         v_verdict := 'r'; v_reason := {_text(Reason.STALE_GENERATION)};
@@ -238,16 +233,31 @@ IF v_mark IS NULL OR g > v_mark THEN
 END IF;
 """
 
+# The function's arguments, declared once for its signature, its call and `_args`:
+# the batch's, then one array per column of the operations, in arrival order (a
+# `Decide` fills the first 16, a `Log` the first 8 and the last 6, and `_args`
+# writes each row in this order).
+_BATCH_PARAMETERS = (
+    ("p_offset", "float8"), ("p_now", "float8"), ("p_locks", "text[]"), ("p_ordered", "boolean"),
+)  # fmt: skip
+_OPERATION_PARAMETERS = (
+    ("p_kind", "text"), ("p_destination", "text"), ("p_method", "text"), ("p_path", "text"),
+    ("p_job", "text"), ("p_generation", "int8"), ("p_owner", "text"), ("p_key", "text"),
+    ("p_fingerprint", "text"), ("p_monotonic", "boolean"), ("p_idempotent", "boolean"),
+    ("p_timeout", "float8"), ("p_attempt", "text"), ("p_remote", "text"), ("p_sha", "text"),
+    ("p_bytes", "int8"), ("p_reason", "text"), ("p_detail", "text"), ("p_current", "int8"),
+    ("p_highest", "int8"),
+)  # fmt: skip
+_SIGNATURE = ", ".join(
+    [f"{name} {kind}" for name, kind in _BATCH_PARAMETERS]
+    + [f"{name} {kind}[]" for name, kind in _OPERATION_PARAMETERS]
+)
+_ARITY = len(_BATCH_PARAMETERS) + len(_OPERATION_PARAMETERS)
+
 DECIDE_FUNCTION = "sinkgate_decide_v1"
 DECIDE_FUNCTION_DDL = f"""
-CREATE OR REPLACE FUNCTION {DECIDE_FUNCTION}(
-    p_offset float8, p_now float8, p_locks text[], p_ordered boolean, p_kind text[],
-    p_destination text[], p_method text[], p_path text[], p_job text[], p_generation int8[],
-    p_owner text[], p_key text[], p_fingerprint text[], p_monotonic boolean[],
-    p_idempotent boolean[], p_timeout float8[], p_attempt text[], p_remote text[],
-    p_sha text[], p_bytes int8[], p_reason text[], p_detail text[], p_current int8[],
-    p_highest int8[])
-RETURNS SETOF record LANGUAGE plpgsql VOLATILE {_SET_CLAUSES} AS $fn$
+CREATE OR REPLACE FUNCTION {DECIDE_FUNCTION}({_SIGNATURE})
+RETURNS SETOF record LANGUAGE plpgsql VOLATILE {SET_CLAUSES} AS $fn$
 DECLARE
     g int8;
     v_now float8;
@@ -375,7 +385,7 @@ END
 $fn$;
 """
 _DECIDE_CALL = (
-    f"SELECT * FROM {DECIDE_FUNCTION}({', '.join(f'${n}' for n in range(1, 25))}) AS s("
+    f"SELECT * FROM {DECIDE_FUNCTION}({', '.join(f'${n}' for n in range(1, _ARITY + 1))}) AS s("
     "now float8, verdict text[], id int8[], reason text[], detail text[], current int8[], "
     "highest int8[], retry int4[], replays record[])"
 )
@@ -417,8 +427,8 @@ async def decide_batch(
 
 
 def _args(operations: Sequence[Operation]) -> list[list[Any]]:
-    """The per-operation arrays of `DECIDE_FUNCTION`, from `p_kind` to `p_highest`."""
-    columns: list[list[Any]] = [[] for _ in range(20)]
+    """The per-operation arrays of `DECIDE_FUNCTION` (`_OPERATION_PARAMETERS`)."""
+    columns: list[list[Any]] = [[] for _ in _OPERATION_PARAMETERS]
     for op in operations:
         if isinstance(op, Decide):
             f, c = op.facts, op.context

@@ -39,8 +39,8 @@ from leases.postgres import DURABLE, STORE_NOW, Conn
 # statistics say. `jit` off: the penalty those settings add to a plan's cost would
 # otherwise have a statement without an index path (the triggers' read of
 # `sinkgate_holding`, a table of a few rows) compiled on every execution.
-# `(name, value)`, set per function (`SET` clauses) or per transaction
-# (`INDEX_PLANS`); they must be in force when the statements are planned.
+# `(name, value)`, declared on both batch functions (`SET_CLAUSES`: in force while
+# a call runs, so when its statements are planned, and restored after it).
 PLAN_SETTINGS = (
     ("plan_cache_mode", "force_generic_plan"),
     ("enable_seqscan", "off"),
@@ -48,10 +48,7 @@ PLAN_SETTINGS = (
     ("enable_mergejoin", "off"),
     ("jit", "off"),
 )
-# For the rest of the transaction (no session state): set by an earlier statement
-# of the transaction than the ones it is for.
-INDEX_PLANS = ", ".join(f"set_config('{name}', '{value}', true)" for name, value in PLAN_SETTINGS)
-_SET_CLAUSES = " ".join(f"SET {name} = {value}" for name, value in PLAN_SETTINGS)
+SET_CLAUSES = " ".join(f"SET {name} = {value}" for name, value in PLAN_SETTINGS)
 
 
 class ReservationDeadlines:
@@ -144,7 +141,7 @@ OUTCOMES_FUNCTION = "sinkgate_record_outcomes_v1"
 OUTCOMES_FUNCTION_DDL = f"""
 CREATE OR REPLACE FUNCTION {OUTCOMES_FUNCTION}(text[], text[], text[], text[], int4[],
     text[], bytea[], bool[], text[], float8)
-RETURNS text[] LANGUAGE plpgsql VOLATILE {_SET_CLAUSES} AS $fn$
+RETURNS text[] LANGUAGE plpgsql VOLATILE {SET_CLAUSES} AS $fn$
 DECLARE
     touched text[];
 BEGIN

@@ -293,9 +293,7 @@ async def _seq_scans_after_growth(url: str, protected: bool) -> dict[str, int]:
                     postgres_batch.DECIDE_FUNCTION_DDL,
                     postgres_outcomes.OUTCOMES_FUNCTION_DDL,
                 ):
-                    await conn.execute(
-                        ddl.replace(postgres_outcomes._SET_CLAUSES, _KEPT_PLANS_ONLY)
-                    )
+                    await conn.execute(ddl.replace(postgres_outcomes.SET_CLAUSES, _KEPT_PLANS_ONLY))
         for n in range(3):  # the plans, made on empty tables
             facts = write(key=f"small-{n}", generation=1)
             verdict = await store.decide_write(facts, CONTEXT)
