@@ -7,7 +7,8 @@ lease table the lease API writes.
 Group commit, as on SQLite: the write decisions (and the rejections logged
 outside a decision) that arrive while a batch is on its way go into the next
 batch, and one batch is one call of a server-side function on a pooled
-connection, its own READ COMMITTED transaction and one round trip: the advisory
+connection, its own READ COMMITTED transaction (the function checks the level)
+and one round trip: the advisory
 locks of all its jobs and keys, then each decision in arrival order, read,
 decided and applied, then COMMIT (durable); see `postgres_batch`. The outcomes
 recorded meanwhile go together in one call of another function, also its own
