@@ -164,6 +164,23 @@ async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
         await store.close()
 
 
+def _first_answer_lost(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The store's first decision call commits, then its answer is lost; later
+    calls are answered. Returns the count of calls, kept up to date."""
+    real = postgres_store.decide_batch
+    calls = [0]
+
+    async def first_answer_lost(conn: Any, *args: Any) -> Any:
+        calls[0] += 1
+        answers = await real(conn, *args)
+        if calls[0] == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        return answers
+
+    monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
+    return calls
+
+
 @pytest.mark.parametrize("keyed", [True, False])
 async def test_a_call_run_again_after_its_commit_answers_forward_and_reserves_once(
     url: str, monkeypatch: pytest.MonkeyPatch, keyed: bool
@@ -171,24 +188,13 @@ async def test_a_call_run_again_after_its_commit_answers_forward_and_reserves_on
     """The first call commits and loses its answer; the call run again finds the
     write reserved under its own attempt id: the caller is told to forward, and the
     key (or the keyless attempt) is reserved once, by that attempt."""
-    real = postgres_store.decide_batch
-    calls = 0
-
-    async def first_answer_lost(conn: Any, *args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        answers = await real(conn, *args)
-        if calls == 1:
-            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
-        return answers
-
+    calls = _first_answer_lost(monkeypatch)
     store = await PostgresStore.open(url)
     try:
-        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
         facts = write(key="again" if keyed else None)
         verdict = await store.decide_write(facts, CONTEXT)
         assert isinstance(verdict.decision, Forward) and verdict.attempt is not None
-        assert (calls, store.decision_retries) == (2, 1)
+        assert (calls[0], store.decision_retries) == (2, 1)
         async with store._pool.acquire() as conn:
             if keyed:
                 row = await conn.fetchrow("SELECT attempt, attempts FROM idempotency")
@@ -215,20 +221,9 @@ async def test_without_its_attempt_found_the_call_run_again_refuses_its_own_writ
         "DECIDE_FUNCTION_DDL",
         postgres_schema.DECIDE_FUNCTION_DDL.replace(mine, "ELSE false END"),
     )
-    real = postgres_store.decide_batch
-    calls = 0
-
-    async def first_answer_lost(conn: Any, *args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        answers = await real(conn, *args)
-        if calls == 1:
-            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
-        return answers
-
+    _first_answer_lost(monkeypatch)
     store = await PostgresStore.open(url)
     try:
-        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
         verdict = await store.decide_write(write(key="again"), CONTEXT)
         assert isinstance(verdict.decision, Reject)
         assert verdict.decision.reason == "request_in_progress"
