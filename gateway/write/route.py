@@ -50,7 +50,7 @@ from gateway.write.upstream import (
     forward_headers,
     upstream_url,
 )
-from gateway.write.waiting import Waiters
+from gateway.write.waiting import Waiters, Woken
 from gateway.write.woken import WokenDecisions
 from leases.errors import StoreUnavailable
 from leases.reasons import Reason
@@ -278,20 +278,32 @@ class WriteGateway:
             raise _overloaded(destination, "too many writes waiting for their decision")
         self.deciding += 1
         store_started = time.perf_counter()
+        verdict: Verdict | None
         try:
             if woken and self.woken is not None:
                 verdict = await self.woken.decide(facts, context)
             else:
                 verdict = await self.store.decide_write(facts, context)
         except StoreUnavailable as exc:
-            self.metrics.store_errors.labels("decide").inc()
-            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts)) from exc
+            raise self._unavailable(facts, exc) from exc
         finally:
-            self.deciding -= 1
-            elapsed = time.perf_counter() - store_started
-            metrics = self.metrics
-            metrics.tally.observe(metrics.child(metrics.store_latency, "decide"), elapsed)
-        return Decided(verdict, round(elapsed * 1000, 3))
+            store_ms = self._decided(store_started)
+        assert verdict is not None  # None only for a dropped decision: cancelled here
+        return Decided(verdict, store_ms)
+
+    def _decided(self, store_started: float) -> float:
+        """A decision begun at `store_started` (perf_counter) is over: no longer
+        counted among those being decided, timed. Its time in milliseconds."""
+        self.deciding -= 1
+        elapsed = time.perf_counter() - store_started
+        metrics = self.metrics
+        metrics.tally.observe(metrics.child(metrics.store_latency, "decide"), elapsed)
+        return round(elapsed * 1000, 3)
+
+    def _unavailable(self, facts: WriteFacts, exc: StoreUnavailable) -> Rejection:
+        """The refusal of a write the store could not decide."""
+        self.metrics.store_errors.labels("decide").inc()
+        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts))
 
     async def _forward_shielded(
         self,
@@ -338,16 +350,13 @@ class WriteGateway:
         )
         if cap == 0:
             return await self._decide(destination, facts, context)
-        last: list[Decided] = []  # each decision taken while waiting; the line times the last
-
-        async def decide() -> Verdict:
-            last.append(await self._decide(destination, facts, context, woken=bool(last)))
-            return last[-1].verdict
-
-        waited = await self.waiters.decide(facts, cap, decide, lambda: request.transport is None)
+        deciding = _Deciding(self, destination, facts, context)
+        waited = await self.waiters.decide(
+            facts, cap, deciding, lambda: request.transport is None, starter=deciding
+        )
         return Decided(
             waited.verdict,
-            last[-1].store_ms,
+            deciding.store_ms,
             prefer_wait=cap if waited.applied else None,
             wait=waited.result,
             waited_ms=None if waited.result is None else round(waited.seconds * 1000, 3),
@@ -477,6 +486,73 @@ class WriteGateway:
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("record_rejection").inc()
             raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
+
+
+class _Deciding:
+    """The decisions of one write under `Prefer: wait` (`Waiters.decide`). Called,
+    it decides the write (the first time alone, then with the others of its key
+    woken with it); as the waiter's `WokenStart`, the wake that woke it starts the
+    decision, and the held write resumes once, with its verdict. Either way it is
+    counted among the writes being decided (`max_deciding`; at the limit the wake
+    does not start it, and the call refuses it as before). `store_ms`: the last
+    decision's time, for the line."""
+
+    __slots__ = (
+        "_again",
+        "_context",
+        "_destination",
+        "_facts",
+        "_gateway",
+        "_started_at",
+        "store_ms",
+    )
+
+    def __init__(
+        self,
+        gateway: WriteGateway,
+        destination: DestinationConfig,
+        facts: WriteFacts,
+        context: WriteContext,
+    ) -> None:
+        self._gateway = gateway
+        self._destination = destination
+        self._facts = facts
+        self._context = context
+        self._started_at = 0.0
+        self._again = False  # decided once already: woken since
+        self.store_ms = 0.0
+
+    async def __call__(self) -> Verdict:
+        decided = await self._gateway._decide(
+            self._destination, self._facts, self._context, woken=self._again
+        )
+        self._again = True
+        self.store_ms = decided.store_ms
+        return decided.verdict
+
+    def start(self, answer: Woken) -> bool:
+        gateway = self._gateway
+        woken = gateway.woken
+        if woken is None or gateway.deciding >= gateway.config.max_deciding:
+            return False
+        gateway.deciding += 1
+        self._started_at = time.perf_counter()
+        woken.decide(self._facts, self._context, answer)
+        return True
+
+    def finish(self, answer: Woken) -> Verdict:
+        gateway = self._gateway
+        try:
+            verdict = answer.result()
+        except StoreUnavailable as exc:
+            raise gateway._unavailable(self._facts, exc) from exc
+        finally:
+            self.store_ms = gateway._decided(self._started_at)
+        assert verdict is not None  # None only for a plain wake, or a dropped decision
+        return verdict
+
+    def abandon(self) -> None:
+        self._gateway.deciding -= 1
 
 
 def _preference_applied(

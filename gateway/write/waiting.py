@@ -14,10 +14,13 @@ what blocks it: the key `(destination, key)` or the job. It is woken
   without notifications (SQLite with `--workers N`), as a fallback otherwise;
 - when the blocker's own deadline passes (the `Retry-After` the 409 carried).
 
-Woken, the write is decided again by the very call that refused it, as if it had
-just arrived, so its answer is one the contract gives: a replay, a forward, or
-a refusal. Nothing is ever forwarded here. At most `limit` writes wait in one
-process; a waiter whose worker has gone away stops, and changes nothing.
+Woken, the write is decided again as if it had just arrived, so its answer is
+one the contract gives: a replay, a forward, or a refusal. Nothing is ever
+forwarded here. Where the write route can (`WokenStart`), that decision is
+started by the wake itself, and the held write resumes once, with its verdict
+in hand; otherwise it resumes, and its own call decides it again. At most
+`limit` writes wait in one process; a waiter whose worker has gone away stops,
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import gc
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -51,6 +54,27 @@ POLL_READS = 8
 T = TypeVar("T")
 Decide = Callable[[], Awaitable[Verdict]]
 Gone = Callable[[], bool]
+# What a held write awaits: None when it is only woken, its verdict when the
+# wake started its decision (`WokenStart`).
+Woken = asyncio.Future[Verdict | None]
+
+
+class WokenStart(Protocol):
+    """Starts a woken write's decision from the wake itself, so that the held write
+    resumes once, with the verdict, instead of resuming to ask for it."""
+
+    def start(self, answer: Woken) -> bool:
+        """Start the decision, its verdict (or failure) to be set on `answer`;
+        False if it cannot start now (the write then decides on its own)."""
+        ...
+
+    def finish(self, answer: Woken) -> Verdict:
+        """The verdict of a started decision, from its settled `answer`."""
+        ...
+
+    def abandon(self) -> None:
+        """A started decision nobody waits for any more (the handler was cancelled)."""
+        ...
 
 
 def waitable(verdict: Verdict) -> bool:
@@ -63,8 +87,11 @@ def waitable(verdict: Verdict) -> bool:
 class _Waiter:
     facts: WriteFacts
     gone: Gone
-    woken: asyncio.Future[None]
+    woken: Woken
+    starter: WokenStart | None = None
+    until: float = 0.0  # the cap, monotonic
     holding: bool = False  # refused and waiting (not deciding): what polls look at
+    started: bool = False  # a wake started its decision (`WokenStart`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +134,30 @@ class Waiters:
         """An attempt of `job_id` (on `key`, if keyed) settled: its outcome was
         recorded or it was released, so it neither holds its key nor bars newer
         generations any more. Wakes whoever waits on either."""
-        if key is not None:
-            _wake(self._keys.pop((destination, key), ()))
-        _wake(self._jobs.pop(job_id, ()))
+        by_key: Iterable[_Waiter] = () if key is None else self._keys.pop((destination, key), ())
+        by_job = self._jobs.pop(job_id, ())
+        # Both taken first: a woken write whose decision starts watches its key
+        # and job again at once, and must not be woken twice by this settlement.
+        self._wake(by_key)
+        self._wake(by_job)
 
-    async def decide(self, facts: WriteFacts, cap: int, decide: Decide, gone: Gone) -> Waited:
+    async def decide(
+        self,
+        facts: WriteFacts,
+        cap: int,
+        decide: Decide,
+        gone: Gone,
+        starter: WokenStart | None = None,
+    ) -> Waited:
         """`decide` the write; while that is a refusal `Prefer: wait` applies to,
         hold it (up to `cap` seconds) and decide it again whenever what blocks it
-        may have settled. A settlement during a decision is not missed: the write
-        watches its key and job from before each decision."""
+        may have settled: by `starter` from the wake, when it can start, else by
+        `decide`. A settlement during a decision is not missed: the write watches
+        its key and job from before each decision."""
         started = time.monotonic()
         waiter = self._watch(facts, gone)
+        waiter.starter = starter
+        waiter.until = started + cap
         try:
             verdict = await decide()
             if not waitable(verdict):
@@ -126,7 +166,7 @@ class Waiters:
                 return Waited(verdict, applied=False)
             self._enter()
             try:
-                verdict, result = await self._hold(verdict, waiter, started + cap, decide)
+                verdict, result = await self._hold(verdict, waiter, decide)
             finally:
                 self._leave()
         finally:
@@ -137,24 +177,40 @@ class Waiters:
         metrics.tally.observe(metrics.wait_seconds, waited)
         return Waited(verdict, result=result, seconds=waited)
 
-    async def _hold(
-        self, verdict: Verdict, waiter: _Waiter, until: float, decide: Decide
-    ) -> tuple[Verdict, str]:
+    async def _hold(self, verdict: Verdict, waiter: _Waiter, decide: Decide) -> tuple[Verdict, str]:
         """Wait and decide again until the verdict is no waitable refusal, the cap
-        `until` (monotonic) has passed, or the worker is gone."""
+        has passed, or the worker is gone."""
+        until = waiter.until
         while True:
             decision = verdict.decision
             assert isinstance(decision, Reject) and decision.retry_after is not None
             blocker_ends = time.monotonic() + decision.retry_after
             self._narrow(waiter, decision.reason)
-            if not waiter.woken.done():  # here, not in a coroutine of its own: one frame
+            woken = waiter.woken
+            if not woken.done():  # here, not in a coroutine of its own: one frame
                 # less to resume for each of the hundreds of writes a settlement wakes
                 delay = max(0.0, min(until, blocker_ends) - time.monotonic())
                 timer = asyncio.get_running_loop().call_later(delay, _wake_one, waiter)
                 try:
-                    await waiter.woken
+                    await woken
+                except asyncio.CancelledError:
+                    if waiter.started:
+                        waiter.started = False
+                        assert waiter.starter is not None
+                        waiter.starter.abandon()
+                    raise
+                except Exception:
+                    if not waiter.started:
+                        raise
                 finally:
                     timer.cancel()
+            if waiter.started:  # the wake decided it: already watching again
+                waiter.started = False
+                assert waiter.starter is not None
+                verdict = waiter.starter.finish(woken)
+                if not waitable(verdict):
+                    return verdict, _result(verdict)
+                continue
             if waiter.gone():
                 return verdict, "disconnected"
             now = time.monotonic()
@@ -267,31 +323,51 @@ class Waiters:
         assert self._store is not None
         record = await self._store.key_record(*ident)
         if record is None or record.state_at(self._store.clock()) is not KeyState.IN_FLIGHT:
-            _wake(waiters)
+            self._wake(waiters)
 
     async def _poll_job(self, job_id: str, waiters: list[_Waiter]) -> None:
         assert self._store is not None
         state = await self._store.job_state(job_id)
         on_wire = [] if state is None else [a["generation"] for a in state.in_flight]
-        _wake(w for w in waiters if not any(g < w.facts.generation for g in on_wire))
+        self._wake(w for w in waiters if not any(g < w.facts.generation for g in on_wire))
 
     def stop(self) -> None:
         """The gateway is stopping: every held write gets its refusal now (its
         worker retries elsewhere), and no write waits any more."""
         self._stopping = True
         for waiters in (*self._keys.values(), *self._jobs.values()):
-            _wake(waiters)
+            for waiter in waiters:
+                _wake_one(waiter)
+
+    def _wake(self, waiters: Iterable[_Waiter]) -> None:
+        """Wake `waiters`: a held write whose decision can start from here starts
+        it and watches its key and job again (it resumes once, with its verdict);
+        any other resumes to see for itself (gone, past its cap, stopping, or its
+        decision could not start)."""
+        now = time.monotonic()
+        for waiter in waiters:
+            woken = waiter.woken
+            if woken.done():
+                continue
+            starter = waiter.starter
+            if (
+                starter is not None
+                and waiter.holding
+                and not self._stopping
+                and now < waiter.until
+                and not waiter.gone()
+                and starter.start(woken)
+            ):
+                waiter.started = True
+                self._rewatch(waiter)
+            else:
+                woken.set_result(None)
 
     async def close(self) -> None:
         """Stop the ticker (the waiters themselves end with their handlers)."""
         if self._ticker is not None and not self._ticker.done():
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
-
-
-def _wake(waiters: Iterable[_Waiter]) -> None:
-    for waiter in waiters:
-        _wake_one(waiter)
 
 
 def _wake_one(waiter: _Waiter) -> None:

@@ -35,7 +35,7 @@ _Ident = tuple[str, str | None, str, int]  # destination, key, job, generation
 class _Queued:
     facts: WriteFacts
     context: WriteContext
-    answer: asyncio.Future[Verdict] = field(repr=False)
+    answer: asyncio.Future[Verdict | None] = field(repr=False)
 
     @property
     def dropped(self) -> bool:
@@ -53,18 +53,25 @@ class WokenDecisions:
         self._runs: set[asyncio.Task[None]] = set()
         self.transactions = 0  # how many transactions the groups took (tests read it)
 
-    def decide(self, facts: WriteFacts, context: WriteContext) -> asyncio.Future[Verdict]:
-        """`facts`' decision, taken with the others of its key woken in this turn.
-        A future, not a coroutine: a caller cancelled while awaiting it cancels it,
-        which drops the decision (one coroutine less for each of hundreds of woken
-        writes)."""
+    def decide(
+        self,
+        facts: WriteFacts,
+        context: WriteContext,
+        answer: asyncio.Future[Verdict | None] | None = None,
+    ) -> asyncio.Future[Verdict | None]:
+        """`facts`' decision, taken with the others of its key woken in this turn,
+        set on `answer` (a new future if None; the held write's own, when its wake
+        starts the decision). A future, not a coroutine: a caller cancelled while
+        awaiting it cancels it, which drops the decision (one coroutine less for
+        each of hundreds of woken writes)."""
         loop = asyncio.get_running_loop()
         ident = (facts.destination, facts.key, facts.job_id, facts.generation)
         forming = self._forming.get(ident)
         if forming is None:
             forming = self._forming[ident] = []
             loop.call_soon(self._start, ident)  # once the turn's woken writes have asked
-        answer: asyncio.Future[Verdict] = loop.create_future()
+        if answer is None:
+            answer = loop.create_future()
         forming.append(_Queued(facts, context, answer))
         return answer
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,6 +19,8 @@ from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
 from gateway.policy.decision import Fencing
 from gateway.store.records import RejectionQuery
+from gateway.write.line import Decided
+from gateway.write.route import WriteGateway
 from tests.harness import (
     Gateway,
     destination,
@@ -231,6 +234,35 @@ async def test_the_woken_writes_of_a_key_are_decided_each_with_its_own_row(
     else:  # on PostgreSQL every decision rides a batch of the group commit already
         assert woken is None
     assert len(upstream.received) == 1
+
+
+async def test_the_wake_starts_the_woken_writes_decisions_where_the_store_groups_them(
+    gw: Gateway, upstream: HeldUpstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the settlement itself starts the held writes' decisions, so each
+    held write's own call decides it once (before it was held) and it resumes with
+    its verdict. PostgreSQL: each resumes and decides again by its own call."""
+    calls = 0
+    decide = WriteGateway._decide
+
+    async def counted(self: WriteGateway, *args: Any, **kwargs: Any) -> Decided:
+        nonlocal calls
+        calls += 1
+        return await decide(self, *args, **kwargs)
+
+    monkeypatch.setattr(WriteGateway, "_decide", counted)
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/200")
+    held = [asyncio.create_task(gw.write("/to/pay/hold/200", headers=WAIT)) for _ in range(2)]
+    await eventually(lambda: waiting(gw) == 2, what="both duplicates waiting")
+    upstream.release.set()
+    await original
+    for task in held:
+        status, headers, _ = await task
+        assert status == 200 and headers["Idempotent-Replayed"] == "true"
+    assert calls == (1 + 2 if store_url == "sqlite" else 1 + 2 * 2)
+    assert gw.app[WRITES].deciding == 0  # each started decision counted out
+    assert metric(gw, "sinkgate_store_latency_seconds_count", op="decide") == 5  # each timed
 
 
 async def test_a_waiter_whose_worker_goes_away_stops_and_changes_nothing(

@@ -155,6 +155,123 @@ async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
     assert nothing_left(waiters)
 
 
+class Starter:
+    """A `WokenStart` the test plays: each started decision's answer kept for the
+    test to settle; `can` False: nothing starts (the write decides on its own)."""
+
+    def __init__(self, can: bool = True) -> None:
+        self.can = can
+        self.answers: list[asyncio.Future[Verdict | None]] = []
+        self.finished = 0
+        self.abandoned = 0
+
+    def start(self, answer: asyncio.Future[Verdict | None]) -> bool:
+        if self.can:
+            self.answers.append(answer)
+        return self.can
+
+    def finish(self, answer: asyncio.Future[Verdict | None]) -> Verdict:
+        self.finished += 1
+        verdict = answer.result()
+        assert verdict is not None
+        return verdict
+
+    def abandon(self) -> None:
+        self.abandoned += 1
+
+
+async def test_the_wake_starts_the_decision_and_the_write_resumes_with_its_verdict() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    decide, given = decisions(IN_PROGRESS)  # its own call decides once only
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
+    await held(waiters)
+    waiters.settled("pay", "key-1", "job-1")
+    assert len(starter.answers) == 1  # started by the wake itself, before any resume
+    await asyncio.sleep(0.01)
+    assert not task.done()  # not resumed: its decision is still being taken
+    starter.answers[0].set_result(REPLAY)
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is REPLAY and waited.result == "replayed"
+    assert len(given) == 1 and starter.finished == 1
+    assert nothing_left(waiters)
+
+
+async def test_a_decision_that_cannot_start_is_left_to_the_write() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter(can=False)
+    decide, given = decisions(IN_PROGRESS, REPLAY)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
+    await held(waiters)
+    waiters.settled("pay", "key-1", "job-1")
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is REPLAY and len(given) == 2 and starter.finished == 0
+    assert nothing_left(waiters)
+
+
+async def test_a_settlement_during_a_started_decision_is_not_missed() -> None:
+    """Checked by hand: with the write given a new future but not registered again
+    when its decision starts (`_rewatch` out of `Waiters._wake`), it waits its
+    whole cap (the test times out)."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    decide, given = decisions(IN_PROGRESS, REPLAY)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
+    await held(waiters)
+    waiters.settled("pay", "key-1", "job-1")
+    waiters.settled("pay", "key-1", "job-1")  # the next attempt settled meanwhile
+    assert len(starter.answers) == 1  # the first settlement's decision only
+    starter.answers[0].set_result(IN_PROGRESS)  # it read the key before that settled
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is REPLAY and len(given) == 2
+    assert nothing_left(waiters)
+
+
+async def test_a_write_cancelled_during_its_started_decision_abandons_it() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    task = asyncio.create_task(
+        waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone, starter)
+    )
+    await held(waiters)
+    waiters.settled("pay", "key-1", "job-1")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert starter.abandoned == 1 and starter.finished == 0
+    assert starter.answers[0].cancelled()  # so the group drops it, undecided
+    assert nothing_left(waiters)
+
+
+async def test_a_started_decision_that_fails_fails_the_write_and_leaves_nothing() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    task = asyncio.create_task(
+        waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone, starter)
+    )
+    await held(waiters)
+    waiters.settled("pay", "key-1", "job-1")
+    starter.answers[0].set_exception(RuntimeError("store down"))
+    with pytest.raises(RuntimeError, match="store down"):
+        await asyncio.wait_for(task, 5)
+    assert starter.finished == 1  # the starter turned the failure into its answer
+    assert nothing_left(waiters)
+
+
+async def test_a_write_whose_worker_is_gone_is_not_started() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    gone = False
+    task = asyncio.create_task(
+        waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], lambda: gone, starter)
+    )
+    await held(waiters)
+    gone = True
+    waiters.settled("pay", "key-1", "job-1")
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.result == "disconnected" and starter.answers == []
+    assert nothing_left(waiters)
+
+
 class PolledStore:
     """What the poll reads: the key in flight until `settle()`, no job attempts."""
 
