@@ -18,10 +18,14 @@ original's (median and max over the rounds), the requests the duplicate sent
 to the gateway, and whether it was a replay.
 
 `--waiters N` measures the second target instead: N duplicates, each on its own
-connection with `Prefer: wait=30`, held on one key whose original the upstream
+connection with `Prefer: wait=30` (sent and read by `RawAnswer`, a bare protocol,
+unless `--client aiohttp`), held on one key whose original the upstream
 answers in `--hold-s` (6) seconds. Figures: the gateway's CPU (share of one
 core) over one second once all are held, and each duplicate's answer time
-minus the original's (p50, p99, max), and the gateway's CPU from then to the
+minus the original's (p50, p99, max), the original's and the last duplicate's
+answer times after the upstream's answer was due (the original's sending time
+plus `--hold-s`: a mark the gateway cannot move, where it can send the
+original's own answer before or after the held ones), the gateway's CPU from then to the
 last answer (the wake-up), with the part its event loops took (their main
 threads, from the scheduler's nanosecond counter). A second row (unless `--no-floor`) runs the same
 burst, from the same client, against `bench.held_floor`: the same aiohttp
@@ -120,7 +124,77 @@ async def _all_held(session: aiohttp.ClientSession, metrics_url: str, waiters: i
         await asyncio.sleep(0.1)
 
 
-async def many(base: str, admin: str, waiters: int, gateway_pid: int, hold_s: float) -> str:
+class RawAnswer(asyncio.Protocol):
+    """One held write on its own connection, sent and read without an HTTP client:
+    its answer's arrival time, status and whether it is a replay. One Python
+    client reading 1,000 answers through aiohttp takes about as long as the
+    gateway's whole wake-up (the held floor's last answer); this takes a few
+    microseconds each, so the figure is the server's."""
+
+    def __init__(self, request: bytes, done: asyncio.Future[tuple[float, int, bool]]) -> None:
+        self._request = request
+        self._done = done
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.write(self._request)
+
+    def data_received(self, data: bytes) -> None:
+        at = time.monotonic()
+        self._buffer += data
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        status_line, *lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" not in headers:
+            self._fail(ConnectionError(f"no Content-Length in {status_line!r}"))
+            return
+        if len(self._buffer) - end - 4 < int(headers["content-length"]):
+            return
+        if not self._done.done():  # the connection stays open, as a client's pool
+            # keeps it: its closing is not the server's answer (`close` after all)
+            replayed = headers.get("idempotent-replayed") == "true"
+            self._done.set_result((at, int(status_line.split()[1]), replayed))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ConnectionError(f"closed before the answer: {exc!r}"))
+        self._transport = None
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._done.done():
+            self._done.set_exception(exc)
+
+
+async def raw_post(
+    base: str, headers: dict[str, str], opened: list[RawAnswer]
+) -> tuple[float, int, bool]:
+    """A write of `{}` to the bench destination through a `RawAnswer`, added to
+    `opened` (for the caller to close)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    lines = ["POST /to/bench/items HTTP/1.1", f"Host: {host}:{port}", "Content-Length: 2"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    request = ("\r\n".join(lines) + "\r\n\r\n{}").encode("latin-1")
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[float, int, bool]] = loop.create_future()
+    _, protocol = await loop.create_connection(lambda: RawAnswer(request, done), host, int(port))
+    opened.append(protocol)
+    return await done
+
+
+async def many(
+    base: str, admin: str, waiters: int, gateway_pid: int, hold_s: float, client: str
+) -> str:
     """N duplicates held on one slow key: CPU while held, then how soon they are answered."""
     leases = await HTTPLeaseStore.open(base)
     try:
@@ -133,13 +207,20 @@ async def many(base: str, admin: str, waiters: int, gateway_pid: int, hold_s: fl
         "Fencing-Token": str(lease.generation),
         "Idempotency-Key": "many-1",
     }
-    return await burst(base, f"{admin}/metrics", headers, waiters, gateway_pid, hold_s)
+    return await burst(base, f"{admin}/metrics", headers, waiters, gateway_pid, hold_s, client)
 
 
 async def burst(
-    base: str, metrics_url: str, headers: dict[str, str], waiters: int, pid: int, hold_s: float
+    base: str,
+    metrics_url: str,
+    headers: dict[str, str],
+    waiters: int,
+    pid: int,
+    hold_s: float,
+    client: str,
 ) -> str:
-    """An original, then N writes with `Prefer: wait=30` held until it is answered."""
+    """An original, then N writes with `Prefer: wait=30` held until it is answered,
+    sent and read by `client`: "raw" (`RawAnswer`) or "aiohttp"."""
     url = f"{base}/to/bench/items"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -154,7 +235,14 @@ async def burst(
         original_sent = time.monotonic()
         await asyncio.sleep(0.05)
         started = time.monotonic()
-        held = [asyncio.create_task(post({"Prefer": "wait=30"})) for _ in range(waiters)]
+        wait = {"Prefer": "wait=30"}
+        opened: list[RawAnswer] = []
+        held = [
+            asyncio.create_task(
+                raw_post(base, {**headers, **wait}, opened) if client == "raw" else post(wait)
+            )
+            for _ in range(waiters)
+        ]
         await _all_held(session, metrics_url, waiters)
         held_after = time.monotonic() - started
         cpu_before, at = bench.cpu_seconds(pid), time.monotonic()
@@ -169,13 +257,21 @@ async def burst(
         answers = await asyncio.gather(*held)
         cpu_done, loop_done = run_seconds(pid)
         cpu_woken, loop_woken = cpu_done - cpu_due, loop_done - loop_due
+        for protocol in opened:
+            protocol.close()
     after = sorted((answered - original_at) * 1000 for answered, _, _ in answers)
+    # The upstream answers the original `hold_s` after it was sent (plus the time
+    # the gateway took to forward it): a mark the gateway cannot move, where the
+    # original's own answer can be sent sooner or later than the held ones'.
+    due = original_sent + hold_s
     replays = sum(1 for _, code, replayed in answers if replayed and code == status)
     return (
         f"{waiters} held on one key (all held {held_after:.1f} s after the first was sent): "
         f"CPU while held {cpu_share:.1%} of a core; "
         f"answered after the original: p50 {statistics.median(after):.1f} ms, "
         f"p99 {after[int(len(after) * 0.99) - 1]:.1f} ms, max {after[-1]:.1f} ms; "
+        f"after the upstream's answer was due: the original {(original_at - due) * 1000:.1f} ms,"
+        f" the last held {after[-1] + (original_at - due) * 1000:.1f} ms; "
         f"replays {replays}/{waiters}; CPU from then to the last answer {cpu_woken * 1000:.0f} ms"
         f" (event loop {loop_woken * 1000:.1f} ms)"
     )
@@ -202,14 +298,14 @@ def run_seconds(pgid: int) -> tuple[float, float]:
     return every / 1e9, main / 1e9
 
 
-def floor(procs: bench.Processes, tmp: Path, waiters: int, hold_s: float) -> str:
+def floor(procs: bench.Processes, tmp: Path, waiters: int, hold_s: float, client: str) -> str:
     """The same burst against `bench.held_floor`: the server's part, nothing decided."""
     base = f"http://127.0.0.1:{bench.free_port()}"
     command = [sys.executable, "-m", "bench.held_floor", "--port", base.rsplit(":", 1)[1]]
     proc = procs.start([*command, "--hold-s", str(hold_s)], tmp / "floor.log")
     _wait_listening(base)
     headers = {"Content-Type": "application/json"}
-    return asyncio.run(burst(base, f"{base}/metrics", headers, waiters, proc.pid, hold_s))
+    return asyncio.run(burst(base, f"{base}/metrics", headers, waiters, proc.pid, hold_s, client))
 
 
 def _wait_listening(base: str, within: float = 30.0) -> None:
@@ -248,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-floor", action="store_true", help="--waiters without the held floor's row"
     )
+    parser.add_argument(
+        "--client",
+        choices=("raw", "aiohttp"),
+        default="raw",
+        help="--waiters: what sends the held writes and reads their answers",
+    )
     args = parser.parse_args(argv)
     if args.waiters:
         args.upstream_latency_ms = args.hold_s * 1000
@@ -281,10 +383,18 @@ def main(argv: list[str] | None = None) -> int:
                 assert gateway.proc is not None
                 admin = f"http://127.0.0.1:{admin_port}"
                 text = "gateway:     " + asyncio.run(
-                    many(gateway.base, admin, args.waiters, gateway.proc.pid, args.hold_s)
+                    many(
+                        gateway.base,
+                        admin,
+                        args.waiters,
+                        gateway.proc.pid,
+                        args.hold_s,
+                        args.client,
+                    )
                 )
                 if not args.no_floor:
-                    text += "\nheld floor:  " + floor(procs, tmp, args.waiters, args.hold_s)
+                    held_floor = floor(procs, tmp, args.waiters, args.hold_s, args.client)
+                    text += "\nheld floor:  " + held_floor
             else:
                 text = summary(asyncio.run(measure(gateway.base, args.rounds)))
         finally:
