@@ -57,6 +57,17 @@ class GroupCommit(Generic[I]):
         if self._closed:
             raise StoreUnavailable("store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.enqueue(item, future, drop_cancelled=drop_cancelled)
+        return await future
+
+    def enqueue(
+        self, item: I, future: asyncio.Future[Any], *, drop_cancelled: bool | None = None
+    ) -> None:
+        """`submit` without awaiting: `item`'s answer (or failure) is set on
+        `future`, which its owner awaits, or cancels to drop the item."""
+        if self._closed:
+            future.set_exception(StoreUnavailable("store is closed"))
+            return
         drop = self._drop_cancelled if drop_cancelled is None else drop_cancelled
         self._pending.append((item, future, drop))
         if self._running < self._in_flight:
@@ -67,7 +78,6 @@ class GroupCommit(Generic[I]):
             task = asyncio.create_task(self._flush_loop(), name=self._name)
             self._flushers.add(task)
             task.add_done_callback(self._flushers.discard)
-        return await future
 
     async def _flush_loop(self) -> None:
         try:

@@ -217,9 +217,13 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:
         self._check_open()
         verdict: Verdict = await self._decisions.submit(Decide(facts, context))
-        if verdict.attempt is not None:
-            self._reserved_until.add(verdict.attempt, facts.timeout + RESERVATION_GRACE_S)
         return verdict
+
+    def start_decision(
+        self, facts: WriteFacts, context: WriteContext, answer: asyncio.Future[Verdict | None]
+    ) -> None:
+        """`decide_write`, its verdict set on `answer` (`StartsDecisions`)."""
+        self._decisions.enqueue(Decide(facts, context), answer)
 
     async def record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
         """Record `outcome`; when the store cannot answer (a connection lost, a
@@ -255,7 +259,13 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         await super().close()
 
     async def _run_decisions(self, batch: list[Operation]) -> list[Any]:
-        return await self._isolating(batch, self._decide_once)
+        answers = await self._isolating(batch, self._decide_once)
+        for op, answer in zip(batch, answers, strict=True):
+            # Each reservation's deadline, as its verdict comes back (whoever waits for it)
+            if isinstance(answer, Verdict) and answer.attempt is not None:
+                assert isinstance(op, Decide)
+                self._reserved_until.add(answer.attempt, op.facts.timeout + RESERVATION_GRACE_S)
+        return answers
 
     async def _decide_once(self, batch: list[Operation]) -> list[Any]:
         """The batch in one call, its own transaction. A call that got no answer may

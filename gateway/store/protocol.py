@@ -67,6 +67,19 @@ class GroupDecisions(Protocol):
         ...
 
 
+@runtime_checkable
+class StartsDecisions(Protocol):
+    """A store that can start a write's decision without a coroutine of its own
+    (the PostgreSQL store's group commit): the wake of a held write starts it."""
+
+    def start_decision(
+        self, facts: WriteFacts, context: WriteContext, answer: asyncio.Future[Verdict | None]
+    ) -> None:
+        """`decide_write`, its verdict or failure set on `answer`; `answer`
+        cancelled before the decision begins drops it (nothing reserved)."""
+        ...
+
+
 class WaitStore(Protocol):
     """What the waiter registry polls (SPEC 2 "Waiting"): reads, never a change."""
 

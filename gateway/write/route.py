@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFac
 from gateway.policy.outcome import RELEASED, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
-from gateway.store.protocol import GroupDecisions, WriteStore
+from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
@@ -58,6 +59,9 @@ from leases.reasons import Reason
 log = structlog.get_logger("gateway.write")
 
 # What a worker whose keyed write timed out is told to expect (SPEC 2 step 8, SPEC 4).
+# Starts a woken write's decision, its verdict to be set on the future given.
+StartWoken = Callable[[WriteFacts, WriteContext, Woken], object]
+
 UNKNOWN_UNTIL_RESOLVED = (
     "; the upstream may have acted on it, so the key's outcome is now unknown: a retry"
     " gets 409 outcome_unknown until an operator settles it (admin resolve)"
@@ -81,8 +85,14 @@ class WriteGateway:
         self.metrics = metrics
         self.waiters = waiters or Waiters(limit=config.max_waiting, metrics=metrics)
         # Woken writes decided by key in groups, where the store can (SQLite; on
-        # PostgreSQL every decision rides a batch already).
+        # PostgreSQL every decision rides a batch already). `start_woken`: how the
+        # wake of a held write starts its decision, where it can (`_Deciding`).
         self.woken = WokenDecisions(store) if isinstance(store, GroupDecisions) else None
+        self.start_woken: StartWoken | None = None
+        if self.woken is not None:
+            self.start_woken = self.woken.decide
+        elif isinstance(store, StartsDecisions):
+            self.start_woken = store.start_decision
         # Writes on the wire to each destination, and to all; writes waiting for
         # their decision (neither counts the other).
         self.in_flight: dict[str, int] = {}
@@ -492,7 +502,8 @@ class _Deciding:
     """The decisions of one write under `Prefer: wait` (`Waiters.decide`). Called,
     it decides the write (the first time alone, then with the others of its key
     woken with it); as the waiter's `WokenStart`, the wake that woke it starts the
-    decision, and the held write resumes once, with its verdict. Either way it is
+    decision (`start_woken`: in its key's group on SQLite, in the next batch on
+    PostgreSQL), and the held write resumes once, with its verdict. Either way it is
     counted among the writes being decided (`max_deciding`; at the limit the wake
     does not start it, and the call refuses it as before). `store_ms`: the last
     decision's time, for the line."""
@@ -532,12 +543,12 @@ class _Deciding:
 
     def start(self, answer: Woken) -> bool:
         gateway = self._gateway
-        woken = gateway.woken
-        if woken is None or gateway.deciding >= gateway.config.max_deciding:
+        start = gateway.start_woken
+        if start is None or gateway.deciding >= gateway.config.max_deciding:
             return False
         gateway.deciding += 1
         self._started_at = time.perf_counter()
-        woken.decide(self._facts, self._context, answer)
+        start(self._facts, self._context, answer)
         return True
 
     def finish(self, answer: Woken) -> Verdict:

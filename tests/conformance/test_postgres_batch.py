@@ -72,6 +72,30 @@ async def test_two_writes_of_one_key_in_one_batch_forward_it_once(store: Postgre
     assert (await store.job_state("j")).highest_generation == 2  # type: ignore[union-attr]
 
 
+async def test_a_started_decision_rides_the_batch_and_keeps_its_reservations_deadline(
+    store: PostgresStore,
+) -> None:
+    """`start_decision` (a held write's wake): decided in the same batch as a
+    write submitted beside it, in arrival order, its verdict set on the future
+    given, and its reservation's deadline kept for its outcome (as `decide_write`
+    keeps it); a future cancelled before the batch drops the decision."""
+    loop = asyncio.get_running_loop()
+    started, dropped = loop.create_future(), loop.create_future()
+    before = store._decisions.batches
+    store.start_decision(write(job_id="job-a"), CONTEXT, started)
+    store.start_decision(write(job_id="job-c", key="key-3"), CONTEXT, dropped)
+    dropped.cancel()
+    submitted = await store.decide_write(write(job_id="job-b"), CONTEXT)
+    verdict = await started
+    assert store._decisions.batches == before + 1
+    assert _names([verdict, submitted]) == ["forward", "request_in_progress"]
+    assert verdict.attempt is not None
+    assert verdict.attempt in store._reserved_until._until
+    assert await store.key_record("pay", "key-3") is None  # dropped: nothing reserved
+    assert await store.record_outcome(write(job_id="job-a"), verdict.attempt, COMPLETED)
+    assert verdict.attempt not in store._reserved_until._until
+
+
 async def test_against_the_state_before_the_batch_one_key_is_forwarded_twice(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -236,12 +236,12 @@ async def test_the_woken_writes_of_a_key_are_decided_each_with_its_own_row(
     assert len(upstream.received) == 1
 
 
-async def test_the_wake_starts_the_woken_writes_decisions_where_the_store_groups_them(
-    gw: Gateway, upstream: HeldUpstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+async def test_the_wake_starts_the_woken_writes_decisions(
+    gw: Gateway, upstream: HeldUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite: the settlement itself starts the held writes' decisions, so each
-    held write's own call decides it once (before it was held) and it resumes with
-    its verdict. PostgreSQL: each resumes and decides again by its own call."""
+    """The settlement itself starts the held writes' decisions (SQLite: in their
+    key's group; PostgreSQL: in the next batch), so each held write's own call
+    decides it once, before it was held, and it resumes with its verdict."""
     calls = 0
     decide = WriteGateway._decide
 
@@ -260,7 +260,7 @@ async def test_the_wake_starts_the_woken_writes_decisions_where_the_store_groups
     for task in held:
         status, headers, _ = await task
         assert status == 200 and headers["Idempotent-Replayed"] == "true"
-    assert calls == (1 + 2 if store_url == "sqlite" else 1 + 2 * 2)
+    assert calls == 1 + 2  # the original, and each held write's first look
     assert gw.app[WRITES].deciding == 0  # each started decision counted out
     assert metric(gw, "sinkgate_store_latency_seconds_count", op="decide") == 5  # each timed
 

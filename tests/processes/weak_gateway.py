@@ -8,7 +8,7 @@ a fault kind of `sinkgate chaos` does reach what the protection guards:
 - `fail_open`: a write whose decision could not be made durable (the store
   failed: a backend terminated, the connection cut, the database refusing,
   a lock wait given up, a failed SQLite commit) is forwarded anyway, without a
-  reservation (a woken write decided in its key's group too) - the gateway that
+  reservation (a woken write whose decision its wake started too) - the gateway that
   forwards before its reservation commits; the
   PostgreSQL store's second try of a batch that failed before COMMIT is off too,
   or it would hide most of those failures from the weakness;
@@ -27,6 +27,8 @@ WEAKNESSES = ("fail_open", "impatient", "forget_lost_answers")
 
 
 def _fail_open() -> None:
+    import asyncio
+
     import gateway.store.postgres
     from gateway.policy.decision import Forward
     from gateway.policy.records import Verdict
@@ -57,6 +59,29 @@ def _fail_open() -> None:
             ]
 
     SQLiteStore.decide_group = weak_group  # type: ignore[method-assign]
+
+    start = PostgresStore.start_decision
+
+    def weak_start(self: Any, facts: Any, context: Any, answer: Any, _start: Any = start) -> None:
+        inner = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(lambda a: inner.cancel() if a.cancelled() else None)
+
+        def done(f: Any) -> None:
+            if answer.done():
+                return
+            if f.cancelled():
+                answer.cancel()
+            elif isinstance(f.exception(), StoreUnavailable):
+                answer.set_result(Verdict(Forward(), attempt=new_attempt_id()))
+            elif f.exception() is not None:
+                answer.set_exception(f.exception())
+            else:
+                answer.set_result(f.result())
+
+        inner.add_done_callback(done)
+        _start(self, facts, context, inner)
+
+    PostgresStore.start_decision = weak_start  # type: ignore[method-assign]
     gateway.store.postgres.DECISION_TRIES = 1
 
 

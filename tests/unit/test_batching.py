@@ -79,3 +79,32 @@ async def test_a_failing_run_fails_its_batch_and_a_closed_queue_refuses() -> Non
     await queue.close()
     with pytest.raises(StoreUnavailable, match="closed"):
         await queue.submit(2)
+
+
+async def test_an_enqueued_operation_is_answered_on_its_owners_future() -> None:
+    """`enqueue`: the same batches as `submit`, the answer on the future given; a
+    future cancelled before its batch begins drops the operation when asked, and
+    a closed queue fails the future instead of raising."""
+    run = Recorder()
+    queue: GroupCommit[Any] = GroupCommit(run, name="t", drop_cancelled=True)
+    loop = asyncio.get_running_loop()
+    run.gate.clear()
+    first = asyncio.create_task(queue.submit(1))
+    for _ in range(2):  # the submit, then the flusher: it takes [1], waits at the gate
+        await asyncio.sleep(0)
+    assert run.batches == [[1]]
+    kept, dropped, failing = loop.create_future(), loop.create_future(), loop.create_future()
+    queue.enqueue(2, kept)
+    queue.enqueue(3, dropped)
+    queue.enqueue("bad", failing)
+    dropped.cancel()
+    run.gate.set()
+    assert await first == 2 and await kept == 4
+    with pytest.raises(ValueError):
+        await failing
+    assert run.batches == [[1], [2, "bad"]]
+    await queue.close()
+    late = loop.create_future()
+    queue.enqueue(4, late)
+    with pytest.raises(StoreUnavailable):
+        await late
