@@ -229,8 +229,10 @@ class _TracedStore:
         self._tracer = tracer
 
     def __getattr__(self, name: str) -> Any:
-        if name == "decide_group":  # traced, woken writes are decided one by one,
-            raise AttributeError(name)  # each in a span of its own request
+        # Traced, woken writes are decided one by one, each in a span of its own
+        # request: neither in their key's group nor started by their wake.
+        if name in ("decide_group", "start_decision"):
+            raise AttributeError(name)
         return getattr(self._store, name)
 
     async def decide_write(self, facts: Any, context: Any) -> Any:

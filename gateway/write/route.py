@@ -546,9 +546,9 @@ class _Deciding:
         start = gateway.start_woken
         if start is None or gateway.deciding >= gateway.config.max_deciding:
             return False
-        gateway.deciding += 1
         self._started_at = time.perf_counter()
         start(self._facts, self._context, answer)
+        gateway.deciding += 1  # counted once started (`finish` or `abandon` counts it out)
         return True
 
     def finish(self, answer: Woken) -> Verdict:

@@ -92,6 +92,7 @@ class _Waiter:
     until: float = 0.0  # the cap, monotonic
     holding: bool = False  # refused and waiting (not deciding): what polls look at
     started: bool = False  # a wake started its decision (`WokenStart`)
+    timer: asyncio.TimerHandle | None = None  # its wait's end (cap or blocker's deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +192,7 @@ class Waiters:
                 # less to resume for each of the hundreds of writes a settlement wakes
                 delay = max(0.0, min(until, blocker_ends) - time.monotonic())
                 timer = asyncio.get_running_loop().call_later(delay, _wake_one, waiter)
+                waiter.timer = timer  # the wake cancels it when it starts the decision
                 try:
                     await woken
                 except asyncio.CancelledError:
@@ -356,9 +358,11 @@ class Waiters:
                 and not self._stopping
                 and now < waiter.until
                 and not waiter.gone()
-                and starter.start(woken)
+                and _start(starter, woken)
             ):
                 waiter.started = True
+                if waiter.timer is not None:  # its wait is over: the timer would wake
+                    waiter.timer.cancel()  # the next one, set by `_rewatch`, too early
                 self._rewatch(waiter)
             else:
                 woken.set_result(None)
@@ -368,6 +372,16 @@ class Waiters:
         if self._ticker is not None and not self._ticker.done():
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+
+
+def _start(starter: WokenStart, woken: Woken) -> bool:
+    """`starter.start(woken)`; a starter that fails is logged and the write left to
+    decide on its own (the wake goes on to the others)."""
+    try:
+        return starter.start(woken)
+    except Exception:
+        log.exception("woken_decision_not_started")
+        return False
 
 
 def _wake_one(waiter: _Waiter) -> None:

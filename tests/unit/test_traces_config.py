@@ -122,3 +122,21 @@ def test_the_worker_side_is_off_until_an_sdk_provider_exists() -> None:
     with lease_tracing.client_span("sinkgate.write", headers, dict) as span:
         assert span is not None
     assert headers["traceparent"].startswith("00-")
+
+
+def test_the_traced_store_hides_the_ways_around_its_decide_span() -> None:
+    """Traced, a woken write's decision goes through `decide_write` (its span):
+    the store's group decisions and its wake-started decisions are hidden, so the
+    write route falls back to it."""
+    from gateway.store.protocol import GroupDecisions, StartsDecisions
+
+    class Store:
+        async def decide_write(self, facts: object, context: object) -> None: ...
+        async def decide_group(self, writes: object) -> None: ...
+        def start_decision(self, facts: object, context: object, answer: object) -> None: ...
+
+    store = Store()
+    assert isinstance(store, GroupDecisions) and isinstance(store, StartsDecisions)
+    traced = traces._TracedStore(store, tracer=None)
+    assert not isinstance(traced, GroupDecisions)
+    assert not isinstance(traced, StartsDecisions)

@@ -257,6 +257,49 @@ async def test_a_started_decision_that_fails_fails_the_write_and_leaves_nothing(
     assert nothing_left(waiters)
 
 
+async def test_a_started_decision_is_not_cut_short_by_the_waits_timer() -> None:
+    """Woken just before its blocker's deadline, a write whose decision takes past
+    it: the timer of the wait that ended must not wake the next wait, or a verdict
+    of "still in flight" is decided again at once, alone. Checked by hand: without
+    the timer cancelled at the start, the write's own call decides it twice."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    starter = Starter()
+    soon = Verdict(dataclasses.replace(IN_PROGRESS.decision, retry_after=1))
+    decide, given = decisions(soon, REPLAY)
+    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
+    await asyncio.sleep(0.5)  # held, its blocker due in 1 s
+    waiters.settled("pay", "key-1", "job-1")
+    await asyncio.sleep(1.0)  # the decision still running past that second
+    starter.answers[0].set_result(IN_PROGRESS)  # still in flight, for 60 s more
+    await asyncio.sleep(0.1)
+    assert not task.done() and len(given) == 1  # held again, not decided again
+    waiters.settled("pay", "key-1", "job-1")
+    starter.answers[1].set_result(REPLAY)
+    waited = await asyncio.wait_for(task, 5)
+    assert waited.verdict is REPLAY and len(given) == 1 and starter.finished == 2
+    assert nothing_left(waiters)
+
+
+class FailingStarter(Starter):
+    def start(self, answer: asyncio.Future[Verdict | None]) -> bool:
+        raise RuntimeError("cannot start")
+
+
+async def test_a_starter_that_fails_leaves_the_write_to_decide_and_wakes_the_others() -> None:
+    waiters = Waiters(limit=10, metrics=Metrics())
+    first, second = decisions(IN_PROGRESS, REPLAY), decisions(IN_PROGRESS, REPLAY)
+    tasks = [
+        asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, FailingStarter()))
+        for decide, _ in (first, second)
+    ]
+    await held(waiters, 2)
+    waiters.settled("pay", "key-1", "job-1")
+    done = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert [w.result for w in done] == ["replayed", "replayed"]
+    assert len(first[1]) == len(second[1]) == 2
+    assert nothing_left(waiters)
+
+
 async def test_a_write_whose_worker_is_gone_is_not_started() -> None:
     waiters = Waiters(limit=10, metrics=Metrics())
     starter = Starter()
