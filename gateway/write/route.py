@@ -58,10 +58,10 @@ from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
 
-# What a worker whose keyed write timed out is told to expect (SPEC 2 step 8, SPEC 4).
 # Starts a woken write's decision, its verdict to be set on the future given.
 StartWoken = Callable[[WriteFacts, WriteContext, Woken], object]
 
+# What a worker whose keyed write timed out is told to expect (SPEC 2 step 8, SPEC 4).
 UNKNOWN_UNTIL_RESOLVED = (
     "; the upstream may have acted on it, so the key's outcome is now unknown: a retry"
     " gets 409 outcome_unknown until an operator settles it (admin resolve)"
