@@ -22,7 +22,7 @@ from gateway.policy.records import Verdict
 from gateway.store.records import JobState
 from gateway.telemetry.metrics import Metrics
 from gateway.write import waiting
-from gateway.write.waiting import Waiters
+from gateway.write.waiting import Waited, Waiters
 from leases.reasons import Reason
 
 FACTS = WriteFacts(
@@ -180,13 +180,22 @@ class Starter:
         self.abandoned += 1
 
 
-async def test_the_wake_starts_the_decision_and_the_write_resumes_with_its_verdict() -> None:
+async def woken_with(
+    starter: Starter, decide: Callable[[], Awaitable[Verdict]]
+) -> tuple[Waiters, asyncio.Task[Waited]]:
+    """A write refused `request_in_progress`, held, then woken by its key's
+    settlement, with `starter` to start its decision."""
     waiters = Waiters(limit=10, metrics=Metrics())
-    starter = Starter()
-    decide, given = decisions(IN_PROGRESS)  # its own call decides once only
     task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
     await held(waiters)
     waiters.settled("pay", "key-1", "job-1")
+    return waiters, task
+
+
+async def test_the_wake_starts_the_decision_and_the_write_resumes_with_its_verdict() -> None:
+    starter = Starter()
+    decide, given = decisions(IN_PROGRESS)  # its own call decides once only
+    waiters, task = await woken_with(starter, decide)
     assert len(starter.answers) == 1  # started by the wake itself, before any resume
     await asyncio.sleep(0.01)
     assert not task.done()  # not resumed: its decision is still being taken
@@ -198,12 +207,9 @@ async def test_the_wake_starts_the_decision_and_the_write_resumes_with_its_verdi
 
 
 async def test_a_decision_that_cannot_start_is_left_to_the_write() -> None:
-    waiters = Waiters(limit=10, metrics=Metrics())
     starter = Starter(can=False)
     decide, given = decisions(IN_PROGRESS, REPLAY)
-    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
-    await held(waiters)
-    waiters.settled("pay", "key-1", "job-1")
+    waiters, task = await woken_with(starter, decide)
     waited = await asyncio.wait_for(task, 5)
     assert waited.verdict is REPLAY and len(given) == 2 and starter.finished == 0
     assert nothing_left(waiters)
@@ -213,12 +219,9 @@ async def test_a_settlement_during_a_started_decision_is_not_missed() -> None:
     """Checked by hand: with the write given a new future but not registered again
     when its decision starts (`_rewatch` out of `Waiters._wake`), it waits its
     whole cap (the test times out)."""
-    waiters = Waiters(limit=10, metrics=Metrics())
     starter = Starter()
     decide, given = decisions(IN_PROGRESS, REPLAY)
-    task = asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter))
-    await held(waiters)
-    waiters.settled("pay", "key-1", "job-1")
+    waiters, task = await woken_with(starter, decide)
     waiters.settled("pay", "key-1", "job-1")  # the next attempt settled meanwhile
     assert len(starter.answers) == 1  # the first settlement's decision only
     starter.answers[0].set_result(IN_PROGRESS)  # it read the key before that settled
@@ -228,13 +231,8 @@ async def test_a_settlement_during_a_started_decision_is_not_missed() -> None:
 
 
 async def test_a_write_cancelled_during_its_started_decision_abandons_it() -> None:
-    waiters = Waiters(limit=10, metrics=Metrics())
     starter = Starter()
-    task = asyncio.create_task(
-        waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone, starter)
-    )
-    await held(waiters)
-    waiters.settled("pay", "key-1", "job-1")
+    waiters, task = await woken_with(starter, decisions(IN_PROGRESS)[0])
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert starter.abandoned == 1 and starter.finished == 0
@@ -243,13 +241,8 @@ async def test_a_write_cancelled_during_its_started_decision_abandons_it() -> No
 
 
 async def test_a_started_decision_that_fails_fails_the_write_and_leaves_nothing() -> None:
-    waiters = Waiters(limit=10, metrics=Metrics())
     starter = Starter()
-    task = asyncio.create_task(
-        waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone, starter)
-    )
-    await held(waiters)
-    waiters.settled("pay", "key-1", "job-1")
+    waiters, task = await woken_with(starter, decisions(IN_PROGRESS)[0])
     starter.answers[0].set_exception(RuntimeError("store down"))
     with pytest.raises(RuntimeError, match="store down"):
         await asyncio.wait_for(task, 5)
