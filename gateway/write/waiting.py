@@ -156,9 +156,8 @@ class Waiters:
         `decide`. A settlement during a decision is not missed: the write watches
         its key and job from before each decision."""
         started = time.monotonic()
-        waiter = self._watch(facts, gone)
-        waiter.starter = starter
-        waiter.until = started + cap
+        waiter = _Waiter(facts, gone, _future(), starter, started + cap)
+        self._register(waiter)  # woken by a settlement of its key or of its job
         try:
             verdict = await decide()
             if not waitable(verdict):
@@ -225,12 +224,6 @@ class Waiters:
             if not waitable(verdict):
                 return verdict, _result(verdict)
 
-    def _watch(self, facts: WriteFacts, gone: Gone) -> _Waiter:
-        """A new waiter, woken by a settlement of its key or of its job."""
-        waiter = _Waiter(facts, gone, asyncio.get_running_loop().create_future())
-        self._register(waiter)
-        return waiter
-
     def _register(self, waiter: _Waiter) -> None:
         facts = waiter.facts
         if facts.key is not None:
@@ -241,7 +234,7 @@ class Waiters:
         """`waiter`, woken, watches its key and job again before its next decision
         (the same waiter: whoever unwatches it at the end finds it)."""
         self._unwatch(waiter)
-        waiter.woken = asyncio.get_running_loop().create_future()
+        waiter.woken = _future()
         waiter.holding = False
         self._register(waiter)
 
@@ -372,6 +365,10 @@ class Waiters:
         if self._ticker is not None and not self._ticker.done():
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+
+
+def _future() -> Woken:
+    return asyncio.get_running_loop().create_future()
 
 
 def _start(starter: WokenStart, woken: Woken) -> bool:
