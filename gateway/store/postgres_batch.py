@@ -26,6 +26,15 @@ explicit transaction: the call is its transaction, and its COMMIT (durable,
    the same order for the Python policy). A rejection decided outside the store
    (a `Log`) is inserted in its turn.
 
+   A run of decisions of one job generation and key (the woken duplicates of a
+   key come so, hundreds at once) reads the rows once: while no decision of the
+   run has written anything but rejection-log rows, which no decision reads,
+   the next one reads only the clock again. The locks keep every other batch's
+   change of those rows out until COMMIT; a lease the lease API changes
+   meanwhile is seen by the next batch, as it would be had it committed a moment
+   later. The key's row goes back once per run for its replays, not once per
+   replay (a stored answer can be `max_replay_body` long).
+
    The rejection-log rows are inserted after the transaction-scoped lock
    `REJECTION_ORDER_LOCK`, held until COMMIT by every transaction that inserts
    rejections: ids are handed out in commit order, so every set of rows a reader
@@ -66,6 +75,7 @@ from gateway.policy.decision import (
     Fencing,
     Forward,
     Reject,
+    KeyRecord,
     Replay,
     WriteFacts,
 )
@@ -254,7 +264,7 @@ _SIGNATURE = ", ".join(
 )
 _ARITY = len(_BATCH_PARAMETERS) + len(_OPERATION_PARAMETERS)
 
-DECIDE_FUNCTION = "sinkgate_decide_v1"
+DECIDE_FUNCTION = "sinkgate_decide_v2"
 DECIDE_FUNCTION_DDL = f"""
 CREATE OR REPLACE FUNCTION {DECIDE_FUNCTION}({_SIGNATURE})
 RETURNS SETOF record LANGUAGE plpgsql VOLATILE {SET_CLAUSES} AS $fn$
@@ -274,7 +284,15 @@ DECLARE
     v_deadline float8;
     v_attempts int4;
     v_mine boolean := false;
+    v_key_attempt text;
+    v_read boolean := false;
+    v_read_job text;
+    v_read_generation int8;
+    v_read_destination text;
+    v_read_key text;
+    v_read_monotonic boolean;
     v_rec idempotency;
+    v_rec_read boolean := false;
     v_verdict text;
     v_reason text;
     v_detail text;
@@ -291,6 +309,7 @@ DECLARE
     o_highest int8[] := '{{}}';
     o_retry int4[] := '{{}}';
     o_replay idempotency[] := '{{}}';
+    o_replay_at int4[] := '{{}}';
 BEGIN
     -- Each statement below must see what committed before it (after the locks it
     -- waited for): only READ COMMITTED takes a snapshot per statement.
@@ -318,23 +337,41 @@ BEGIN
             v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
             v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
         ELSE
-            SELECT coalesce(p_now, {STORE_NOW.format("p_offset")}),
-                (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
-                greatest(
-                    (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
-                        AND state = 'in_flight' AND generation < g),
-                    (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
-                        AND generation < g)),
-                l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
-                k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
-                CASE WHEN p_key[i] IS NULL
-                    THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
-                    ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END
-            FROM (SELECT) AS one
-            LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]
-            LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
-            INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state, v_until,
-                v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts, v_mine;
+            IF v_read AND p_key[i] = v_read_key AND p_destination[i] = v_read_destination
+                AND p_job[i] = v_read_job AND g = v_read_generation
+                AND p_monotonic[i] = v_read_monotonic THEN
+                -- The same job generation and key as the write before, and nothing
+                -- written since (`v_read`): the same rows, only the clock read again.
+                v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
+                v_mine := v_key_attempt IS NOT DISTINCT FROM p_attempt[i];
+            ELSE
+                SELECT coalesce(p_now, {STORE_NOW.format("p_offset")}),
+                    (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
+                    greatest(
+                        (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
+                            AND state = 'in_flight' AND generation < g),
+                        (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
+                            AND generation < g)),
+                    l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
+                    k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
+                    CASE WHEN p_key[i] IS NULL
+                        THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
+                        ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END,
+                    k.attempt
+                FROM (SELECT) AS one
+                LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]
+                LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
+                INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state,
+                    v_until, v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts,
+                    v_mine, v_key_attempt;
+                -- Kept for the writes of the same job generation and key that follow
+                -- (a keyless write's `v_mine` is its own attempt's row: read each time).
+                v_read := p_key[i] IS NOT NULL;
+                v_read_job := p_job[i]; v_read_generation := g;
+                v_read_destination := p_destination[i]; v_read_key := p_key[i];
+                v_read_monotonic := p_monotonic[i];
+                v_rec_read := false;
+            END IF;
             IF v_mine THEN
                 -- This call was made before and committed (its answer was lost):
                 -- the write is reserved under its own attempt id. It was forwarded
@@ -347,15 +384,23 @@ BEGIN
             END IF;
         END IF;
         v_id := NULL;
+        IF v_verdict IN ('f', 'u') THEN
+            v_read := false;  -- a reservation changes the rows the next write reads
+        END IF;
         IF v_verdict IN ('f', 'u') AND NOT v_mine THEN
             {_RESERVE.strip()}
         ELSIF v_verdict IN ('f', 'u') THEN
             NULL;
         ELSE
             IF v_verdict = 'p' THEN
-                SELECT * INTO v_rec FROM idempotency
-                    WHERE destination = p_destination[i] AND key = p_key[i];
-                o_replay := o_replay || v_rec;
+                -- The key's row goes back once for the replays of a run of writes
+                -- (each may carry up to max_replay_body): each points at it.
+                IF NOT v_rec_read THEN
+                    SELECT * INTO v_rec FROM idempotency
+                        WHERE destination = p_destination[i] AND key = p_key[i];
+                    o_replay := o_replay || v_rec;
+                    v_rec_read := true;
+                END IF;
                 v_reason := {_text(Reason.DUPLICATE)};
                 v_detail := {_text(REPLAYED)};
             END IF;
@@ -376,18 +421,19 @@ BEGIN
         o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
         o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
         o_retry[i] := v_retry;
+        o_replay_at[i] := CASE WHEN v_verdict = 'p' THEN cardinality(o_replay) END;
     END LOOP;
     RETURN QUERY SELECT coalesce(v_now, p_now, {STORE_NOW.format("p_offset")}), o_verdict,
         o_id, o_reason, o_detail, o_current, o_highest, o_retry,
         ARRAY(SELECT row({", ".join(f"r.{c}" for c in KEY_COLUMNS)})
-            FROM unnest(o_replay) WITH ORDINALITY AS r ORDER BY r.ordinality);
+            FROM unnest(o_replay) WITH ORDINALITY AS r ORDER BY r.ordinality), o_replay_at;
 END
 $fn$;
 """
 _DECIDE_CALL = (
     f"SELECT * FROM {DECIDE_FUNCTION}({', '.join(f'${n}' for n in range(1, _ARITY + 1))}) AS s("
     "now float8, verdict text[], id int8[], reason text[], detail text[], current int8[], "
-    "highest int8[], retry int4[], replays record[])"
+    "highest int8[], retry int4[], replays record[], replay int4[])"
 )
 
 
@@ -400,7 +446,8 @@ async def decide_batch(
     facts = [op.facts for op in operations if isinstance(op, Decide)]
     names = batch_plan.lock_names(facts, LOCK_KINDS)
     row = await conn.fetchrow(_DECIDE_CALL, offset, now, names, LOCKS_ORDERED, *_args(operations))
-    replays = iter(row["replays"])
+    replays, replay_at = row["replays"], row["replay"]
+    records: dict[int, KeyRecord] = {}  # by position in `replays`: one per run of a key
     answers: list[Verdict | int] = []
     for n, op in enumerate(operations):
         verdict, rejection_id = row["verdict"][n], row["id"][n]
@@ -413,7 +460,11 @@ async def decide_batch(
             answers.append(Verdict(decision, attempt=op.attempt))
             continue
         if verdict == "p":
-            decision = Replay(key_record(next(replays)[: len(KEY_COLUMNS)]))
+            at = replay_at[n]
+            record = records.get(at)
+            if record is None:
+                record = records[at] = key_record(replays[at - 1][: len(KEY_COLUMNS)])
+            decision = Replay(record)
         else:
             decision = Reject(
                 row["reason"][n],

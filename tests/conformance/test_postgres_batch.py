@@ -118,6 +118,53 @@ async def test_against_the_state_before_the_batch_one_key_is_forwarded_twice(
         await store.close()
 
 
+# --- runs of one key: its rows read once, its stored answer sent back once -------------
+
+
+async def _replays_of_runs(store: PostgresStore) -> list[Any]:
+    """Two keys with stored answers of their own, then one batch of their duplicates
+    in runs (k1 k1 k2 k1 k2): the replays, in order."""
+    for key, body in (("k1", b'{"one":1}'), ("k2", b'{"two":2}')):
+        reserved = await store.decide_write(write(key=key), CONTEXT)
+        assert reserved.attempt is not None
+        answer = Outcome("completed", 201, (("Content-Type", "application/json"),), body)
+        assert await store.record_outcome(write(key=key), reserved.attempt, answer)
+    keys = ["k1", "k1", "k2", "k1", "k2"]
+    before = store._decisions.batches
+    verdicts = await asyncio.gather(*(store.decide_write(write(key=k), CONTEXT) for k in keys))
+    assert store._decisions.batches == before + 1
+    return [v.decision for v in verdicts]
+
+
+async def test_a_run_of_duplicates_gets_its_keys_answer_sent_back_once(
+    store: PostgresStore,
+) -> None:
+    replays = await _replays_of_runs(store)
+    assert [r.record.body for r in replays] == [
+        b'{"one":1}', b'{"one":1}', b'{"two":2}', b'{"one":1}', b'{"two":2}'
+    ]  # fmt: skip
+    # One row per run, decoded once: a run's replays share it.
+    assert replays[0].record is replays[1].record
+    assert replays[3].record is not replays[0].record
+    rows = await store.list_rejections(RejectionQuery(limit=10))
+    assert [r.record.reason for r in rows] == ["duplicate"] * 5  # each still logged
+
+
+async def test_a_run_that_keeps_the_row_of_the_run_before_replays_the_wrong_answer(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new run not reading its own key's row again: shows the test above can fail."""
+    kept = postgres_schema.DECIDE_FUNCTION_DDL.replace("v_rec_read := false;", "NULL;", 1)
+    assert kept != postgres_schema.DECIDE_FUNCTION_DDL
+    monkeypatch.setattr(postgres_schema, "DECIDE_FUNCTION_DDL", kept)
+    store = await PostgresStore.open(url)
+    try:
+        replays = await _replays_of_runs(store)
+        assert replays[2].record.body == b'{"one":1}'  # k2's duplicate, k1's answer
+    finally:
+        await store.close()
+
+
 # --- the lock order across replicas ------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ The PostgreSQL store decides a batch in the server (`postgres_batch`,
 `DECIDE_FUNCTION`); the SQLite store runs the Python policy (`gateway.policy`).
 Random stored states (leases, marks, key rows, keyless attempts, with times on
 and around the clock) and random batches (both fencing modes, keyed and keyless,
-the same key or job twice, rejections logged in between) go to both: every
+the same key or job twice, runs of one job generation and key as woken
+duplicates come, rejections logged in between) go to both: every
 verdict must be the same, field for field, and so must every row the batch
 leaves (key rows, marks, keyless attempts, rejection-log rows in order). Each
 case runs in a transaction that is rolled back. The same cases against the
@@ -13,6 +14,7 @@ function with one comparison changed must find the difference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import AsyncIterator
@@ -114,6 +116,13 @@ def _case(rng: random.Random) -> Case:
             rng.choice(("fp1", "fp2")), rng.choice(list(Fencing)), rng.random() < 0.5,
             rng.choice((1.0, 2.5, 30.0)),
         )  # fmt: skip
+        before = [op for op in operations if isinstance(op, Decide)]
+        if before and rng.random() < 0.4:  # a run: the job generation and key of the last
+            last = before[-1].facts
+            facts = dataclasses.replace(
+                facts, destination=last.destination, job_id=last.job_id,
+                generation=last.generation, key=last.key, fencing=last.fencing,
+            )  # fmt: skip
         context = WriteContext(remote="10.0.0.2", body_sha256="ab" * 32, body_bytes=7)
         operations.append(Decide(facts, context, attempt=f"new-{n}"))
     return Case(leases, marks, keys, keyless, operations)
@@ -290,6 +299,9 @@ MUTATIONS = {
         "v_key_state = 'in_flight' AND v_deadline > v_now",
         "v_key_state = 'in_flight' AND v_deadline >= v_now",
     ),
+    # A run of one job generation and key reads its rows once: a reservation must
+    # end the run, or the next write decides on the rows from before it.
+    "a run read past a reservation": ("v_read := false;", "NULL;"),
 }
 
 

@@ -221,6 +221,39 @@ async def test_postgres_database_in_use_is_upgraded_to_v6(old: int) -> None:
         assert ("sinkgate_decision_state_v1" in functions) is (old == 5)
 
 
+# The decision function of the releases before runs of one key were read once
+# (its body does not matter): `sinkgate_decide_v2` returns a column more.
+_V1_DECIDE_FUNCTION = (
+    "CREATE FUNCTION sinkgate_decide_v1(float8) RETURNS SETOF record LANGUAGE sql "
+    "AS 'SELECT NULL::record WHERE false'"
+)
+
+
+@pytest.mark.postgres
+async def test_postgres_a_start_leaves_the_previous_decision_function_to_its_replicas() -> None:
+    """Replicas of the release before still call `sinkgate_decide_v1` while the
+    others are replaced: a start adds v2 beside it and drops nothing."""
+    async with fresh_database() as url:
+        await (await PostgresStore.open(url)).close()
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(f"DROP FUNCTION {DECIDE_FUNCTION}")
+            await conn.execute(_V1_DECIDE_FUNCTION)
+            store = await PostgresStore.open(url)
+            try:
+                verdict = await store.decide_write(write(key="after"), CONTEXT)
+                assert verdict.attempt is not None
+            finally:
+                await store.close()
+            functions = await conn.fetchval(
+                "SELECT array_agg(proname::text) FROM pg_proc WHERE proname LIKE 'sinkgate_decide%'"
+            )
+        finally:
+            await conn.close()
+        assert DECIDE_FUNCTION == "sinkgate_decide_v2"
+        assert sorted(functions) == ["sinkgate_decide_v1", "sinkgate_decide_v2"]
+
+
 @pytest.mark.postgres
 async def test_postgres_a_start_beside_running_replicas_locks_none_of_their_tables() -> None:
     """A replica's open transaction writing every table (as a batch does) does not
