@@ -24,9 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.policy.decision import Fencing, KeyRecord, KeyState, StoredState, WriteFacts
+from gateway.policy.decision import (
+    Fencing,
+    KeyRecord,
+    KeyState,
+    Reject,
+    Replay,
+    StoredState,
+    WriteFacts,
+)
 from gateway.policy.plan import Reservation, WritePlan, plan_write
-from gateway.policy.records import WriteContext
+from gateway.policy.records import WriteContext, rejection_record
 from leases.model import LeaseRow
 
 KeyId = tuple[str, str]  # (destination, key)
@@ -129,14 +137,40 @@ def plan_batch(
     new_attempt: Callable[[], str],
 ) -> list[WritePlan]:
     """Plan every write of the batch in order, each against the state the ones
-    before it left (`state` is changed in place)."""
-    plans = []
+    before it left (`state` is changed in place).
+
+    A write with the same facts as the one before, which changed nothing (a
+    refusal or a replay: the woken duplicates of one key come so), gets the
+    same decision without deciding again: the same facts against the same state
+    at the same `now`."""
+    plans: list[WritePlan] = []
+    last: _Planned | None = None
     for facts, context in writes:
-        plan = plan_write(facts, context, state.state_for(facts), state.now, new_attempt)
-        if plan.reservation is not None:
-            state.apply(plan.reservation)
+        if last is not None and _holds_for(last, facts):
+            plan = last[2] if context == last[1] else _refused_alike(last[2], facts, context)
+        else:
+            plan = plan_write(facts, context, state.state_for(facts), state.now, new_attempt)
+            if plan.reservation is not None:
+                state.apply(plan.reservation)
         plans.append(plan)
+        last = (facts, context, plan)
     return plans
+
+
+_Planned = tuple[WriteFacts, WriteContext, WritePlan]
+
+
+def _holds_for(last: _Planned, facts: WriteFacts) -> bool:
+    """The last write's plan holds for `facts`: the same facts, and it changed
+    nothing a decision reads (no reservation)."""
+    return last[2].reservation is None and facts == last[0]
+
+
+def _refused_alike(plan: WritePlan, facts: WriteFacts, context: WriteContext) -> WritePlan:
+    """`plan`'s refusal or replay, its rejection row with `context`'s request facts."""
+    decision = plan.decision
+    assert isinstance(decision, Replay | Reject)
+    return WritePlan(decision, rejection=rejection_record(facts, context, decision))
 
 
 def lock_names(writes: Iterable[WriteFacts], kinds: Sequence[str] = ("job", "key")) -> list[str]:

@@ -26,6 +26,7 @@ from gateway.store.records import (
     KEY_COLUMNS,
     KEY_COLUMNS_SQL,
     REJECTION_COLUMNS_SQL,
+    REJECTION_FIELDS,
     Clock,
     JobState,
     RejectionQuery,
@@ -284,13 +285,14 @@ def _outcome_tx(
     return cursor.rowcount == 1
 
 
+_INSERT_REJECTION = (
+    f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
+    f"VALUES (?, {', '.join('?' * len(REJECTION_FIELDS))})"
+)
+
+
 def _insert_rejection(conn: sqlite3.Connection, record: RejectionRecord, now: float) -> int:
-    values = rejection_values(record)
-    cursor = conn.execute(
-        f"INSERT INTO rejections (at, {_REJECTION_COLUMNS}) "
-        f"VALUES (?, {', '.join('?' * len(values))})",
-        (now, *values),
-    )
+    cursor = conn.execute(_INSERT_REJECTION, (now, *rejection_values(record)))
     assert cursor.lastrowid is not None
     return cursor.lastrowid
 

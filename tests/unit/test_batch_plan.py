@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from gateway.policy import batch_plan
 from gateway.policy.batch_plan import Barrier, BatchState, plan_batch
-from gateway.policy.decision import Fencing, Forward, KeyState, Reject, WriteFacts
-from tests.unit.test_decision import ACTIVE, FACTS, NOW, record
+from gateway.policy.decision import Fencing, Forward, KeyState, Reject, Replay, WriteFacts
+from gateway.policy.plan import plan_write
+from gateway.policy.records import WriteContext
+from tests.unit.test_decision import ACTIVE, FACTS, FP, NOW, record
 from tests.unit.test_plan import CONTEXT, _ids
 
 MONOTONIC = replace(FACTS, fencing=Fencing.MONOTONIC)
@@ -96,3 +100,79 @@ def test_a_rejection_changes_nothing_later_decisions_read() -> None:
     plans = plan_batch([(MONOTONIC, CONTEXT)], state, _ids())
     assert isinstance(plans[0].decision, Reject) and plans[0].rejection is not None
     assert (state.records, state.marks, state.barriers) == ({}, {"job": 9}, [])
+
+
+# --- a run of the same write: decided once while nothing changes -----------------------
+
+
+def _one_by_one(writes: list[tuple[WriteFacts, WriteContext]], state: BatchState) -> list[Any]:
+    """Each write planned afresh against the state the ones before it left."""
+    plans = []
+    ids = _ids()
+    for facts, context in writes:
+        plan = plan_write(facts, context, state.state_for(facts), state.now, ids)
+        if plan.reservation is not None:
+            state.apply(plan.reservation)
+        plans.append(plan)
+    return plans
+
+
+def test_a_run_of_one_write_is_replayed_each_with_its_own_rejection_row() -> None:
+    state = BatchState(now=NOW, records={("pay", "k"): record(KeyState.COMPLETED)})
+    other = WriteContext("10.0.0.9", "cd" * 32, 3)
+    plans = plan_batch(
+        [(MONOTONIC, CONTEXT), (MONOTONIC, CONTEXT), (MONOTONIC, other)], state, _ids()
+    )
+    assert all(isinstance(p.decision, Replay) for p in plans)
+    rows = [p.rejection for p in plans]
+    assert rows[0] is not None and rows[2] is not None
+    assert rows[1] == rows[0] and (rows[2].remote, rows[2].body_bytes) == ("10.0.0.9", 3)
+
+
+def test_a_run_of_one_write_on_a_free_key_forwards_only_the_first() -> None:
+    """The run's decision is reused only while it changed nothing: after a
+    reservation the same write finds its key in flight."""
+    assert _verdicts([MONOTONIC] * 3, BatchState(now=NOW)) == [
+        "forward",
+        "request_in_progress",
+        "request_in_progress",
+    ]
+
+
+def test_a_run_reusing_a_forward_forwards_the_key_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's plan reused past a reservation: shows the test above can fail."""
+    monkeypatch.setattr(batch_plan, "_holds_for", lambda last, facts: facts == last[0])
+    assert _verdicts([MONOTONIC] * 2, BatchState(now=NOW)) == ["forward", "forward"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_are_planned_as_each_write_afresh(seed: int) -> None:
+    """Random batches with runs of one write (some with other request facts)
+    against random stored states: the same plans as each write decided anew."""
+    rng = random.Random(seed)
+    contexts = [CONTEXT, WriteContext("10.0.0.9", "cd" * 32, 3)]
+    for _ in range(300):
+        records = {
+            ("pay", key): replace(record(rng.choice(list(KeyState))), key=key,
+                                  fingerprint=rng.choice((FP, "other")))
+            for key in ("k", "k2") if rng.random() < 0.7
+        }  # fmt: skip
+        marks = {"job": rng.randint(5, 9)} if rng.random() < 0.5 else {}
+        writes: list[tuple[WriteFacts, WriteContext]] = []
+        for _ in range(rng.randint(1, 8)):
+            if writes and rng.random() < 0.6:
+                writes.append((writes[-1][0], rng.choice(contexts)))
+                continue
+            facts = replace(
+                MONOTONIC, key=rng.choice(("k", "k2", None)), generation=rng.randint(5, 9),
+                fingerprint=rng.choice((FP, "other")), upstream_idempotent=rng.random() < 0.5,
+            )  # fmt: skip
+            writes.append((facts, rng.choice(contexts)))
+
+        planned = plan_batch(
+            writes, BatchState(NOW, records=dict(records), marks=dict(marks)), _ids()
+        )
+        afresh = _one_by_one(writes, BatchState(NOW, records=dict(records), marks=dict(marks)))
+        assert planned == afresh
