@@ -74,8 +74,8 @@ from gateway.policy.decision import (
     Decision,
     Fencing,
     Forward,
-    Reject,
     KeyRecord,
+    Reject,
     Replay,
     WriteFacts,
 )
@@ -285,12 +285,7 @@ DECLARE
     v_attempts int4;
     v_mine boolean := false;
     v_key_attempt text;
-    v_read boolean := false;
-    v_read_job text;
-    v_read_generation int8;
-    v_read_destination text;
-    v_read_key text;
-    v_read_monotonic boolean;
+    v_read int4;
     v_rec idempotency;
     v_rec_read boolean := false;
     v_verdict text;
@@ -309,7 +304,7 @@ DECLARE
     o_highest int8[] := '{{}}';
     o_retry int4[] := '{{}}';
     o_replay idempotency[] := '{{}}';
-    o_replay_at int4[] := '{{}}';
+    o_replay_at int4[] := array_fill(NULL::int4, ARRAY[coalesce(cardinality(p_kind), 0)]);
 BEGIN
     -- Each statement below must see what committed before it (after the locks it
     -- waited for): only READ COMMITTED takes a snapshot per statement.
@@ -337,11 +332,12 @@ BEGIN
             v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
             v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
         ELSE
-            IF v_read AND p_key[i] = v_read_key AND p_destination[i] = v_read_destination
-                AND p_job[i] = v_read_job AND g = v_read_generation
-                AND p_monotonic[i] = v_read_monotonic THEN
-                -- The same job generation and key as the write before, and nothing
-                -- written since (`v_read`): the same rows, only the clock read again.
+            IF v_read IS NOT NULL AND p_key[i] = p_key[v_read]
+                AND p_destination[i] = p_destination[v_read] AND p_job[i] = p_job[v_read]
+                AND g = p_generation[v_read] AND p_monotonic[i] = p_monotonic[v_read] THEN
+                -- The same job generation and key as the write whose rows were read
+                -- last (`v_read`), and nothing written since: the same rows, only
+                -- the clock read again.
                 v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
                 v_mine := v_key_attempt IS NOT DISTINCT FROM p_attempt[i];
             ELSE
@@ -366,10 +362,7 @@ BEGIN
                     v_mine, v_key_attempt;
                 -- Kept for the writes of the same job generation and key that follow
                 -- (a keyless write's `v_mine` is its own attempt's row: read each time).
-                v_read := p_key[i] IS NOT NULL;
-                v_read_job := p_job[i]; v_read_generation := g;
-                v_read_destination := p_destination[i]; v_read_key := p_key[i];
-                v_read_monotonic := p_monotonic[i];
+                v_read := CASE WHEN p_key[i] IS NOT NULL THEN i END;
                 v_rec_read := false;
             END IF;
             IF v_mine THEN
@@ -385,7 +378,7 @@ BEGIN
         END IF;
         v_id := NULL;
         IF v_verdict IN ('f', 'u') THEN
-            v_read := false;  -- a reservation changes the rows the next write reads
+            v_read := NULL;  -- a reservation changes the rows the next write reads
         END IF;
         IF v_verdict IN ('f', 'u') AND NOT v_mine THEN
             {_RESERVE.strip()}
@@ -401,6 +394,7 @@ BEGIN
                     o_replay := o_replay || v_rec;
                     v_rec_read := true;
                 END IF;
+                o_replay_at[i] := cardinality(o_replay);
                 v_reason := {_text(Reason.DUPLICATE)};
                 v_detail := {_text(REPLAYED)};
             END IF;
@@ -421,7 +415,6 @@ BEGIN
         o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
         o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
         o_retry[i] := v_retry;
-        o_replay_at[i] := CASE WHEN v_verdict = 'p' THEN cardinality(o_replay) END;
     END LOOP;
     RETURN QUERY SELECT coalesce(v_now, p_now, {STORE_NOW.format("p_offset")}), o_verdict,
         o_id, o_reason, o_detail, o_current, o_highest, o_retry,

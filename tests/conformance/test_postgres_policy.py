@@ -301,7 +301,7 @@ MUTATIONS = {
     ),
     # A run of one job generation and key reads its rows once: a reservation must
     # end the run, or the next write decides on the rows from before it.
-    "a run read past a reservation": ("v_read := false;", "NULL;"),
+    "a run read past a reservation": ("v_read := NULL;", "NULL;"),
 }
 
 
