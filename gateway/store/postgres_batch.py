@@ -27,13 +27,15 @@ explicit transaction: the call is its transaction, and its COMMIT (durable,
    (a `Log`) is inserted in its turn.
 
    A run of decisions of one job generation and key (the woken duplicates of a
-   key come so, hundreds at once) reads the rows once: while no decision of the
-   run has written anything but rejection-log rows, which no decision reads,
-   the next one reads only the clock again. The locks keep every other batch's
-   change of those rows out until COMMIT; a lease the lease API changes
-   meanwhile is seen by the next batch, as it would be had it committed a moment
-   later. The key's row goes back once per run for its replays, not once per
-   replay (a stored answer can be `max_replay_body` long).
+   key come so, hundreds at once) reads its key's row and its job's mark once:
+   while no decision of the run has written anything but rejection-log rows,
+   which no decision reads, nothing can change them before COMMIT (the batch
+   holds the key's row, and the job's lock that every change of its mark
+   takes). What others can change meanwhile without those locks is read again
+   for each decision: the clock, the lease (the lease API locks only its row)
+   and the older attempts' barriers (an outcome recorded for another key of
+   the job lowers them). The key's row goes back once per run for its replays,
+   not once per replay (a stored answer can be `max_replay_body` long).
 
    The rejection-log rows are inserted after the transaction-scoped lock
    `REJECTION_ORDER_LOCK`, held until COMMIT by every transaction that inserts
@@ -215,6 +217,20 @@ IF v_verdict IS NULL THEN
 END IF;
 """
 
+# The rows a decision reads that this batch's locks do not keep: the clock, the
+# latest barrier of an older attempt of the job still on the wire, and the lease.
+_NOW = f"coalesce(p_now, {STORE_NOW.format('p_offset')})"
+_OLDER = """greatest(
+    (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
+        AND state = 'in_flight' AND generation < g),
+    (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i] AND generation < g))"""
+_LEASE_COLUMNS = "l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until"
+_LEASE_JOIN = "LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]"
+# Read again for each decision of a run (the key's row and the mark taken as read).
+READ_AGAIN = (
+    f"SELECT {_NOW}, {_OLDER}, {_LEASE_COLUMNS} FROM (SELECT) AS one {_LEASE_JOIN} "
+    "INTO v_now, v_older, v_leased, v_owner, v_generation, v_state, v_until"
+)
 # What a forwarded write stores before it goes out (`plan.Reservation`): its key in
 # flight until the deadline (or its keyless attempt), barring newer generations of
 # its job until its timeout, and the job's mark raised to its generation.
@@ -336,26 +352,24 @@ BEGIN
                 AND p_destination[i] = p_destination[v_read] AND p_job[i] = p_job[v_read]
                 AND g = p_generation[v_read] AND p_monotonic[i] = p_monotonic[v_read] THEN
                 -- The same job generation and key as the write whose rows were read
-                -- last (`v_read`), and nothing written since: the same rows, only
-                -- the clock read again.
-                v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
+                -- last (`v_read`), and nothing written since: its key row and its
+                -- job's mark, which this batch's locks keep, are taken as read; the
+                -- clock, the lease and the older attempts' barriers, which other
+                -- transactions may change meanwhile, are read again.
+                {READ_AGAIN};
                 v_mine := v_key_attempt IS NOT DISTINCT FROM p_attempt[i];
             ELSE
-                SELECT coalesce(p_now, {STORE_NOW.format("p_offset")}),
+                SELECT {_NOW},
                     (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
-                    greatest(
-                        (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
-                            AND state = 'in_flight' AND generation < g),
-                        (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i]
-                            AND generation < g)),
-                    l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
+                    {_OLDER},
+                    {_LEASE_COLUMNS},
                     k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
                     CASE WHEN p_key[i] IS NULL
                         THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
                         ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END,
                     k.attempt
                 FROM (SELECT) AS one
-                LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]
+                {_LEASE_JOIN}
                 LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
                 INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state,
                     v_until, v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts,

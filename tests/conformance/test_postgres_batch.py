@@ -8,13 +8,14 @@ must show the violation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from gateway.policy.decision import Forward, WriteFacts
+from gateway.policy.decision import Fencing, Forward, WriteFacts
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
 from gateway.store import postgres_batch, postgres_outcomes, postgres_schema
@@ -163,6 +164,63 @@ async def test_a_run_that_keeps_the_row_of_the_run_before_replays_the_wrong_answ
         assert replays[2].record.body == b'{"one":1}'  # k2's duplicate, k1's answer
     finally:
         await store.close()
+
+
+async def _claimed_between_two_decisions_of_a_run(url: str) -> list[str]:
+    """A run of two writes of one job generation and key (its outcome unknown): the
+    first, not idempotent, is refused and waits to log its row (the rejection
+    order lock held meanwhile); while it waits the lease API hands the job to a
+    newer generation; the second, idempotent, would forward the key again."""
+    store = await PostgresStore.open(url)
+    holder = await asyncpg.connect(url)
+    try:
+        lease = await store.claim("job-r", owner="w1", ttl=60)
+        first = write(job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE)
+        reserved = await store.decide_write(first, CONTEXT)
+        assert reserved.attempt is not None
+        assert await store.record_outcome(first, reserved.attempt, Outcome("unknown"))
+        async with holder.transaction():
+            await holder.execute(
+                "SELECT pg_advisory_xact_lock($1, $2)", *postgres_batch.REJECTION_ORDER_LOCK
+            )
+            run = [first, dataclasses.replace(first, upstream_idempotent=True)]
+            decided = asyncio.ensure_future(_one_batch(store, run))
+
+            async def waiting() -> bool:
+                return bool(
+                    await holder.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' "
+                        "AND datname = current_database()"
+                    )
+                )
+
+            await eventually(waiting, what="the run's first refusal waiting to log its row")
+            await store.release(lease)
+            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
+        return await decided
+    finally:
+        await holder.close()
+        await store.close()
+
+
+async def test_a_run_reads_its_lease_again_for_each_write(url: str) -> None:
+    assert await _claimed_between_two_decisions_of_a_run(url) == [
+        "outcome_unknown",
+        "stale_generation",
+    ]
+
+
+async def test_a_run_that_keeps_the_lease_it_read_first_forwards_a_replaced_generation(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the clock read again within a run: shows the test above can fail."""
+    clock_only = f"SELECT {postgres_batch._NOW} INTO v_now"
+    ddl = postgres_schema.DECIDE_FUNCTION_DDL
+    assert postgres_batch.READ_AGAIN in ddl
+    monkeypatch.setattr(
+        postgres_schema, "DECIDE_FUNCTION_DDL", ddl.replace(postgres_batch.READ_AGAIN, clock_only)
+    )
+    assert await _claimed_between_two_decisions_of_a_run(url) == ["outcome_unknown", "forward"]
 
 
 # --- the lock order across replicas ------------------------------------------------------

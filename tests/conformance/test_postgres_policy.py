@@ -311,7 +311,7 @@ async def test_a_function_with_one_comparison_changed_is_told_apart(
 ) -> None:
     old, new = MUTATIONS[mutation]
     ddl = postgres_batch.DECIDE_FUNCTION_DDL
-    assert ddl.count(old) == 1
+    assert old in ddl  # every place (a barrier is read in two statements)
     await conn.execute(ddl.replace(old, new))
     try:
         assert await _differences(conn, 1)
