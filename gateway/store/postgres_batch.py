@@ -33,8 +33,10 @@ explicit transaction: the call is its transaction, and its COMMIT (durable,
    holds the key's row, and the job's lock that every change of its mark
    takes). What others can change meanwhile without those locks is read again
    for each decision: the clock, the lease (the lease API locks only its row)
-   and the older attempts' barriers (an outcome recorded for another key of
-   the job lowers them). The key's row goes back once per run for its replays,
+   and the older attempts' barriers (an outcome of another key of the job, an
+   operator's resolve or the janitor lowers them; only a reservation, under the
+   job's lock, raises them). A run ends at any forward, and at any decision of
+   another key or job. The key's row goes back once per run for its replays,
    not once per replay (a stored answer can be `max_replay_body` long).
 
    The rejection-log rows are inserted after the transaction-scoped lock
@@ -122,7 +124,7 @@ ORDERED_INSERTS = (
 # The SQLSTATE the function raises when called under another isolation level than
 # READ COMMITTED (a database or role whose default is REPEATABLE READ or
 # SERIALIZABLE): the store then calls it inside an explicit READ COMMITTED
-# transaction (`decide_batch(..., explicit=True)`).
+# transaction (`PostgresStore._decision_connection`).
 NOT_READ_COMMITTED = "SG001"
 
 # Whether the batch takes its locks in the order of their keys (DISTINCT + ORDER

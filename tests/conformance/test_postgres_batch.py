@@ -166,24 +166,18 @@ async def test_a_run_that_keeps_the_row_of_the_run_before_replays_the_wrong_answ
         await store.close()
 
 
-async def _claimed_between_two_decisions_of_a_run(url: str) -> list[str]:
-    """A run of two writes of one job generation and key (its outcome unknown): the
-    first, not idempotent, is refused and waits to log its row (the rejection
-    order lock held meanwhile); while it waits the lease API hands the job to a
-    newer generation; the second, idempotent, would forward the key again."""
-    store = await PostgresStore.open(url)
+async def _held_between_its_writes(
+    store: PostgresStore, url: str, run: list[WriteFacts], meanwhile: Any
+) -> list[str]:
+    """Decide `run` (two writes of one job generation and key) in one batch, its first
+    write refused and held back from logging its row (the rejection order lock taken
+    here) while `meanwhile()` runs: the verdicts."""
     holder = await asyncpg.connect(url)
     try:
-        lease = await store.claim("job-r", owner="w1", ttl=60)
-        first = write(job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE)
-        reserved = await store.decide_write(first, CONTEXT)
-        assert reserved.attempt is not None
-        assert await store.record_outcome(first, reserved.attempt, Outcome("unknown"))
         async with holder.transaction():
             await holder.execute(
                 "SELECT pg_advisory_xact_lock($1, $2)", *postgres_batch.REJECTION_ORDER_LOCK
             )
-            run = [first, dataclasses.replace(first, upstream_idempotent=True)]
             decided = asyncio.ensure_future(_one_batch(store, run))
 
             async def waiting() -> bool:
@@ -195,11 +189,56 @@ async def _claimed_between_two_decisions_of_a_run(url: str) -> list[str]:
                 )
 
             await eventually(waiting, what="the run's first refusal waiting to log its row")
-            await store.release(lease)
-            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
+            await meanwhile()
         return await decided
     finally:
         await holder.close()
+
+
+async def _claimed_between_two_decisions_of_a_run(url: str) -> list[str]:
+    """A run of two writes of one key whose outcome is unknown: the first, not
+    idempotent, is refused; while it waits to log its row the lease API hands the
+    job to a newer generation; the second, idempotent, would forward the key again."""
+    store = await PostgresStore.open(url)
+    try:
+        lease = await store.claim("job-r", owner="w1", ttl=60)
+        first = write(job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE)
+        reserved = await store.decide_write(first, CONTEXT)
+        assert reserved.attempt is not None
+        assert await store.record_outcome(first, reserved.attempt, Outcome("unknown"))
+
+        async def newer_generation() -> None:
+            await store.release(lease)
+            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
+
+        run = [first, dataclasses.replace(first, upstream_idempotent=True)]
+        return await _held_between_its_writes(store, url, run, newer_generation)
+    finally:
+        await store.close()
+
+
+async def _barrier_lowered_between_two_decisions_of_a_run(url: str) -> list[str]:
+    """A run of two writes of a newer generation, refused while the older one's
+    write of another key is on the wire; while the first waits to log its row, the
+    older write's outcome is recorded."""
+    store = await PostgresStore.open(url)
+    try:
+        older = await store.claim("job-b", owner="w1", ttl=60)
+        on_wire = write(
+            job_id="job-b", generation=older.generation, key="ka", fencing=Fencing.LEASE
+        )
+        reserved = await store.decide_write(on_wire, CONTEXT)
+        assert reserved.attempt is not None
+        await store.release(older)
+        newer = await store.claim("job-b", owner="w2", ttl=60)
+        run = [write(job_id="job-b", generation=newer.generation, key="kb", fencing=Fencing.LEASE)]
+
+        async def settled() -> None:
+            assert reserved.attempt is not None
+            assert await store.record_outcome(on_wire, reserved.attempt, COMPLETED)
+
+        return await _held_between_its_writes(store, url, run * 2, settled)
+    finally:
         await store.close()
 
 
@@ -221,6 +260,32 @@ async def test_a_run_that_keeps_the_lease_it_read_first_forwards_a_replaced_gene
         postgres_schema, "DECIDE_FUNCTION_DDL", ddl.replace(postgres_batch.READ_AGAIN, clock_only)
     )
     assert await _claimed_between_two_decisions_of_a_run(url) == ["outcome_unknown", "forward"]
+
+
+async def test_a_run_reads_the_older_attempts_barrier_again_for_each_write(url: str) -> None:
+    """Decided as if it had just arrived: the older write settled, the second goes."""
+    assert await _barrier_lowered_between_two_decisions_of_a_run(url) == [
+        "older_generation_in_flight",
+        "forward",
+    ]
+
+
+async def test_a_run_that_keeps_the_barrier_it_read_first_refuses_again(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The barrier taken as read within a run: shows the test above can fail."""
+    kept = postgres_batch.READ_AGAIN.replace(f"{postgres_batch._OLDER}, ", "").replace(
+        "v_older, ", ""
+    )
+    ddl = postgres_schema.DECIDE_FUNCTION_DDL
+    assert kept != postgres_batch.READ_AGAIN and postgres_batch.READ_AGAIN in ddl
+    monkeypatch.setattr(
+        postgres_schema, "DECIDE_FUNCTION_DDL", ddl.replace(postgres_batch.READ_AGAIN, kept)
+    )
+    assert await _barrier_lowered_between_two_decisions_of_a_run(url) == [
+        "older_generation_in_flight",
+        "older_generation_in_flight",
+    ]
 
 
 # --- the lock order across replicas ------------------------------------------------------
