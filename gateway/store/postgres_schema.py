@@ -23,6 +23,9 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # v6: a decision batch is one call (`postgres_batch.DECIDE_FUNCTION`): the policy
 # runs in the server. v5's state function is left in place, so v5 replicas still
 # running decide on (their batches take the same locks in the same order).
+# Still v6, no table changed: the decision function became `sinkgate_decide_v2`
+# (a column more: each replay's row, sent once per run of a key); v1 is left in
+# place for the replicas of the release before.
 GATEWAY_SCHEMA_VERSION = 6
 
 GATEWAY_DDL = """
