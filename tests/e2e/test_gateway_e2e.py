@@ -100,6 +100,24 @@ async def test_a_misspelt_destination_gets_a_did_you_mean(gw: Gateway) -> None:
     assert doc["detail"] == "no destination named 'zzzzzz'"
 
 
+async def test_a_destination_with_worker_tokens_is_hinted_only_to_a_holder_of_one(
+    gw: Gateway,
+) -> None:
+    """Without the token check in `_did_you_mean`, the first two get the hint too:
+    a caller without a token could list the guarded names one guess at a time."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        doc = assert_rejected(
+            await gw.write("/to/secur/x", headers=headers), 404, "unknown_destination"
+        )
+        assert doc["detail"] == "no destination named 'secur'"
+    doc = assert_rejected(
+        await gw.write("/to/secur/x", headers={"Authorization": "Bearer s3cret-token"}),
+        404,
+        "unknown_destination",
+    )
+    assert doc["detail"] == "no destination named 'secur' (did you mean 'secure'?)"
+
+
 async def test_an_encoded_nul_anywhere_in_the_path_is_refused_unforwarded(
     gw: Gateway, upstream: RecordingUpstream
 ) -> None:
