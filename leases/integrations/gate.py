@@ -40,11 +40,13 @@ _SUPERSEDED = frozenset({"stale_generation", Reason.UNKNOWN_GENERATION, Reason.O
 
 def job_id_from(*parts: object) -> str:
     """A job id from `parts` joined by ":": kept as it is when it is a valid job id
-    (1-256 visible ASCII), else a readable prefix and a hash, equally stable."""
+    (1-256 visible ASCII), else a readable prefix and a hash, equally stable. A
+    lone surrogate (from JSON's `\\ud800`, say) is hashed as its own bytes, as the
+    TypeScript `jobIdFrom` does, not refused."""
     text = ":".join(str(part) for part in parts)
     if IDENT.fullmatch(text):
         return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     readable = "".join(ch if "\x21" <= ch <= "\x7e" else "_" for ch in text[:200])
     return f"{readable}:{digest}"
 

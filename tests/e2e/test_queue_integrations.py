@@ -60,6 +60,14 @@ def test_job_ids_stay_readable_when_valid_and_are_hashed_when_not() -> None:
     assert job_id_from("x" * 300) != job_id_from("x" * 301)
 
 
+def test_lone_surrogates_are_hashed_as_their_own_bytes_not_refused() -> None:
+    """JSON may carry `\\ud800` alone: such an id is hashed (as the TypeScript
+    `jobIdFrom` does), and two of them stay two ids."""
+    a, b = job_id_from("order", "\ud800"), job_id_from("order", "\udbff")
+    assert a.startswith("order:_:") and b.startswith("order:_:") and a != b
+    assert a != job_id_from("order", "\ufffd")  # not what a replacement would give
+
+
 def test_the_integrations_import_no_gateway_and_no_queue_they_are_not_asked_for() -> None:
     code = (
         "import sys, leases.integrations;"

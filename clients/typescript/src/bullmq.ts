@@ -73,7 +73,7 @@ export function verdict(error: unknown, retryDelay = 1): Verdict | undefined {
  * a readable prefix and a hash, equally stable (Python's `job_id_from`). */
 export function jobIdFrom(text: string): string {
   if (/^[\x21-\x7e]{1,256}$/.test(text)) return text;
-  const digest = createHash("sha256").update(text, "utf8").digest("hex").slice(0, 32);
+  const digest = createHash("sha256").update(utf8Bytes(text)).digest("hex").slice(0, 32);
   // The first 200 code points, as Python's `text[:200]` (not 200 UTF-16 units).
   let readable = "";
   let count = 0;
@@ -82,6 +82,21 @@ export function jobIdFrom(text: string): string {
     readable += ch >= "\x21" && ch <= "\x7e" ? ch : "_";
   }
   return `${readable}:${digest}`;
+}
+
+/** `text`'s UTF-8, a lone surrogate encoded as its own three bytes (Python's
+ * "surrogatepass"): Node's UTF-8 would make every lone surrogate U+FFFD, and two
+ * different ids one. */
+function utf8Bytes(text: string): Buffer {
+  if (!/\p{Cs}/u.test(text)) return Buffer.from(text, "utf8");
+  const bytes: number[] = [];
+  for (const ch of text) {
+    const code = ch.codePointAt(0) ?? 0;
+    if (code >= 0xd800 && code <= 0xdfff)
+      bytes.push(0xe0 | (code >> 12), 0x80 | ((code >> 6) & 0x3f), 0x80 | (code & 0x3f));
+    else bytes.push(...Buffer.from(ch, "utf8"));
+  }
+  return Buffer.from(bytes);
 }
 
 /**

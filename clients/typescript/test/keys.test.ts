@@ -133,7 +133,8 @@ describe("against Python", { skip }, () => {
 
 describe("jobIdFrom against Python's job_id_from", { skip }, () => {
   it("keeps the first 200 code points, not 200 UTF-16 units", () => {
-    const texts = ["😀".repeat(150), "a😀".repeat(150), "job 1", "j".repeat(257), ""];
+    // Lone surrogates too (JSON carries them as `\ud800`): hashed as their own bytes on both sides.
+    const texts = ["😀".repeat(150), "a😀".repeat(150), "job 1", "j".repeat(257), "", "\ud800", "a\udc00b", "\udbff😀"];
     for (let i = 0; i < 200; i++) texts.push(randomText(randomInt(2) ? 20 : 300));
     const theirs = JSON.parse(
       python(
@@ -147,5 +148,11 @@ describe("jobIdFrom against Python's job_id_from", { skip }, () => {
     texts.forEach((text, i) => {
       assert.equal(jobIdFrom(text), theirs[i], JSON.stringify(text));
     });
+  });
+
+  it("keeps two ids with different lone surrogates apart", () => {
+    // Hashed through Node's UTF-8, both would be U+FFFD: one job id for two jobs.
+    assert.notEqual(jobIdFrom("job \ud800"), jobIdFrom("job \udbff"));
+    assert.notEqual(jobIdFrom("job \ud800"), jobIdFrom("job \ufffd"));
   });
 });
