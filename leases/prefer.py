@@ -3,8 +3,9 @@ gateway (the `wait` it honours) and by the writers (a caller's own preferences).
 
 Several preferences may come in one header or several, comma separated, each
 with `;` parameters, and a value may be a token or a quoted string (a comma
-inside quotes separates nothing). A header value that stops being a preference
-list is read up to there; one longer than `MAX_VALUE` is not read at all.
+inside quotes separates nothing); empty elements are skipped. A header value
+that stops being a preference list is read up to there; one longer than
+`MAX_VALUE` is not read at all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _PREFERENCE = re.compile(
     r"""(?:=\s*+(?:"(?P<quoted>(?:[^"\\]++|\\.)*+)"|(?P<token>[^\s,;"]*+)))?"""
     r"""(?P<rest>(?:[^,"]++|"(?:[^"\\]++|\\.)*+")*+)(?:,|$)"""
 )
+_EMPTY = frozenset(" \t,")  # what an empty element is made of
 # A `Prefer` value longer than this is not read: a `wait=N` needs a few bytes,
 # and a value the size of a whole header is not worth scanning.
 MAX_VALUE = 1024
@@ -36,6 +38,11 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
             continue
         position = 0
         while position < len(value):
+            # Empty elements (`, wait=5`, `a,, b`) are skipped (RFC 9110 section 5.6.1).
+            while position < len(value) and value[position] in _EMPTY:
+                position += 1
+            if position == len(value):
+                break
             match = _PREFERENCE.match(value, position)
             if match is None or match.end() == position:
                 break  # not a preference list from here on: nothing more to read

@@ -16,18 +16,24 @@ from leases.prefer import MAX_VALUE, preferences
 
 __all__ = ["MAX_VALUE", "applied_wait", "wait_preference"]
 
-_SECONDS = re.compile(r"[0-9]{1,12}")
+_SECONDS = re.compile(r"[0-9]+")
+# Longer than any `max_wait` (100 years): a larger N is read as this, and capped
+# like any other (its digits are not turned into an int: there may be thousands).
+LONGEST = 10**12
 
 
 def wait_preference(values: Iterable[str]) -> int | None:
-    """The `wait=N` of the `Prefer` header values, N >= 1; None when absent,
-    malformed or zero."""
+    """The `wait=N` of the `Prefer` header values, N >= 1 (at most `LONGEST`);
+    None when absent, malformed or zero."""
     for name, seconds in preferences(values):
         if name != "wait":
             continue
-        if seconds is None or not _SECONDS.fullmatch(seconds) or int(seconds) == 0:
+        if seconds is None or not _SECONDS.fullmatch(seconds):
             return None
-        return int(seconds)
+        digits = seconds.lstrip("0")
+        if not digits:
+            return None
+        return LONGEST if len(digits) > 12 else int(digits)
     return None
 
 

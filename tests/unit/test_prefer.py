@@ -28,7 +28,17 @@ from gateway.write.prefer import MAX_VALUE, applied_wait, wait_preference
         (["wait"], None),
         (["wait="], None),
         (["waiting=5"], None),
-        (["wait=99999999999999"], None),  # more digits than any wait: malformed
+        # Longer than any cap: read as the longest wait, then capped like any other.
+        (["wait=99999999999999"], 10**12),
+        (["wait=1000000000000"], 10**12),
+        (["wait=999999999999"], 999_999_999_999),
+        (["wait=" + "9" * 1000], 10**12),  # never turned into an int
+        (["wait=" + "0" * 30 + "7"], 7),
+        (["wait=0000"], None),
+        # Empty list elements are skipped (RFC 9110 5.6.1), not the end of the list.
+        ([", wait=5"], 5),
+        (["respond-async,, wait=5"], 5),
+        ([" , ,"], None),
         # An unmatched quote ends the list (read in one pass: the pattern is possessive).
         (["a" * 1000 + '"', "wait=4"], 4),
         (["a" + " " * 1000 + '"'], None),
@@ -50,7 +60,8 @@ def test_wait_preference(values: list[str], expected: int | None) -> None:
         (60, 30.0, 30),
         (5, 0.0, 0),  # max_wait "0s": never waits
         (5, 1.5, 1),  # whole seconds only
-        (5, 0.5, 0),
+        (5, 0.5, 0),  # (the config refuses such a max_wait)
+        (10**12, 30.0, 30),
     ],
 )
 def test_applied_wait(preference: int | None, max_wait: float, expected: int) -> None:
