@@ -655,6 +655,10 @@ def test_the_connect_timeout_default_never_exceeds_a_shorter_timeout(
             "upstream_headers.X-A: expected { env",
         ),
         (UPSTREAM + "x = \n", "line 2, column 5: invalid TOML"),
+        (
+            UPSTREAM + 'max_wait = "500ms"\n',  # whole seconds: it would turn waiting off
+            'max_wait: must be "0s" (never wait) or at least 1s',
+        ),
     ],
 )
 def test_destination_file_errors_name_file_and_key(
@@ -663,6 +667,12 @@ def test_destination_file_errors_name_file_and_key(
     path = write_config(tmp_path, payments=destination)
     message = "destinations/payments.toml: " + message
     assert config_error(path, {"V": "v"}).startswith(message)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("0s", 0.0), ("1s", 1.0), ("1500ms", 1.5)])
+def test_max_wait_is_0s_or_at_least_a_second(tmp_path: Path, text: str, seconds: float) -> None:
+    path = write_config(tmp_path, payments=UPSTREAM + f'max_wait = "{text}"\n')
+    assert load_config(path, environ={}).destinations["payments"].max_wait == seconds
 
 
 def test_an_upstream_with_a_query_is_named_without_it(tmp_path: Path) -> None:
