@@ -9,6 +9,7 @@ from gateway.errors import STATUS_BY_REASON
 from gateway.openapi.parts import IDENT, STRING, path_param, problem
 from gateway.write.refusals import REFUSALS
 from leases.model import KEY, TOKEN
+from leases.reasons import REASONS, Reason
 
 _DESCRIPTION = (
     "Forwarded to `{upstream}/{path}?{query}` of the destination after the fence "
@@ -40,7 +41,12 @@ _PREFERENCE_APPLIED = {
         "was honoured from the fence check on; absent when it was not (no or a "
         'malformed preference, `max_wait = "0s"`, or `[server] max_waiting` reached).'
     ),
-    "schema": {"type": "string", "pattern": "^wait=[1-9][0-9]*$"},
+    # After the upstream's own preferences applied, on a relayed or replayed answer.
+    "schema": {"type": "string", "pattern": "^(.+, )?wait=[1-9][0-9]*$"},
+}
+_RETRY_AFTER = {
+    "description": "seconds to wait before trying again (SPEC 2)",
+    "schema": {"type": "string", "pattern": "^[0-9]+$"},
 }
 
 
@@ -77,10 +83,11 @@ def write_operation(method: str) -> dict[str, Any]:
 def _refusals() -> dict[str, Any]:
     """The gateway's own answers on the write route, by status; each may say a
     `Prefer: wait` was applied."""
-    refusals = {
-        str(STATUS_BY_REASON[reasons[0]]): problem(description, *reasons)
-        for description, reasons in REFUSALS
-    }
+    refusals = {}
+    for description, reasons in REFUSALS:
+        answer = refusals[str(STATUS_BY_REASON[reasons[0]])] = problem(description, *reasons)
+        if any(REASONS[Reason(reason)].retry_later for reason in reasons):
+            answer["headers"]["Retry-After"] = _RETRY_AFTER
     for status in ("409", "422", "502", "503", "504"):
         refusals[status]["headers"]["Preference-Applied"] = _PREFERENCE_APPLIED
     return refusals

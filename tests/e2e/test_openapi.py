@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -130,6 +131,14 @@ def test_the_write_route_documents_prefer_wait_and_preference_applied() -> None:
     assert "Prefer" in {p["name"] for p in post["parameters"]}
     for status in ("default", "409"):
         assert "Preference-Applied" in post["responses"][status]["headers"]
+    pattern = re.compile(
+        post["responses"]["409"]["headers"]["Preference-Applied"]["schema"]["pattern"]
+    )
+    # A relayed answer may carry the upstream's own preferences first (`_add_applied`).
+    assert pattern.fullmatch("wait=5") and pattern.fullmatch("respond-async, wait=5")
+    assert not pattern.fullmatch("wait=0")
+    # The two refusals a wait is about say when to try again.
+    assert "Retry-After" in post["responses"]["409"]["headers"]
 
 
 @pytest.fixture(scope="module")
