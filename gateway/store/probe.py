@@ -17,9 +17,11 @@ from urllib.parse import unquote, urlsplit
 
 from gateway.errors import GatewayError
 from gateway.store import sqlite_schema
+from leases import sqlite as lease_sqlite
 
 CONNECT_TIMEOUT_S = 5.0
-_VERSION_SQL = "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
+# Both components' versions: `serve` refuses a database either is newer in.
+_VERSION_SQL = "SELECT component, version FROM sinkgate_schema"
 _INVALID_CATALOG = "3D000"  # SQLSTATE: the database does not exist
 _UNDEFINED_TABLE = "42P01"
 _AUTH_FAILED = ("28000", "28P01")
@@ -37,40 +39,66 @@ async def store_status(url: str) -> str:
     return await _postgres_status(url)
 
 
-def schema_words(version: int | None, current: int) -> str:
+def schema_words(version: int | None, current: int, component: str = "") -> str:
     """`missing`, `older`, `current` or (ProbeFailed) newer than this release's
-    `current` (each backend numbers its own schema)."""
+    `current` (each backend numbers its own schema); `component`: the name
+    before "schema" (the gateway's own schema goes unnamed)."""
+    schema = f"{component} schema" if component else "schema"
     if version is None:
-        return "schema missing: serve creates it"
+        return f"{schema} missing: serve creates it"
     if version < current:
-        return f"schema older (v{version}): serve upgrades it to v{current}"
+        return f"{schema} older (v{version}): serve upgrades it to v{current}"
     if version == current:
-        return f"schema current (v{version})"
+        return f"{schema} current (v{version})"
     raise ProbeFailed(
-        f"its schema is v{version}, newer than this release's v{current}: "
+        f"its {schema} is v{version}, newer than this release's v{current}: "
         "run the release that wrote it, or a newer one"
     )
 
 
+def schemas_words(versions: dict[str, int], gateway: int, leases: int) -> str:
+    """The gateway's schema in words (`schema_words`), then the lease store's
+    where it is not current too (`serve` checks both, and refuses a newer one)."""
+    words = schema_words(versions.get("gateway"), gateway)
+    leases_version = versions.get("leases")
+    leases_words = schema_words(leases_version, leases, "leases")  # raises when newer
+    if "gateway" in versions and leases_version != leases:
+        words += f"; {leases_words}"
+    return words
+
+
 def _sqlite_status(path: str) -> str:
     current = sqlite_schema.GATEWAY_SCHEMA_VERSION
+    leases = lease_sqlite.LEASES_SCHEMA_VERSION
     if path == ":memory:":
         return "in memory: nothing to check"
     file = Path(path)
     if not file.exists():
         parent = file.parent
-        if not parent.is_dir():
-            raise ProbeFailed(f"its directory {parent} does not exist: create it")
-        if not os.access(parent, os.W_OK):
-            raise ProbeFailed(f"its directory {parent} is not writable by this user")
-        return "file missing: serve creates it with the schema"
+        if parent.is_dir():
+            if not os.access(parent, os.W_OK):
+                raise ProbeFailed(f"its directory {parent} is not writable by this user")
+            return "file missing: serve creates it with the schema"
+        # `serve` makes the missing directories (as `sinkgate init` leaves `data/`
+        # to it): it can where the nearest one that exists is a writable directory.
+        existing = next((p for p in parent.parents if p.exists()), Path("."))
+        if not existing.is_dir():
+            raise ProbeFailed(
+                f"{existing} is in the way of its directory {parent}: not a directory"
+            )
+        if not os.access(existing, os.W_OK):
+            raise ProbeFailed(
+                f"its directory {parent} does not exist, and {existing} is not writable "
+                "by this user: create it"
+            )
+        return "file missing: serve creates it and its directory, with the schema"
     try:
         # A URI, so that mode=ro holds: the path encoded in it, or a `#`, `?` or `%`
         # in a directory's name would name (and create) another file.
         uri = file.resolve().as_uri() + "?mode=ro"
         conn = sqlite3.connect(uri, uri=True, timeout=CONNECT_TIMEOUT_S)
         try:
-            row = conn.execute(_VERSION_SQL).fetchone()
+            rows = conn.execute(_VERSION_SQL).fetchall()
         finally:
             conn.close()
     except sqlite3.OperationalError as exc:
@@ -79,13 +107,14 @@ def _sqlite_status(path: str) -> str:
         raise ProbeFailed(f"cannot be read: {exc}") from exc
     except sqlite3.DatabaseError as exc:
         raise ProbeFailed(f"is not a SQLite database: {exc}") from exc
-    return schema_words(None if row is None else int(row[0]), current)
+    return schemas_words({str(c): int(v) for c, v in rows}, current, leases)
 
 
 async def _postgres_status(url: str) -> str:
     import asyncpg  # type: ignore[import-untyped]
 
     from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION as current
+    from leases.postgres import LEASES_SCHEMA_VERSION as leases
 
     try:
         conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
@@ -98,14 +127,14 @@ async def _postgres_status(url: str) -> str:
     ) as exc:
         raise ProbeFailed(postgres_trouble(url, exc)) from exc
     try:
-        version = await conn.fetchval(_VERSION_SQL)
+        rows = await conn.fetch(_VERSION_SQL)
     except asyncpg.PostgresError as exc:
         if getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE:
             return schema_words(None, current)
         raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.close()
-    return schema_words(None if version is None else int(version), current)
+    return schemas_words({str(c): int(v) for c, v in rows}, current, leases)
 
 
 def postgres_trouble(url: str, exc: BaseException) -> str:

@@ -71,6 +71,35 @@ async def test_schema_current_and_older(tmp_path, listening, capfd):
     assert code == 0 and "schema older (v2): serve upgrades it" in out
 
 
+async def test_the_lease_stores_schema_is_checked_too(tmp_path, listening, capfd):
+    """`serve` refuses a database whose `leases` schema is newer than it knows;
+    --connect read only the gateway's row and called such a store current."""
+    path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{listening}/")
+    await (await SQLiteStore.open(f"sqlite:///{tmp_path / 'data.db'}")).close()
+    with sqlite3.connect(tmp_path / "data.db") as conn:
+        conn.execute("UPDATE sinkgate_schema SET version = 9 WHERE component = 'leases'")
+    code, out, err = await check(path, capfd)
+    assert code == 1, out
+    assert "its leases schema is v9, newer than this release's v1" in err
+    with sqlite3.connect(tmp_path / "data.db") as conn:
+        conn.execute("UPDATE sinkgate_schema SET version = 0 WHERE component = 'leases'")
+    code, out, _ = await check(path, capfd)
+    assert code == 0
+    assert f"schema current (v{GATEWAY_SCHEMA_VERSION}); leases schema older (v0)" in out
+
+
+async def test_a_missing_data_directory_is_made_by_serve_not_a_failure(tmp_path, listening, capfd):
+    """As `sinkgate init` leaves it: `data/` does not exist yet, and `serve` makes it."""
+    path = config(tmp_path, "sqlite:///data/sub/sinkgate.db", pay=f"http://127.0.0.1:{listening}/")
+    code, out, err = await check(path, capfd)
+    assert code == 0, err
+    assert "file missing: serve creates it and its directory, with the schema" in out
+    assert not (tmp_path / "data").exists()  # read-only: nothing made
+    (tmp_path / "data").write_text("")  # a file where the directory would go
+    code, _, err = await check(path, capfd)
+    assert code == 1 and "is in the way of its directory" in err
+
+
 async def test_an_unreachable_upstream_exits_1_naming_it(tmp_path, capfd):
     port = closed_port()
     path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{port}/")
