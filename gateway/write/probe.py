@@ -1,7 +1,8 @@
 """`check-config --connect`'s look at each destination's upstream (SPEC 6): a TCP
 connection, and a TLS handshake where the upstream is `https://`, with the
 destination's CA bundle and client certificate, as its forwards would make.
-Nothing is sent: the connection is closed once it is made."""
+Nothing is sent: the connection is closed once it is made (under TLS 1.3, once a
+refusal of the client certificate would have arrived: see `_refused_late`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ async def upstream_status(dest: DestinationConfig) -> str:
         context = ssl.create_default_context()
     try:
         async with asyncio.timeout(dest.connect_timeout):
-            _, writer = await asyncio.open_connection(
+            reader, writer = await asyncio.open_connection(
                 host, port, ssl=context, server_hostname=host if tls else None
             )
     except ssl.SSLCertVerificationError as exc:
@@ -70,7 +71,11 @@ async def upstream_status(dest: DestinationConfig) -> str:
             f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "
             "running, and is the port right?"
         ) from exc
-    writer.close()
+    try:
+        if tls:
+            await _refused_late(reader, writer, min(LATE_REFUSAL_S, dest.connect_timeout))
+    finally:
+        writer.close()
     try:
         await writer.wait_closed()
     except (OSError, ssl.SSLError):
@@ -82,6 +87,38 @@ async def upstream_status(dest: DestinationConfig) -> str:
 
 
 _DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+# How long a TLS 1.3 connection is watched for the server's refusal of the client
+# certificate once the handshake is done (a round trip; it comes at once on a LAN).
+LATE_REFUSAL_S = 0.5
+
+
+async def _refused_late(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wait: float
+) -> None:
+    """Under TLS 1.3 the server checks the client's certificate after the client's
+    handshake is over, so a missing or refused one arrives as an alert on the
+    first read, not as a failed handshake: read for `wait` seconds, and raise
+    `UpstreamUnreachable` if the connection ends in that time (asyncio reads the
+    alert as the end of the stream) or is reset. Silence or data: the server took
+    the connection (an HTTP server waits for the request)."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    if ssl_object is None or ssl_object.version() != "TLSv1.3":
+        return
+    why = "it closed the connection"
+    try:
+        async with asyncio.timeout(wait):
+            if await reader.read(1):
+                return
+    except TimeoutError:
+        return
+    except (ssl.SSLError, *_DROPPED) as exc:
+        why = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else _why(exc)
+    raise UpstreamUnreachable(
+        f"TLS: the upstream refused the connection once the handshake was done ({why}), "
+        "as a server refusing the client certificate does: a client certificate it wants goes "
+        "in client_cert and client_key, signed by a CA it trusts"
+    )
 
 
 def _why(exc: OSError) -> str:

@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import socket
 import sqlite3
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from gateway import cli
 from gateway.config.model import load_config
@@ -238,3 +240,44 @@ async def test_the_probes_report_a_host_name_the_resolver_refuses(tmp_path):
         await store_status("postgresql://postgres:pw-secret@a..b:5432/x")
     assert "cannot resolve the host of a..b:5432 (label empty or too long)" in str(failed.value)
     assert "pw-secret" not in str(failed.value)
+
+
+async def test_a_tls_13_upstream_refusing_the_client_certificate_is_a_failure(tmp_path, capfd):
+    """Under TLS 1.3 a server that wants a client certificate refuses it after the
+    handshake: without the late read (`_refused_late` returning at once) this
+    reported `connected` for an upstream every forward would fail on."""
+    from tests.e2e.test_tls import ca_file, write_pems
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    context.verify_mode = ssl.CERT_REQUIRED
+    ca.configure_trust(context)
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read(1)  # the client's certificate is checked here
+        except (ssl.SSLError, OSError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    trust = ca_file(tmp_path, ca)
+    chain, key = write_pems(tmp_path, ca, "client")
+    path = config(tmp_path, "sqlite:///data.db")
+    pay = tmp_path / "destinations" / "pay.toml"
+    async with server:
+        pay.write_text(f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{trust}"\n')
+        code, _, err = await check(path, capfd)
+        assert code == 1
+        assert "TLS: the upstream refused the connection once the handshake was done" in err
+        assert "client_cert and client_key" in err
+        pay.write_text(
+            f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{trust}"\n'
+            f'client_cert = "{chain}"\nclient_key = "{key}"\n'
+        )
+        code, out, err = await check(path, capfd)
+        assert code == 0, err
+        assert f"pay  https://127.0.0.1:{port}/api: connected (TLS, certificate verified)" in out
