@@ -14,6 +14,7 @@ import { hostname } from "node:os";
 import { bounded } from "./abort.js";
 import {
   JobCompleted,
+  type LeaseErrorFields,
   LeaseHeld,
   LeaseLost,
   type Problem,
@@ -94,10 +95,11 @@ export class LeaseClient {
     if (reason === "lease_held") {
       const { owner: holder, expires_in: expiresIn, current_generation: current } = answer.doc;
       if (typeof holder === "string" && typeof expiresIn === "number") {
-        throw new LeaseHeld(jobId, holder, expiresIn, isInt(current) ? current : undefined, answer.retryAfter);
+        const generation = isInt(current) ? current : undefined;
+        throw new LeaseHeld(jobId, holder, expiresIn, generation, answer.retryAfter, sent(answer));
       }
     } else if (reason === "job_completed") {
-      throw new JobCompleted(jobId);
+      throw new JobCompleted(jobId, sent(answer));
     }
     throw unexpected(answer.status, answer.doc);
   }
@@ -139,7 +141,7 @@ export class LeaseClient {
     const reason = answer.doc.reason;
     if (answer.status === 409 && typeof reason === "string" && LOST_REASONS.includes(reason)) {
       const current = answer.doc.current_generation;
-      throw new LeaseLost(jobId, generation, reason, isInt(current) ? current : undefined);
+      throw new LeaseLost(jobId, generation, reason, isInt(current) ? current : undefined, sent(answer));
     }
     throw unexpected(answer.status, answer.doc);
   }
@@ -174,8 +176,11 @@ export class LeaseClient {
     }
     const { status, raw } = answer;
     const retryAfter = parseRetryAfter(answer.retryAfter);
-    if (status >= 500) throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`);
     const doc = parseObject(raw);
+    if (status >= 500) {
+      const fields = doc === undefined ? { status } : sent({ status, doc });
+      throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`, fields);
+    }
     if (doc === undefined) {
       throw new StoreUnavailable(`lease API ${method} ${path} answered ${status} without a JSON object`);
     }
@@ -248,6 +253,12 @@ function sendVerbatim(
 
 function isInt(value: unknown): value is number {
   return typeof value === "number" && Number.isInteger(value);
+}
+
+/** The answer's status, detail and problem+json body, for a lease error. */
+function sent(answer: { status: number; doc: Problem }): LeaseErrorFields {
+  const detail = answer.doc.detail;
+  return { status: answer.status, detail: typeof detail === "string" ? detail : "", problem: answer.doc };
 }
 
 function unexpected(status: number, doc: Problem): Error {

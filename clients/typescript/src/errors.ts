@@ -12,14 +12,30 @@ import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, REASONS } from "./reasons.js";
 /** A problem+json body (RFC 9457) as the gateway sends it. */
 export type Problem = Readonly<Record<string, unknown>>;
 
-/** Root of every lease error; `reason` is the contract's reason code. */
+/** What the lease API's answer said besides the reason, where it answered. */
+export interface LeaseErrorFields {
+  readonly status?: number | undefined;
+  readonly detail?: string | undefined;
+  readonly problem?: Problem | undefined;
+}
+
+/** Root of every lease error; `reason` is the contract's reason code, and
+ * `status`, `detail` and `problem` the gateway's answer where there was one
+ * (undefined, "" and {} for what the worker decided itself, such as its own
+ * clock's `lease_expired`). */
 export class LeaseError extends Error {
   readonly reason: string;
+  readonly status: number | undefined;
+  readonly detail: string;
+  readonly problem: Problem;
 
-  constructor(message: string, reason: string) {
+  constructor(message: string, reason: string, fields: LeaseErrorFields = {}) {
     super(message);
     this.name = new.target.name;
     this.reason = reason;
+    this.status = fields.status;
+    this.detail = fields.detail ?? "";
+    this.problem = fields.problem ?? {};
   }
 }
 
@@ -31,10 +47,18 @@ export class LeaseHeld extends LeaseError {
   readonly currentGeneration: number | undefined;
   readonly retryAfter: number | undefined;
 
-  constructor(jobId: string, owner: string, expiresIn: number, currentGeneration?: number, retryAfter?: number) {
+  constructor(
+    jobId: string,
+    owner: string,
+    expiresIn: number,
+    currentGeneration?: number,
+    retryAfter?: number,
+    fields?: LeaseErrorFields,
+  ) {
     super(
       `job ${JSON.stringify(jobId)} is held by ${JSON.stringify(owner)} for ${expiresIn.toFixed(3)}s more`,
       "lease_held",
+      fields,
     );
     this.jobId = jobId;
     this.owner = owner;
@@ -48,8 +72,8 @@ export class LeaseHeld extends LeaseError {
 export class JobCompleted extends LeaseError {
   readonly jobId: string;
 
-  constructor(jobId: string) {
-    super(`job ${JSON.stringify(jobId)} is completed`, "job_completed");
+  constructor(jobId: string, fields?: LeaseErrorFields) {
+    super(`job ${JSON.stringify(jobId)} is completed`, "job_completed", fields);
     this.jobId = jobId;
   }
 }
@@ -64,8 +88,14 @@ export class LeaseLost extends LeaseError {
   readonly generation: number;
   readonly currentGeneration: number | undefined;
 
-  constructor(jobId: string, generation: number, reason: string, currentGeneration?: number) {
-    super(`lease on ${JSON.stringify(jobId)} generation ${generation} lost: ${reason}`, reason);
+  constructor(
+    jobId: string,
+    generation: number,
+    reason: string,
+    currentGeneration?: number,
+    fields?: LeaseErrorFields,
+  ) {
+    super(`lease on ${JSON.stringify(jobId)} generation ${generation} lost: ${reason}`, reason, fields);
     this.jobId = jobId;
     this.generation = generation;
     this.currentGeneration = currentGeneration;
@@ -74,8 +104,8 @@ export class LeaseLost extends LeaseError {
 
 /** The lease API could not be reached or gave no clear answer; the call may be retried. */
 export class StoreUnavailable extends LeaseError {
-  constructor(message: string) {
-    super(message, "store_unavailable");
+  constructor(message: string, fields?: LeaseErrorFields) {
+    super(message, "store_unavailable", fields);
   }
 }
 

@@ -90,8 +90,10 @@ class Hold {
     if (this.lost !== undefined) throw this.lost;
   }
 
-  lose(reason: string, currentGeneration?: number): void {
-    this.lost ??= new LeaseLost(this.lease.jobId, this.lease.generation, reason, currentGeneration);
+  /** Lost for `reason`, or as the gateway's `LeaseLost` answer says (kept whole,
+   * its status, detail and problem with it). */
+  lose(reason: string | LeaseLost): void {
+    this.lost ??= reason instanceof LeaseLost ? reason : new LeaseLost(this.lease.jobId, this.lease.generation, reason);
     this.body.abort(this.lost);
   }
 
@@ -238,7 +240,7 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
       } catch (error) {
         if (stop.aborted) return;
         if (error instanceof LeaseLost) {
-          state.lose(error.reason, error.currentGeneration);
+          state.lose(error);
           return;
         }
         // StoreUnavailable, our own timeout, or an answer we could not read:

@@ -19,6 +19,7 @@ export {
   GatewayUnavailable,
   JobCompleted,
   LeaseError,
+  type LeaseErrorFields,
   LeaseHeld,
   LeaseLost,
   type Problem,

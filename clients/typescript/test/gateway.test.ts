@@ -85,6 +85,14 @@ describe("through a real gateway", { skip }, () => {
     await assert.rejects(client.claim(job, { owner: "other", ttl: 5 }), (e: unknown) => {
       return e instanceof LeaseHeld && e.owner === "w" && e.currentGeneration === lease.generation && e.expiresIn > 0;
     });
+    // SPEC 3.2: errors carry what the gateway sent: its status, detail and problem.
+    await assert.rejects(client.claim(job, { owner: "other", ttl: 5 }), (e: unknown) => {
+      assert.ok(e instanceof LeaseHeld);
+      assert.equal(e.status, 409);
+      assert.equal(e.problem.reason, "lease_held");
+      assert.ok(e.detail.length > 0 && e.detail === e.problem.detail);
+      return true;
+    });
     assert.equal((await client.release(renewed)).state, "free");
     await assert.rejects(
       client.renew(renewed),
@@ -96,13 +104,22 @@ describe("through a real gateway", { skip }, () => {
       client.renew({ ...next, owner: "intruder" }),
       (e: unknown) => e instanceof LeaseLost && e.reason === "owner_mismatch",
     );
-    await assert.rejects(
-      client.renew({ ...next, generation: next.generation + 5 }),
-      (e: unknown) => e instanceof LeaseLost && e.reason === "unknown_generation",
-    );
+    await assert.rejects(client.renew({ ...next, generation: next.generation + 5 }), (e: unknown) => {
+      assert.ok(e instanceof LeaseLost && e.reason === "unknown_generation");
+      assert.equal(e.status, 409);
+      assert.equal(e.currentGeneration, next.generation);
+      assert.equal(e.problem.reason, "unknown_generation");
+      assert.ok(e.detail.length > 0);
+      return true;
+    });
     await client.complete(next);
     assert.equal((await client.get(job))?.state, "done");
-    await assert.rejects(client.claim(job, { owner: "w", ttl: 5 }), JobCompleted);
+    await assert.rejects(client.claim(job, { owner: "w", ttl: 5 }), (e: unknown) => {
+      assert.ok(e instanceof JobCompleted);
+      assert.equal(e.status, 409);
+      assert.equal(e.problem.reason, "job_completed");
+      return true;
+    });
     await assert.rejects(client.renew(next), (e: unknown) => e instanceof LeaseLost && e.reason === "job_completed");
   });
 

@@ -128,7 +128,13 @@ describe("hold through a real gateway", { skip }, () => {
     const write = await held;
     const current = (await client.get(job)) as Lease;
     await client.release(current); // the lease is taken away: the next renewal is refused
-    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "lease_not_held");
+    await assert.rejects(running, (e: unknown) => {
+      // The gateway's refusal itself, with its status and problem, not a copy without them.
+      assert.ok(e instanceof LeaseLost && e.reason === "lease_not_held");
+      assert.equal(e.status, 409);
+      assert.equal(e.problem.reason, "lease_not_held");
+      return true;
+    });
     assert.equal(await write.cut, true, "the worker cut its request");
     assert.equal(await write.forward(), undefined);
     assert.equal(upstream.of(job).length, 0);
