@@ -361,9 +361,15 @@ class WriteGateway:
         if cap == 0:
             return await self._decide(destination, facts, context)
         deciding = _Deciding(self, destination, facts, context)
-        waited = await self.waiters.decide(
-            facts, cap, deciding, lambda: request.transport is None, starter=deciding
-        )
+        try:
+            waited = await self.waiters.decide(
+                facts, cap, deciding, lambda: request.transport is None, starter=deciding
+            )
+        except Rejection as rejection:  # the store failed, or too many being decided
+            # Honoured from the fence check on, as every other answer of it says
+            # (SPEC 2). A copy: `headers` may be a constant shared by rejections.
+            rejection.headers = {**rejection.headers, "Preference-Applied": f"wait={cap}"}
+            raise
         return Decided(
             waited.verdict,
             deciding.store_ms,

@@ -21,6 +21,7 @@ from gateway.policy.decision import Fencing
 from gateway.store.records import RejectionQuery
 from gateway.write.line import Decided
 from gateway.write.route import WriteGateway
+from leases.errors import StoreUnavailable
 from tests.harness import (
     Gateway,
     destination,
@@ -323,3 +324,22 @@ async def test_the_destinations_own_applied_preferences_are_kept(gw: Gateway) ->
     status, headers, _ = await gw.write("/to/pay/x", key="k", headers=prefer)
     assert status == 201 and headers["Idempotent-Replayed"] == "true"
     assert headers["Preference-Applied"] == "wait=10"
+
+
+async def test_a_store_failure_deciding_a_waiting_write_says_the_wait_applied(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC 2: every answer to a write whose `Prefer: wait` is honoured says so,
+    the 503 of a store that failed while deciding it too; a write without the
+    header gets none."""
+    await gw.claim("job-1")
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("the store is down")
+
+    monkeypatch.setattr(gw.app[WRITES].store, "decide_write", down)
+    status, headers, _ = await gw.write("/to/pay/x", headers=WAIT)
+    assert status == 503 and headers["Sinkgate-Rejected"] == "store_unavailable"
+    assert headers["Preference-Applied"] == "wait=10"
+    status, headers, _ = await gw.write("/to/pay/x", key="key-2")
+    assert status == 503 and "Preference-Applied" not in headers
