@@ -265,7 +265,12 @@ class WriteGateway:
             response = self.replays.response(decision, decided.prefer_wait)  # says the wait
             return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
-        await self._admit(destination, facts, verdict.attempt)
+        try:
+            await self._admit(destination, facts, verdict.attempt)
+        except Rejection as rejection:  # the wire filled up while it was decided
+            if decided.prefer_wait is not None:
+                _say_applied(rejection, decided.prefer_wait)
+            raise
         try:
             return await self._forward_shielded(request, destination, checked, decided)
         finally:
@@ -366,9 +371,7 @@ class WriteGateway:
                 facts, cap, deciding, lambda: request.transport is None, starter=deciding
             )
         except Rejection as rejection:  # the store failed, or too many being decided
-            # Honoured from the fence check on, as every other answer of it says
-            # (SPEC 2). A copy: `headers` may be a constant shared by rejections.
-            rejection.headers = {**rejection.headers, "Preference-Applied": f"wait={cap}"}
+            _say_applied(rejection, cap)
             raise
         return Decided(
             waited.verdict,
@@ -581,6 +584,13 @@ def _preference_applied(
     cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
         _add_applied(answer.headers, cap)
+
+
+def _say_applied(rejection: Rejection, cap: int) -> None:
+    """A refusal raised after the wait was honoured (from the fence check on) says
+    so, as every other answer of the write does (SPEC 2). A copy: `headers` may be
+    a constant shared by rejections."""
+    rejection.headers = {**rejection.headers, "Preference-Applied": f"wait={cap}"}
 
 
 def _add_applied(headers: CIMultiDict[str], cap: int) -> None:

@@ -343,3 +343,16 @@ async def test_a_store_failure_deciding_a_waiting_write_says_the_wait_applied(
     assert headers["Preference-Applied"] == "wait=10"
     status, headers, _ = await gw.write("/to/pay/x", key="key-2")
     assert status == 503 and "Preference-Applied" not in headers
+
+
+async def test_a_wire_full_after_the_decision_of_a_waiting_write_says_the_wait_applied(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The destination's wire filled while the write was decided (free before, full
+    after): its 503 comes after the fence check, and says the wait like the rest."""
+    await gw.claim("job-1")
+    looks = iter([False, True])
+    monkeypatch.setattr(WriteGateway, "_full", lambda self, destination: next(looks))
+    status, headers, _ = await gw.write("/to/pay/x", headers=WAIT)
+    assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
+    assert headers["Preference-Applied"] == "wait=10"
