@@ -18,7 +18,6 @@ from multidict import CIMultiDictProxy
 
 from gateway.config.model import DestinationConfig
 from gateway.errors import Rejection
-from gateway.http.auth import authorization, bearer_matches
 from gateway.http.problem import invalid_request
 from gateway.policy.decision import WriteFacts, fingerprint
 from gateway.write.paths import has_nul
@@ -83,8 +82,7 @@ def checked_destination(
     if destination is None:
         raise Rejection(
             Reason.UNKNOWN_DESTINATION,
-            f"no destination named {target.destination!r}"
-            f"{_did_you_mean(request, target, destinations)}",
+            f"no destination named {target.destination!r}{_did_you_mean(target, destinations)}",
             destination=target.destination,
         )
     if request.method not in destination.methods:
@@ -109,23 +107,18 @@ def checked_destination(
     return destination
 
 
-def _did_you_mean(
-    request: web.Request, target: Target, destinations: Mapping[str, DestinationConfig]
-) -> str:
+def _did_you_mean(target: Target, destinations: Mapping[str, DestinationConfig]) -> str:
     """` (did you mean 'example'?)` for a name close to a configured one, as the
-    config errors hint at a misspelt key; "" when none is close. A destination
-    that asks for a worker token is named only to a caller presenting one of its
-    tokens: the hint must not list, one guess at a time, the names a caller
-    without a token could not write to."""
+    config errors hint at a misspelt key; "" when none is close. Only destinations
+    without worker tokens are named: the hint must not list, one guess at a time,
+    the names a caller without a token could not write to (and checking a token
+    here would let a 404, never recorded, tell whether a guessed token is right).
+    A worker with a token knows its destination's name."""
     if len(target.destination) > 256:
         return ""  # nobody misspells that much; and the comparison grows with it
-    close = difflib.get_close_matches(target.destination, destinations, n=1)
-    if not close:
-        return ""
-    tokens = destinations[close[0]].worker_tokens
-    if tokens is not None and not bearer_matches(authorization(request.headers), tokens):
-        return ""
-    return f" (did you mean {close[0]!r}?)"
+    open_names = [name for name, d in destinations.items() if d.worker_tokens is None]
+    close = difflib.get_close_matches(target.destination, open_names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def write_facts(
