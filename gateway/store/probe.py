@@ -81,7 +81,8 @@ def _sqlite_status(path: str) -> str:
             return "file missing: serve creates it with the schema"
         # `serve` makes the missing directories (as `sinkgate init` leaves `data/`
         # to it): it can where the nearest one that exists is a writable directory.
-        existing = next((p for p in parent.parents if p.exists()), Path("."))
+        # `lexists`: a dangling link is in the way too (serve's mkdir fails on it).
+        existing = next((p for p in (parent, *parent.parents) if os.path.lexists(p)), Path("."))
         if not existing.is_dir():
             raise ProbeFailed(
                 f"{existing} is in the way of its directory {parent}: not a directory"

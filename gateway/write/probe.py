@@ -71,9 +71,10 @@ async def upstream_status(dest: DestinationConfig) -> str:
             f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "
             "running, and is the port right?"
         ) from exc
+    closed = ""
     try:
         if tls:
-            await _refused_late(reader, writer, min(LATE_REFUSAL_S, dest.connect_timeout))
+            closed = await _refused_late(reader, writer, min(LATE_REFUSAL_S, dest.connect_timeout))
     finally:
         writer.close()
     try:
@@ -83,7 +84,7 @@ async def upstream_status(dest: DestinationConfig) -> str:
     if not tls:
         return "connected (TCP)"
     verified = "certificate verified" if dest.tls_verify else "certificate NOT verified"
-    return f"connected (TLS, {verified})"
+    return f"connected (TLS, {verified}{closed})"
 
 
 _DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
@@ -95,29 +96,34 @@ LATE_REFUSAL_S = 0.5
 
 async def _refused_late(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wait: float
-) -> None:
+) -> str:
     """Under TLS 1.3 the server checks the client's certificate after the client's
     handshake is over, so a missing or refused one arrives as an alert on the
     first read, not as a failed handshake: read for `wait` seconds, and raise
-    `UpstreamUnreachable` if the connection ends in that time (asyncio reads the
-    alert as the end of the stream) or is reset. Silence or data: the server took
-    the connection (an HTTP server waits for the request)."""
+    `UpstreamUnreachable` on an alert or a reset. Silence or data: the server took
+    the connection (an HTTP server waits for the request): "". A plain close
+    may be a refusal (some servers, asyncio's among them, close without sending
+    the alert) or a server that drops idle connections at once: not a failure,
+    but the words that say so."""
     ssl_object = writer.get_extra_info("ssl_object")
     if ssl_object is None or ssl_object.version() != "TLSv1.3":
-        return
-    why = "it closed the connection"
+        return ""
     try:
         async with asyncio.timeout(wait):
             if await reader.read(1):
-                return
+                return ""
     except TimeoutError:
-        return
+        return ""
     except (ssl.SSLError, *_DROPPED) as exc:
         why = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else _why(exc)
-    raise UpstreamUnreachable(
-        f"TLS: the upstream refused the connection once the handshake was done ({why}), "
-        "as a server refusing the client certificate does: a client certificate it wants goes "
-        "in client_cert and client_key, signed by a CA it trusts"
+        raise UpstreamUnreachable(
+            f"TLS: the upstream refused the connection once the handshake was done ({why}): "
+            "a client certificate it wants goes in client_cert and client_key, signed by a "
+            "CA it trusts"
+        ) from exc
+    return (
+        "; but it closed the connection at once: if it wants a client certificate, "
+        "set client_cert and client_key"
     )
 
 

@@ -9,7 +9,9 @@ import dataclasses
 import socket
 import sqlite3
 import ssl
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,17 @@ async def test_a_missing_data_directory_is_made_by_serve_not_a_failure(tmp_path,
     assert "file missing: serve creates it and its directory, with the schema" in out
     assert not (tmp_path / "data").exists()  # read-only: nothing made
     (tmp_path / "data").write_text("")  # a file where the directory would go
+    code, _, err = await check(path, capfd)
+    assert code == 1 and "is in the way of its directory" in err
+    # The file's own directory in the way (`parents` alone leaves it out), and a
+    # dangling link there.
+    (tmp_path / "data").unlink()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sub").write_text("")
+    code, _, err = await check(path, capfd)
+    assert code == 1 and "is in the way of its directory" in err
+    (tmp_path / "data" / "sub").unlink()
+    (tmp_path / "data" / "sub").symlink_to(tmp_path / "nowhere")
     code, _, err = await check(path, capfd)
     assert code == 1 and "is in the way of its directory" in err
 
@@ -242,6 +255,41 @@ async def test_the_probes_report_a_host_name_the_resolver_refuses(tmp_path):
     assert "pw-secret" not in str(failed.value)
 
 
+def client_ca_server(ca: trustme.CA) -> ssl.SSLContext:
+    """A TLS 1.3-only server context that wants a client certificate signed by `ca`."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    context.verify_mode = ssl.CERT_REQUIRED
+    ca.configure_trust(context)
+    return context
+
+
+@contextmanager
+def alerting_upstream(context: ssl.SSLContext, connections: int) -> Iterator[int]:
+    """A blocking TLS server on a thread: OpenSSL sends the refusal's alert, as
+    nginx and the like do (asyncio's server only closes)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(10)
+
+    def serve() -> None:
+        for _ in range(connections):
+            try:
+                conn, _ = server.accept()
+                with context.wrap_socket(conn, server_side=True) as tls:
+                    tls.recv(1)  # the client's certificate is checked here
+            except (OSError, ssl.SSLError):
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+        thread.join(timeout=10)
+
+
 async def test_a_tls_13_upstream_refusing_the_client_certificate_is_a_failure(tmp_path, capfd):
     """Under TLS 1.3 a server that wants a client certificate refuses it after the
     handshake: without the late read (`_refused_late` returning at once) this
@@ -249,35 +297,45 @@ async def test_a_tls_13_upstream_refusing_the_client_certificate_is_a_failure(tm
     from tests.e2e.test_tls import ca_file, write_pems
 
     ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    context.verify_mode = ssl.CERT_REQUIRED
-    ca.configure_trust(context)
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.read(1)  # the client's certificate is checked here
-        except (ssl.SSLError, OSError):
-            pass
-        writer.close()
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0, ssl=context)
-    port = server.sockets[0].getsockname()[1]
+    context = client_ca_server(ca)
     trust = ca_file(tmp_path, ca)
     chain, key = write_pems(tmp_path, ca, "client")
     path = config(tmp_path, "sqlite:///data.db")
     pay = tmp_path / "destinations" / "pay.toml"
-    async with server:
+    with alerting_upstream(context, connections=2) as port:
         pay.write_text(f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{trust}"\n')
         code, _, err = await check(path, capfd)
         assert code == 1
         assert "TLS: the upstream refused the connection once the handshake was done" in err
-        assert "client_cert and client_key" in err
+        assert "TLSV13_ALERT_CERTIFICATE_REQUIRED" in err
         pay.write_text(
             f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{trust}"\n'
             f'client_cert = "{chain}"\nclient_key = "{key}"\n'
         )
         code, out, err = await check(path, capfd)
         assert code == 0, err
-        assert f"pay  https://127.0.0.1:{port}/api: connected (TLS, certificate verified)" in out
+        assert f"pay  https://127.0.0.1:{port}/api: connected (TLS, certificate verified)\n" in out
+
+
+async def test_a_tls_13_upstream_that_only_closes_is_reported_but_not_a_failure(tmp_path, capfd):
+    """asyncio's server refuses a missing client certificate by closing, no alert;
+    a server dropping idle connections at once looks the same: said, exit 0."""
+    from tests.e2e.test_tls import ca_file
+
+    ca = trustme.CA()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(ssl.SSLError, OSError):
+            await reader.read(1)
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0, ssl=client_ca_server(ca))
+    port = server.sockets[0].getsockname()[1]
+    path = config(tmp_path, "sqlite:///data.db")
+    (tmp_path / "destinations" / "pay.toml").write_text(
+        f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{ca_file(tmp_path, ca)}"\n'
+    )
+    async with server:
+        code, out, err = await check(path, capfd)
+    assert code == 0, err
+    assert "connected (TLS, certificate verified; but it closed the connection at once" in out
