@@ -40,12 +40,16 @@ _SUPERSEDED = frozenset({"stale_generation", Reason.UNKNOWN_GENERATION, Reason.O
 
 def job_id_from(*parts: object) -> str:
     """A job id from `parts` joined by ":": kept as it is when it is a valid job id
-    (1-256 visible ASCII), else a readable prefix and a hash, equally stable. A
-    lone surrogate (from JSON's `\\ud800`, say) is hashed as its own bytes, as the
-    TypeScript `jobIdFrom` does, not refused."""
+    (1-256 visible ASCII), else a readable prefix and a hash, equally stable; the
+    same as the TypeScript `jobIdFrom` gives for the same text. Surrogates are
+    read as JavaScript reads them: a high one followed by a low one is the one
+    character they encode, and a lone one (from JSON's `\\ud800`, say) is hashed
+    as its own bytes, not refused."""
     text = ":".join(str(part) for part in parts)
     if IDENT.fullmatch(text):
         return text
+    # Pairs joined: "\ud83d\ude00" built in Python is the "😀" a JS string holds.
+    text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     readable = "".join(ch if "\x21" <= ch <= "\x7e" else "_" for ch in text[:200])
     return f"{readable}:{digest}"

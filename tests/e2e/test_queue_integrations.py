@@ -66,6 +66,9 @@ def test_lone_surrogates_are_hashed_as_their_own_bytes_not_refused() -> None:
     a, b = job_id_from("order", "\ud800"), job_id_from("order", "\udbff")
     assert a.startswith("order:_:") and b.startswith("order:_:") and a != b
     assert a != job_id_from("order", "\ufffd")  # not what a replacement would give
+    # A pair built of its halves is the character, as in a JavaScript string.
+    assert job_id_from("order", "\ud83d\ude00") == job_id_from("order", "😀")
+    assert job_id_from("order", "\ude00\ud83d").startswith("order:__:")  # two lone ones
 
 
 def test_the_integrations_import_no_gateway_and_no_queue_they_are_not_asked_for() -> None:

@@ -134,7 +134,17 @@ describe("against Python", { skip }, () => {
 describe("jobIdFrom against Python's job_id_from", { skip }, () => {
   it("keeps the first 200 code points, not 200 UTF-16 units", () => {
     // Lone surrogates too (JSON carries them as `\ud800`): hashed as their own bytes on both sides.
-    const texts = ["😀".repeat(150), "a😀".repeat(150), "job 1", "j".repeat(257), "", "\ud800", "a\udc00b", "\udbff😀"];
+    const texts = [
+      "😀".repeat(150),
+      "a😀".repeat(150),
+      "job 1",
+      "j".repeat(257),
+      "",
+      "\ud800",
+      "a\udc00b",
+      "\udbff😀",
+      "\ude00\ud83d",
+    ];
     for (let i = 0; i < 200; i++) texts.push(randomText(randomInt(2) ? 20 : 300));
     const theirs = JSON.parse(
       python(
