@@ -24,7 +24,7 @@ _PREFERENCE = re.compile(
     r"""(?:=\s*+(?:"(?P<quoted>(?:[^"\\]++|\\.)*+)"|(?P<token>[^\s,;"]*+)))?"""
     r"""(?P<rest>(?:[^,"]++|"(?:[^"\\]++|\\.)*+")*+)(?:,|$)"""
 )
-_EMPTY = frozenset(" \t,")  # what an empty element is made of
+_EMPTY = re.compile(r"[ \t,]*+")  # empty elements, and the space around them
 # A `Prefer` value longer than this is not read: a `wait=N` needs a few bytes,
 # and a value the size of a whole header is not worth scanning.
 MAX_VALUE = 1024
@@ -39,8 +39,9 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
         position = 0
         while position < len(value):
             # Empty elements (`, wait=5`, `a,, b`) are skipped (RFC 9110 section 5.6.1).
-            while position < len(value) and value[position] in _EMPTY:
-                position += 1
+            skipped = _EMPTY.match(value, position)
+            assert skipped is not None  # it matches the empty string too
+            position = skipped.end()
             if position == len(value):
                 break
             match = _PREFERENCE.match(value, position)

@@ -474,7 +474,7 @@ DESTINATION = Section(
     ),
     Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
     Key("max_in_flight", integer(1), 256, "writes on the wire at once to this destination"),
-    Key("max_wait", wait_cap, 30.0, 'longest Prefer: wait honoured; "0s": never'),
+    Key("max_wait", wait_cap, 30.0, 'longest Prefer: wait honoured, 1s or more; "0s": never'),
     Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),
     Key("client_cert", pem_file, None, "PEM certificate for mutual TLS to the upstream"),
     Key("client_key", pem_file, None, "PEM private key of client_cert"),
