@@ -73,3 +73,4 @@ def test_the_configuration_reference_is_generated_from_the_key_declarations() ->
     page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert page == reference()
     assert "| `max_in_flight` | `256` |" in page  # a destination key, its default
+    assert '| `max_wait` | `"30s"` |' in page  # a duration read by its own reader
