@@ -74,7 +74,8 @@ async def upstream_status(dest: DestinationConfig) -> str:
     closed = ""
     try:
         if tls:
-            closed = await _refused_late(reader, writer, min(LATE_REFUSAL_S, dest.connect_timeout))
+            wait = min(LATE_REFUSAL_S, dest.connect_timeout)
+            closed = await _refused_late(reader, writer, wait, dest.client_cert is not None)
     finally:
         writer.close()
     try:
@@ -95,7 +96,7 @@ LATE_REFUSAL_S = 0.5
 
 
 async def _refused_late(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wait: float
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wait: float, client_cert: bool
 ) -> str:
     """Under TLS 1.3 the server checks the client's certificate after the client's
     handshake is over, so a missing or refused one arrives as an alert on the
@@ -121,6 +122,11 @@ async def _refused_late(
             "a client certificate it wants goes in client_cert and client_key, signed by a "
             "CA it trusts"
         ) from exc
+    if client_cert:
+        return (
+            "; but it closed the connection at once: if it checks client certificates, "
+            "check that client_cert is signed by a CA it trusts"
+        )
     return (
         "; but it closed the connection at once: if it wants a client certificate, "
         "set client_cert and client_key"

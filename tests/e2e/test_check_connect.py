@@ -320,7 +320,7 @@ async def test_a_tls_13_upstream_refusing_the_client_certificate_is_a_failure(tm
 async def test_a_tls_13_upstream_that_only_closes_is_reported_but_not_a_failure(tmp_path, capfd):
     """asyncio's server refuses a missing client certificate by closing, no alert;
     a server dropping idle connections at once looks the same: said, exit 0."""
-    from tests.e2e.test_tls import ca_file
+    from tests.e2e.test_tls import ca_file, write_pems
 
     ca = trustme.CA()
 
@@ -337,5 +337,15 @@ async def test_a_tls_13_upstream_that_only_closes_is_reported_but_not_a_failure(
     )
     async with server:
         code, out, err = await check(path, capfd)
-    assert code == 0, err
-    assert "connected (TLS, certificate verified; but it closed the connection at once" in out
+        assert code == 0, err
+        assert "connected (TLS, certificate verified; but it closed the connection at once" in out
+        assert "set client_cert and client_key" in out
+        # A client certificate given, from a CA the server does not trust.
+        chain, key = write_pems(tmp_path, trustme.CA(), "stranger")
+        (tmp_path / "destinations" / "pay.toml").write_text(
+            f'upstream = "https://127.0.0.1:{port}/api"\nca_file = "{ca_file(tmp_path, ca)}"\n'
+            f'client_cert = "{chain}"\nclient_key = "{key}"\n'
+        )
+        code, out, err = await check(path, capfd)
+        assert code == 0, err
+        assert "check that client_cert is signed by a CA it trusts" in out
