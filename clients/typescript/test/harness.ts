@@ -10,13 +10,21 @@
 import { type ChildProcess, spawn, spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { once } from "node:events";
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import http from "node:http";
 import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 
 export const PYTHON = process.env.SINKGATE_PYTHON || "python3";
+
+// The gateway and `leases` of this checkout come first on Python's path (npm runs
+// the tests in clients/typescript): an installed copy from elsewhere must not be
+// the one these tests compare against.
+const REPO = path.resolve(process.cwd(), "..", "..");
+const PYTHON_ENV: NodeJS.ProcessEnv = existsSync(path.join(REPO, "gateway", "__init__.py"))
+  ? { ...process.env, PYTHONPATH: [REPO, process.env.PYTHONPATH].filter(Boolean).join(path.delimiter) }
+  : process.env;
 export const CI = process.env.CI === "true";
 
 /** `reason` if a service is missing: a skip reason outside CI, a failure under it. */
@@ -32,7 +40,7 @@ export function unique(prefix: string): string {
 
 /** Why the gateway cannot be started here, or undefined. */
 export function gatewayMissing(): string | undefined {
-  const probe = spawnSync(PYTHON, ["-c", "import gateway, leases"], { encoding: "utf8" });
+  const probe = spawnSync(PYTHON, ["-c", "import gateway, leases"], { encoding: "utf8", env: PYTHON_ENV });
   if (probe.error) return `no Python at ${PYTHON}: ${probe.error.message}`;
   return probe.status === 0 ? undefined : `${PYTHON} cannot import gateway: ${probe.stderr.trim().split("\n").pop()}`;
 }
@@ -174,7 +182,7 @@ export class Gateway {
     }
     const child = spawn(PYTHON, ["-m", "gateway", "serve", "--config", path.join(dir, "gateway.toml")], {
       stdio: ["ignore", "ignore", "pipe"],
-      env: { ...process.env, ...env },
+      env: { ...PYTHON_ENV, ...env },
     });
     const log: string[] = [];
     const listen = await new Promise<string>((resolve, reject) => {
@@ -338,7 +346,7 @@ export class Wire {
  * servers; resolves with its stdout, rejects on failure. */
 export function pythonAsync(code: string, args: string[] = []): Promise<string> {
   return new Promise((resolve, reject) => {
-    const child = spawn(PYTHON, ["-c", code, ...args], { stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(PYTHON, ["-c", code, ...args], { stdio: ["ignore", "pipe", "pipe"], env: PYTHON_ENV });
     let out = "";
     let err = "";
     child.stdout.setEncoding("utf8").on("data", (text: string) => {
@@ -355,7 +363,12 @@ export function pythonAsync(code: string, args: string[] = []): Promise<string> 
 /** Run Python code with `args` in sys.argv[1:]; returns its stdout (throws on failure).
  * It blocks this process: only for code that calls none of the test's servers. */
 export function python(code: string, args: string[] = [], input?: string): string {
-  const run = spawnSync(PYTHON, ["-c", code, ...args], { encoding: "utf8", input, maxBuffer: 64 * 1024 * 1024 });
+  const run = spawnSync(PYTHON, ["-c", code, ...args], {
+    encoding: "utf8",
+    input,
+    maxBuffer: 64 * 1024 * 1024,
+    env: PYTHON_ENV,
+  });
   if (run.status !== 0) throw new Error(`python failed (${run.status}): ${run.stderr}`);
   return run.stdout;
 }

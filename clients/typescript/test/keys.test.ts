@@ -133,7 +133,8 @@ describe("against Python", { skip }, () => {
 
 describe("jobIdFrom against Python's job_id_from", { skip }, () => {
   it("keeps the first 200 code points, not 200 UTF-16 units", () => {
-    // Lone surrogates too (JSON carries them as `\ud800`): hashed as their own bytes on both sides.
+    // Lone surrogates too, hashed as their own bytes on both sides. Python gets the
+    // UTF-16 code units, so a pair reaches it as its two halves (JSON would join them).
     const texts = [
       "😀".repeat(150),
       "a😀".repeat(150),
@@ -149,9 +150,10 @@ describe("jobIdFrom against Python's job_id_from", { skip }, () => {
     const theirs = JSON.parse(
       python(
         "import json, sys\nfrom leases.integrations.gate import job_id_from\n" +
-          "print(json.dumps([job_id_from(t) for t in json.load(sys.stdin)]))",
+          "texts = [''.join(map(chr, units)) for units in json.load(sys.stdin)]\n" +
+          "print(json.dumps([job_id_from(t) for t in texts]))",
         [],
-        JSON.stringify(texts),
+        JSON.stringify(texts.map((text) => Array.from({ length: text.length }, (_, k) => text.charCodeAt(k)))),
       ),
     ) as string[];
     assert.match(theirs[0] ?? "", /^_{150}:[0-9a-f]{32}$/);
