@@ -142,22 +142,24 @@ def integer(low: int, high: int | None = None) -> Reader:
     return lambda t, name: t.integer(name, 0, low, high)
 
 
-def duration(*, allow_zero: bool = False) -> Reader:
-    """A duration like "10s", > 0 (or >= 0)."""
-    return lambda t, name: t.duration(name, 0.0, allow_zero=allow_zero)
+def duration(*, allow_zero: bool = False, floor: tuple[float, str] | None = None) -> Reader:
+    """A duration like "10s", > 0 (or >= 0). `floor`: (least, words): a value
+    above 0 and below `least` is refused, "must be <words>"."""
+    if floor is None:
+        return lambda t, name: t.duration(name, 0.0, allow_zero=allow_zero)
+    least, words = floor
+
+    def read(t: Table, name: str) -> float:
+        value = t.duration(name, 0.0, allow_zero=allow_zero)
+        if 0 < value < least:
+            raise t.error(name, f"must be {words}, got {show(t.data[name])}")
+        return value
+
+    return read
 
 
-def wait_cap(t: Table, name: str) -> float:
-    """`max_wait`: "0s" (never wait) or at least a second. A wait is counted in
-    whole seconds (SPEC 2), so a cap below one would turn waiting off unsaid."""
-    value = t.duration(name, 0.0, allow_zero=True)
-    if 0 < value < 1:
-        raise t.error(
-            name,
-            f'must be "0s" (never wait) or at least 1s: a wait is whole seconds, '
-            f"got {show(t.data[name])}",
-        )
-    return value
+# A wait counts whole seconds (SPEC 2): a cap below one would turn waiting off unsaid.
+_WAIT_FLOOR = (1.0, '"0s" (never wait) or at least 1s: a wait is whole seconds')
 
 
 def size(*, allow_zero: bool = False) -> Reader:
@@ -474,7 +476,12 @@ DESTINATION = Section(
     ),
     Key("upstream_headers", upstream_headers, (), "headers set on every forwarded request"),
     Key("max_in_flight", integer(1), 256, "writes on the wire at once to this destination"),
-    Key("max_wait", wait_cap, 30.0, 'longest Prefer: wait honoured, 1s or more; "0s": never'),
+    Key(
+        "max_wait",
+        duration(allow_zero=True, floor=_WAIT_FLOOR),
+        30.0,
+        'longest Prefer: wait honoured, 1s or more; "0s": never',
+    ),
     Key("ca_file", pem_file, None, "PEM bundle the upstream's certificate must chain to"),
     Key("client_cert", pem_file, None, "PEM certificate for mutual TLS to the upstream"),
     Key("client_key", pem_file, None, "PEM private key of client_cert"),

@@ -87,7 +87,7 @@ def _default(key: keys.Key) -> str:
         return "unset"
     if value == ():  # a table of names (upstream_headers, operators): none set
         return "none"
-    if kind in ("duration", "wait_cap"):  # wait_cap: a duration with a floor
+    if kind == "duration":
         return f'`"{format_duration(value)}"`'
     if kind == "size":
         return f'`"{format_size(value)}"`'
