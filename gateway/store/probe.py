@@ -74,25 +74,7 @@ def _sqlite_status(path: str) -> str:
         return "in memory: nothing to check"
     file = Path(path)
     if not file.exists():
-        parent = file.parent
-        if parent.is_dir():
-            if not os.access(parent, os.W_OK):
-                raise ProbeFailed(f"its directory {parent} is not writable by this user")
-            return "file missing: serve creates it with the schema"
-        # `serve` makes the missing directories (as `sinkgate init` leaves `data/`
-        # to it): it can where the nearest one that exists is a writable directory.
-        # `lexists`: a dangling link is in the way too (serve's mkdir fails on it).
-        existing = next((p for p in (parent, *parent.parents) if os.path.lexists(p)), Path("."))
-        if not existing.is_dir():
-            raise ProbeFailed(
-                f"{existing} is in the way of its directory {parent}: not a directory"
-            )
-        if not os.access(existing, os.W_OK):
-            raise ProbeFailed(
-                f"its directory {parent} does not exist, and {existing} is not writable "
-                "by this user: create it"
-            )
-        return "file missing: serve creates it and its directory, with the schema"
+        return _missing_file(file.parent)
     try:
         # A URI, so that mode=ro holds: the path encoded in it, or a `#`, `?` or `%`
         # in a directory's name would name (and create) another file.
@@ -109,6 +91,26 @@ def _sqlite_status(path: str) -> str:
     except sqlite3.DatabaseError as exc:
         raise ProbeFailed(f"is not a SQLite database: {exc}") from exc
     return schemas_words({str(c): int(v) for c, v in rows}, current, leases)
+
+
+def _missing_file(parent: Path) -> str:
+    """What `serve` will do about a SQLite file that does not exist, in `parent`:
+    create it, and the missing directories too (as `sinkgate init` leaves `data/`
+    to it), where the nearest one that exists is a writable directory."""
+    if parent.is_dir():
+        if not os.access(parent, os.W_OK):
+            raise ProbeFailed(f"its directory {parent} is not writable by this user")
+        return "file missing: serve creates it with the schema"
+    # `lexists`: a dangling link is in the way too (serve's mkdir fails on it).
+    existing = next((p for p in (parent, *parent.parents) if os.path.lexists(p)), Path("."))
+    if not existing.is_dir():
+        raise ProbeFailed(f"{existing} is in the way of its directory {parent}: not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ProbeFailed(
+            f"its directory {parent} does not exist, and {existing} is not writable "
+            "by this user: create it"
+        )
+    return "file missing: serve creates it and its directory, with the schema"
 
 
 async def _postgres_status(url: str) -> str:

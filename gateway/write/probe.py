@@ -122,15 +122,12 @@ async def _refused_late(
             "a client certificate it wants goes in client_cert and client_key, signed by a "
             "CA it trusts"
         ) from exc
-    if client_cert:
-        return (
-            "; but it closed the connection at once: if it checks client certificates, "
-            "check that client_cert is signed by a CA it trusts"
-        )
-    return (
-        "; but it closed the connection at once: if it wants a client certificate, "
-        "set client_cert and client_key"
+    advice = (
+        "checks client certificates, check that client_cert is signed by a CA it trusts"
+        if client_cert
+        else "wants a client certificate, set client_cert and client_key"
     )
+    return f"; but it closed the connection at once: if it {advice}"
 
 
 def _why(exc: OSError) -> str:
