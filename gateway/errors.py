@@ -32,11 +32,13 @@ class GatewayError(Exception):
 
 class ConfigError(GatewayError):
     """The configuration is invalid. Each of `errors` is one line naming the file
-    and the key; the message is all of them, one per line."""
+    and the key; the message is all of them, one per line. `key`: the dotted key
+    of the one error it was made for, where known (a reload refuses it by name)."""
 
-    def __init__(self, *errors: str) -> None:
+    def __init__(self, *errors: str, key: str | None = None) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
+        self.key = key
 
     @classmethod
     def of(cls, problems: Iterable[ConfigError]) -> ConfigError:

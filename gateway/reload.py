@@ -5,7 +5,8 @@ One `Reloader` per gateway process, so a parent running several processes only
 has to pass the signal on. A reload validates every file first and changes
 nothing if one is broken, logging each error exactly as `check-config` prints
 it. Changes to `[server]`, `[store]` and `[admin]` need a restart: they are
-logged as `reload_refused` and the rest goes ahead. A write already past its
+logged as `reload_refused` and the rest goes ahead, also when such a section
+does not validate in this process (refused with its errors). A write already past its
 checks holds its destination as it was and finishes under it (see
 `Upstreams.replace`); new writes see the new files.
 """
@@ -25,7 +26,7 @@ from aiohttp import web
 from gateway.admin.models import ReloadAnswer
 from gateway.admin.session import operator_of
 from gateway.config.keys import RELOADED, RESTART_ONLY
-from gateway.config.model import Config, DestinationConfig, load_config
+from gateway.config.model import Config, DestinationConfig, reread_config
 from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
@@ -89,16 +90,22 @@ class Reloader:
         async with self._lock:  # one at a time: each compares with the last applied
             old = self.config
             try:
-                new = load_config(old.source, display=old.display)
+                reread = reread_config(old)
             except ConfigError as exc:
                 for line in exc.errors:
                     log.error("reload_failed", trigger=trigger, error=line)
                 self._metrics.reloads.labels("failed").inc()
                 raise
-            refused = tuple(
-                dict.fromkeys(k for f, k in RESTART_ONLY if getattr(new, f) != getattr(old, f))
-            )
-            if refused:
+            new = reread.config
+            # Refused: what a restart would apply, changed or not readable here
+            # (an operator's variable this process does not have, say).
+            unreadable = [e.key or line for e in reread.unread for line in e.errors]
+            changed = (k for f, k in RESTART_ONLY if getattr(new, f) != getattr(old, f))
+            refused = tuple(dict.fromkeys([*unreadable, *changed]))
+            if reread.unread:
+                errors = [line for e in reread.unread for line in e.errors]
+                log.warning("reload_refused", trigger=trigger, keys=list(refused), errors=errors)
+            elif refused:
                 log.warning("reload_refused", trigger=trigger, keys=list(refused))
             destinations = _keep_unchanged(old.destinations, new.destinations)
             applied = replace(

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from gateway.config.reader import (
     MiB,
+    Problems,
     Table,
     bearer_tokens,
     host_name_problem,
@@ -117,9 +118,10 @@ class Section:
         """The value each key has when the file does not set it."""
         return MappingProxyType({name: key.default for name, key in self.keys.items()})
 
-    def open(self, parent: Table) -> Table:
-        """This section's table under `parent`."""
-        return parent.table(self.name, self.names)
+    def open(self, parent: Table, problems: Problems | None = None) -> Table:
+        """This section's table under `parent`; its errors go to `problems`
+        (default: `parent`'s)."""
+        return parent.table(self.name, self.names, problems)
 
     def read(self, t: Table) -> dict[str, Any]:
         """Every key's value; a key that fails is reported and gets its default."""
@@ -194,18 +196,28 @@ def operators(t: Table, name: str) -> tuple[tuple[str, str], ...]:
     empty, or two operators with one token, is an error (a token must say who)."""
     table = t.table(name, None)
     found: dict[str, str] = {}  # token -> name
-    for person in table.data:
-        if not _OPERATOR_NAME.fullmatch(person):
-            raise table.error(person, "an operator's name is 1-64 characters of A-Za-z0-9._-")
-        if person == SHARED_OPERATOR:
-            raise table.error(person, f"{person!r} is the name of the shared admin.token_env token")
-        token = secret(table, person, table.env_name(person), t.env)
-        if not VISIBLE.fullmatch(token):  # the token itself is never echoed
-            raise table.error(person, "the token has characters other than visible ASCII")
+    for person in table.data:  # every operator's error is said, not only the first
+        try:
+            token = _operator_token(table, person, t.env)
+        except ConfigError as exc:
+            table.problems.append(exc)
+            continue
         if token in found:
-            raise table.error(person, f"has the same token as operator {found[token]!r}")
+            table.report(person, f"has the same token as operator {found[token]!r}")
+            continue
         found[token] = person
     return tuple((person, token) for token, person in found.items())
+
+
+def _operator_token(table: Table, person: str, env: Mapping[str, str]) -> str:
+    if not _OPERATOR_NAME.fullmatch(person):
+        raise table.error(person, "an operator's name is 1-64 characters of A-Za-z0-9._-")
+    if person == SHARED_OPERATOR:
+        raise table.error(person, f"{person!r} is the name of the shared admin.token_env token")
+    token = secret(table, person, table.env_name(person), env)
+    if not VISIBLE.fullmatch(token):  # the token itself is never echoed
+        raise table.error(person, "the token has characters other than visible ASCII")
+    return token
 
 
 def tokens(t: Table, name: str) -> tuple[str, ...] | None:
@@ -427,6 +439,8 @@ DESTINATIONS = Section(
     ),
 )
 GATEWAY_FILE = (SERVER, STORE, ADMIN, RETENTION, DESTINATIONS)
+# The sections a reload applies none of (their changes wait for a restart).
+RESTART_SECTIONS = (SERVER, STORE, ADMIN)
 
 # `Config` fields a reload does not apply, by the key that sets them; the admin
 # token is read from the variable `admin.token_env` names.

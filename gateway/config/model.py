@@ -66,6 +66,7 @@ __all__ = [
     "Config",
     "DestinationConfig",
     "MiB",
+    "Reread",
     "format_duration",
     "format_size",
     "is_loopback",
@@ -76,6 +77,7 @@ __all__ = [
     "parse_size",
     "parse_upstream",
     "redact_url",
+    "reread_config",
     "show",
 ]
 
@@ -189,14 +191,43 @@ def load_config(
     """
     env = os.environ if environ is None else environ
     given = Path(path if path is not None else env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+    return _load(given, env, display, running=None).config
+
+
+@dataclass(frozen=True, slots=True)
+class Reread:
+    """The files as a reload finds them (`reread_config`)."""
+
+    config: Config
+    # The errors in the sections a reload does not apply: those sections are the
+    # running config's in `config`, and the reload refuses the keys named.
+    unread: tuple[ConfigError, ...] = ()
+
+
+def reread_config(running: Config, environ: Mapping[str, str] | None = None) -> Reread:
+    """`running`'s files as they are now, for a reload (SPEC 5). `[server]`,
+    `[store]` and `[admin]` wait for a restart, so an error there (an operator's
+    variable this process does not have, say) does not fail the reload: that
+    section stays as `running` has it and the error is in `unread`, refused as a
+    change would be. An error anywhere else raises `ConfigError`, as a load does."""
+    env = os.environ if environ is None else environ
+    return _load(running.source, env, running.display, running)
+
+
+def _load(
+    given: Path, env: Mapping[str, str], display: str | None, running: Config | None
+) -> Reread:
     source = given.absolute()
     if not source.is_file():
         what = "is a directory" if source.is_dir() else "no such file"
         raise ConfigError(f"{given}: cannot read: {what}")
     file = display if display is not None else source.name
     problems = Problems()
+    # On a reload, what only a restart applies is read apart: its errors refuse it.
+    apart = problems if running is None else Problems()
     root = _gateway_table(source, file, env, problems)
-    server, store, admin, retention, dirs = (s.open(root) for s in keys.GATEWAY_FILE)
+    server, store, admin = (s.open(root, apart) for s in keys.RESTART_SECTIONS)
+    retention, dirs = keys.RETENTION.open(root), keys.DESTINATIONS.open(root)
     srv = keys.SERVER.read(server)
     _check_server(server, srv)
     st = keys.STORE.read(store)
@@ -206,20 +237,36 @@ def load_config(
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
     problems.raise_any()
-    config = Config(
-        source=source,
+    fields: dict[str, Any] = {
         **keys.SERVER.fields(srv),
         **keys.STORE.fields(st),
         **keys.ADMIN.fields(adm),
+        "admin_token": admin_token,
+    }
+    unread: tuple[ConfigError, ...] = ()
+    if running is not None and apart:
+        unread = tuple(apart)
+        fields.update(_as_running(running, unread))
+    config = Config(
+        source=source,
+        **fields,
         **keys.RETENTION.fields(ret),
-        admin_token=admin_token,
         destinations=MappingProxyType(destinations),
         display=file,
     )
     refused = [what for what, exposed in short_tokens(config) if exposed]
     if refused:
         raise ConfigError(*refused)
-    return config
+    return Reread(config, unread)
+
+
+def _as_running(running: Config, unread: tuple[ConfigError, ...]) -> dict[str, Any]:
+    """The fields of the restart-only sections that `unread` found errors in, as
+    `running` has them (an error of no known key: all of those sections)."""
+    sections = {e.key.split(".")[0] if e.key else "" for e in unread}
+    if "" in sections:
+        sections = {s.name for s in keys.RESTART_SECTIONS}
+    return {f: getattr(running, f) for f, k in keys.RESTART_ONLY if k.split(".")[0] in sections}
 
 
 def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
@@ -268,7 +315,8 @@ def _admin_token(
             server.problems.append(
                 ConfigError(
                     f"{server.file}: admin.operators.{name}: has the same token as "
-                    f"admin.token_env ({token_env})"
+                    f"admin.token_env ({token_env})",
+                    key=f"admin.operators.{name}",
                 )
             )
     return admin_token

@@ -264,16 +264,21 @@ class Table:
         return f"{self.prefix}.{part}" if self.prefix else part
 
     def error(self, key: str, what: str) -> ConfigError:
-        return ConfigError(f"{self.file}: {self.key(key)}: {what}")
+        where = self.key(key)
+        return ConfigError(f"{self.file}: {where}: {what}", key=where)
 
     def report(self, key: str, what: str) -> None:
         """Collect an error at `key` and go on reading."""
         self.problems.append(self.error(key, what))
 
-    def table(self, key: str, known: Iterable[str] | None) -> Table:
+    def table(
+        self, key: str, known: Iterable[str] | None, problems: Problems | None = None
+    ) -> Table:
+        """The table at `key`; its errors go to `problems` (default: this table's)."""
+        problems = self.problems if problems is None else problems
         value = self.data.get(key, {})
         if not isinstance(value, dict):
-            self.report(key, f"expected a table, got {show(value)}")
+            problems.append(self.error(key, f"expected a table, got {show(value)}"))
             value = {}
         return Table(
             value,
@@ -282,7 +287,7 @@ class Table:
             known,
             env=self.env,
             base=self.base,
-            problems=self.problems,
+            problems=problems,
         )
 
     def string(self, key: str, default: str = "") -> str:

@@ -184,6 +184,42 @@ async def test_restart_only_keys_are_refused_and_the_rest_goes_ahead(
         assert applied.rejections_ttl == 24 * 3600 and sorted(applied.destinations) == ["a", "b"]
 
 
+async def test_a_restart_only_section_this_process_cannot_read_is_refused_not_failed(
+    tmp_path: Path, one: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator added to the file before the variable reaches this process (it
+    will at the restart): [admin] waits for that restart as any change of it does,
+    and the reload of the destinations and [retention] goes ahead, refusing the
+    keys with their errors (it used to fail whole, every SIGHUP, until a restart)."""
+    monkeypatch.setenv("RELOAD_T_ALICE", "alice-token-0123456789abcdef")
+    monkeypatch.delenv("RELOAD_T_CAROL", raising=False)
+    operators = '[admin.operators]\nalice = "RELOAD_T_ALICE"\n'
+    path = write_files(tmp_path, GATEWAY + operators, a=to(one))
+    async with running_gateway(load_config(path)) as gw:
+        running = gw.app[RELOADER].config
+        write_files(
+            tmp_path,
+            GATEWAY + operators + 'carol = "RELOAD_T_CAROL"\n[retention]\nrejections_ttl = "1d"\n',
+            b=to(one),
+        )
+        with capture_logs() as logs:
+            result = await gw.app[RELOADER].reload("test")
+        (entry,) = await gw.store.list_audit(AuditQuery())
+    assert result.added == ("b",) and result.refused == ("admin.operators.carol",)
+    applied = gw.app[WRITES].config
+    assert applied.rejections_ttl == 24 * 3600 and sorted(applied.destinations) == ["a", "b"]
+    assert applied.admin_operators == running.admin_operators  # as it ran
+    (refused,) = [e for e in logs if e["event"] == "reload_refused"]
+    assert refused["keys"] == ["admin.operators.carol"]
+    assert refused["errors"] == [
+        "gateway.toml: admin.operators.carol: environment variable RELOAD_T_CAROL is not set"
+    ]
+    assert "alice-token" not in repr(logs)
+    assert entry.note == (
+        "test: added b; retention rejections_ttl 7d -> 1d; refused admin.operators.carol"
+    )
+
+
 async def test_each_applied_reload_is_in_the_audit_log_and_a_failed_one_is_not(
     tmp_path: Path, one: RecordingUpstream
 ) -> None:
