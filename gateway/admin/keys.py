@@ -225,6 +225,10 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
             verb = "goes" if len(extra) == 1 else "go"
             raise invalid_request(f"{', '.join(extra)} only {verb} with applied", field=extra[0])
         return Resolution(destination, key, attempt, False, note, remote)
+    status = _status(body.get("status", 200))
+    replayed = _body(body.get("body", ""))
+    if replayed and status in _NO_CONTENT:  # the replay would drop it without a word
+        raise invalid_request(f"a {status} answer has no body: leave body empty", field="body")
     return Resolution(
         destination,
         key,
@@ -232,10 +236,14 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
         True,
         note,
         remote,
-        status=_status(body.get("status", 200)),
-        body=_body(body.get("body", "")),
+        status=status,
+        body=replayed,
         content_type=_content_type(body.get("content_type", "application/json")),
     )
+
+
+# Statuses whose answers carry no content (RFC 9110 15.3.5, 15.3.6, 15.4.5).
+_NO_CONTENT = frozenset({204, 205, 304})
 
 
 def _note(note: Any) -> str:

@@ -132,7 +132,8 @@ class KeyPage:
 @dataclass(frozen=True, slots=True)
 class ResolveRequest:
     """The body of `POST /admin/keys/{destination}/{key}/resolve`; status, body and
-    content_type (the answer to store) only go with `applied`."""
+    content_type (the answer to store) only go with `applied`, and a status of 204,
+    205 or 304 only with an empty body (its replays carry none)."""
 
     outcome: Annotated[str, Meta(enum=RESOLVE_OUTCOMES)]
     attempt: Annotated[str, Meta(pattern=IDENT_PATTERN)]

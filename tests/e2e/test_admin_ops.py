@@ -200,6 +200,8 @@ async def test_resolve_of_another_attempt_is_409_attempt_mismatch(client, store)
         {"outcome": "applied", "attempt": "A", "note": "x", "status": True},
         {"outcome": "applied", "attempt": "A", "note": "x", "status": "200"},
         {"outcome": "applied", "attempt": "A", "note": "x", "body": 5},
+        {"outcome": "applied", "attempt": "A", "note": "x", "status": 204, "body": "x"},
+        {"outcome": "applied", "attempt": "A", "note": "x", "status": 304, "body": "{}"},
         {"outcome": "applied", "attempt": "A", "note": "x", "content_type": "a\nb"},
         {"outcome": "not_applied", "attempt": "A", "note": "x", "status": 200},
         {"outcome": "applied", "attempt": "A", "note": "x", "extra": 1},
@@ -227,6 +229,16 @@ async def test_fields_that_only_go_with_applied_are_named(client, store):
         body = {"outcome": "not_applied", "attempt": attempt, "note": "x", **extra}
         response = await post_resolve(client, "k-1", body)
         assert (response.status, (await response.json())["detail"]) == (400, detail)
+
+
+async def test_a_status_without_content_is_resolved_with_an_empty_body(client, store):
+    """A 204 replays no body, so one given with it would be stored and never sent."""
+    attempt = await unknown(store, "k-1")
+    body = {"outcome": "applied", "attempt": attempt, "note": "x", "status": 204, "body": "x"}
+    refused = await post_resolve(client, "k-1", body)
+    assert (await refused.json())["detail"] == "a 204 answer has no body: leave body empty"
+    response = await post_resolve(client, "k-1", {**body, "body": ""})
+    assert (response.status, (await response.json())["status"]) == (200, 204)
 
 
 async def test_resolve_wants_json(client, store):
