@@ -286,6 +286,7 @@ async def test_every_new_route_needs_the_token(client, store, method, path):
     [
         {"Origin": "http://evil.example"},  # a browser without Sec-Fetch-Site
         {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+        {"Origin": "null"},  # a sandboxed frame in a browser without Sec-Fetch-Site
         {"Sec-Fetch-Site": "cross-site"},
         {"Sec-Fetch-Site": "same-site"},  # another port of the same host
     ],
