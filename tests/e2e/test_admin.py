@@ -602,6 +602,11 @@ async def test_page_without_token_answers_401_with_a_login_form(client):
     assert 'action="/admin/login"' in text and 'type="password"' in text
 
 
+async def test_a_token_pasted_with_a_newline_signs_in_as_a_bearer_would(client):
+    assert (await login(client, f" {TOKEN}\n")).status == 303
+    assert (await login(client, f"{TOKEN}x")).status == 401
+
+
 async def test_login_sets_a_strict_httponly_cookie_that_opens_the_page(client, mixed):
     response = await login(client)
     assert response.status == 303

@@ -42,6 +42,8 @@ class SignIn:
                 Reason.INVALID_REQUEST, "the sign-in form has too many fields"
             ) from None
         token = form.get("token", [None])[0]
+        if isinstance(token, str):  # pasted with a newline or a space, as a bearer is read
+            token = token.strip()
         next_url = form.get("next", [None])[0]
         target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
         if self._auth.open:
