@@ -40,7 +40,7 @@ class AuditApi:
 
 
 def parse_audit_query(params: Mapping[str, str], now: float) -> AuditQuery:
-    only_params(params, AUDIT_FILTERS)
+    only_params(params, AUDIT_FILTERS, formats=("html",))  # html: the page's (`_or_page`)
     value = {name: params.get(name, "") for name in AUDIT_FILTERS}
     since, until = parse_window(value["since"], value["until"], now)
     return AuditQuery(

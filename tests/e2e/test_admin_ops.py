@@ -434,6 +434,8 @@ async def test_export_streams_every_row_past_1000(client, store):
             400,
             "format must be one of json",
         ), path
+    audit = await client.get("/admin/audit?format=csv", headers=AUTH)  # it has a page
+    assert (await audit.json())["detail"] == "format must be one of json, html"
 
 
 async def test_unknown_keys_gauge_follows_the_queue(client, store, metrics):
