@@ -198,7 +198,10 @@ def _serve(args: argparse.Namespace) -> int:
     for warning in config_warnings(config):
         log.warning("config_warning", warning=warning)
     # `--workers` overrides the file for everything that reads the count.
-    config = dataclasses.replace(config, workers=args.workers or config.workers)
+    if args.workers:
+        config = dataclasses.replace(
+            config, workers=args.workers, overridden=frozenset({"workers"})
+        )
     workers = config.workers
     if workers == 1:
         return _run_gateway(config)

@@ -82,11 +82,17 @@ class Reloader:
         self._audit = audit
 
     async def reload(
-        self, trigger: str, *, remote: str | None = None, operator: str | None = None
+        self,
+        trigger: str,
+        *,
+        remote: str | None = None,
+        operator: str | None = None,
+        record: bool = True,
     ) -> Reloaded:
         """Apply the files as they are now; `ConfigError` (logged) if they do not load.
         `remote` and `operator` are who asked (the admin route's client and the name
-        its token has), for the audit log."""
+        its token has), for the audit log; `record=False`: another worker of this
+        gateway writes the reload's audit row (`on_relayed`)."""
         async with self._lock:  # one at a time: each compares with the last applied
             old = self.config
             try:
@@ -100,7 +106,11 @@ class Reloader:
             # Refused: what a restart would apply, changed or not readable here
             # (an operator's variable this process does not have, say).
             unreadable = [e.key or line for e in reread.unread for line in e.errors]
-            changed = (k for f, k in RESTART_ONLY if getattr(new, f) != getattr(old, f))
+            changed = (
+                k
+                for f, k in RESTART_ONLY
+                if f not in old.overridden and getattr(new, f) != getattr(old, f)
+            )
             refused = tuple(dict.fromkeys([*unreadable, *changed]))
             if reread.unread:
                 errors = [line for e in reread.unread for line in e.errors]
@@ -136,7 +146,8 @@ class Reloader:
                 for name in ("idempotency_ttl", "rejections_ttl", "audit_ttl")
                 if getattr(new, name) != getattr(old, name)
             )
-            await self._record(trigger, result, (remote, operator), retention)
+            if record:
+                await self._record(trigger, result, (remote, operator), retention)
             return result
 
     async def _record(
@@ -208,13 +219,22 @@ class Reloader:
 
     def on_signal(self) -> None:
         """SIGHUP: reload in the background (errors are logged by `reload`)."""
-        task = watched(self._quiet("sighup"), "reload")
+        self._in_background("sighup", record=True)
+
+    def on_relayed(self) -> None:
+        """`RELOAD_UNRECORDED` from the parent of `--workers N`: another worker
+        reloaded (a SIGHUP, or `POST /admin/reload` with its operator) and writes
+        the audit row; this one reloads, logged and counted, without a second row."""
+        self._in_background("relayed", record=False)
+
+    def _in_background(self, trigger: str, *, record: bool) -> None:
+        task = watched(self._quiet(trigger, record), "reload")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _quiet(self, trigger: str) -> None:
+    async def _quiet(self, trigger: str, record: bool) -> None:
         try:
-            await self.reload(trigger)
+            await self.reload(trigger, record=record)
         except ConfigError:
             pass  # logged, and nothing changed
 

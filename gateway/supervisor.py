@@ -12,9 +12,11 @@ signals it handles and takes them one at a time with `sigtimedwait`.
 
 - SIGTERM/SIGINT: passed to every worker, which drains; the parent returns 0
   once all have exited 0.
-- SIGHUP: passed to every worker; each reloads for itself.
-- SIGUSR1 from a worker: that worker applied `POST /admin/reload`; the parent
-  sends SIGHUP to every other one.
+- SIGHUP: every worker reloads for itself. The first live worker gets the
+  SIGHUP and records the reload in the audit log; the others get SIGUSR2
+  (`RELOAD_UNRECORDED`): one reload, one audit row, whatever N is.
+- SIGUSR1 from a worker: that worker applied `POST /admin/reload` and recorded
+  it with the operator who asked; the parent sends SIGUSR2 to every other one.
 - SIGCHLD: a worker that died is logged (exit code or signal) and started
   again (after a reload, it reloads the files before it serves, as the others
   did); one that dies within `STEADY_S` of its start waits before the next
@@ -43,6 +45,8 @@ log = structlog.get_logger("gateway.supervisor")
 
 HANDLED = frozenset({signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1})
 RELOAD_ALL = signal.SIGUSR1  # a worker to the parent: "I reloaded, reload the others"
+# The parent to a worker: "reload; another worker records it in the audit log".
+RELOAD_UNRECORDED = signal.SIGUSR2
 STEADY_S = 5.0  # a worker up this long had a good start: its next restart is immediate
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -190,12 +194,14 @@ class Supervisor:
             self.stopping = True
             self.due.clear()
             self._send(signum)
-        elif signum == signal.SIGHUP:
+        elif signum == signal.SIGHUP and self.workers:
             self.reloaded = True
-            self._send(signal.SIGHUP)
+            recorder = min(self.workers, key=lambda pid: self.workers[pid].index)
+            _signal(recorder, signal.SIGHUP)
+            self._send(RELOAD_UNRECORDED, but=recorder)
         elif signum == RELOAD_ALL and info.si_pid in self.workers:
             self.reloaded = True
-            self._send(signal.SIGHUP, but=info.si_pid)
+            self._send(RELOAD_UNRECORDED, but=info.si_pid)
 
     def _send(self, signum: int, *, but: int | None = None) -> None:
         for pid in list(self.workers):

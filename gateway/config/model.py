@@ -170,6 +170,9 @@ class Config:
     # How the gateway file is named in messages (as given on the command line):
     # a reload reports its errors exactly as check-config does.
     display: str | None = field(default=None, compare=False)
+    # Fields the command line set over the file (`serve --workers`): a reload
+    # neither applies nor refuses what the file says of them.
+    overridden: frozenset[str] = field(default=frozenset(), compare=False)
 
 
 # --- the gateway file ------------------------------------------------------------

@@ -313,8 +313,10 @@ async def test_sighup_to_the_parent_reloads_every_worker(sqlite_gateway: Gateway
     await add_destination(gw, "refunds")
     gw.process.send_signal(signal.SIGHUP)
     await eventually(lambda: len(gw.events("reload_applied")) == 2, within=10)
-    assert {e["trigger"] for e in gw.events("reload_applied")} == {"sighup"}
+    # one worker records the reload in the audit log; the other reloads unrecorded
+    assert sorted(e["trigger"] for e in gw.events("reload_applied")) == ["relayed", "sighup"]
     assert await routable_everywhere(pinned, "refunds")
+    assert await audit_notes(gw) == ["sighup: added refunds"]
 
 
 async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: Gateway) -> None:
@@ -325,8 +327,17 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: G
     answer = await admin.request("POST", "/admin/reload")
     assert answer.status == 200 and json.loads(answer.body)["destinations"] == ["pay", "payouts"]
     applied = await eventually(lambda: (e := gw.events("reload_applied")) and len(e) == 2 and e)
-    assert sorted(e["trigger"] for e in applied) == ["admin", "sighup"]
+    assert sorted(e["trigger"] for e in applied) == ["admin", "relayed"]
     assert await routable_everywhere(pinned, "payouts")
+    # the one row is the admin's: no anonymous "sighup" row nobody sent
+    assert await audit_notes(gw) == ["admin: added payouts"]
+
+
+async def audit_notes(gw: Gateway) -> list[str]:
+    admin = (await gw.pin_each(admin=True))[0]
+    answer = await admin.request("GET", "/admin/audit")
+    assert answer.status == 200
+    return [entry["note"] for entry in json.loads(answer.body)["items"]]
 
 
 async def test_a_worker_restarted_after_a_reload_serves_the_reloaded_files(
