@@ -1,6 +1,6 @@
 // Enqueue an order for the BullMQ example's worker and print what its run returned.
 //
-//   node examples/bullmq/producer.mjs 1001 1999 [--twice]
+//   node examples/bullmq/producer.mjs 1003 1999 [--twice]
 //
 // `--twice` enqueues the same order as two jobs: the second run finds the job
 // completed and returns { sinkgate: "job_completed", ... } instead of charging again.

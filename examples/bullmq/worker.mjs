@@ -4,7 +4,7 @@
 //   sinkgate serve --config examples/gateway.toml      # the gateway
 //   python3 -m examples.ledger                          # the destination, on :9100
 //   node examples/bullmq/worker.mjs                     # this worker (run two of them)
-//   node examples/bullmq/producer.mjs 1001 1999         # send one order
+//   node examples/bullmq/producer.mjs 1003 1999         # send one order
 //
 // BullMQ runs a job again when it believes its worker stalled; the lease lets
 // one run write at a time, and the step keys make a second run's writes

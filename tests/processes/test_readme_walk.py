@@ -259,13 +259,21 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     '--note "no charge for inv-45 at the PSP"': ("tests/e2e/test_keys_cli.py", '"--not-applied"'),
     "CI=true python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
     "npm --prefix clients/typescript ci": (".ci/run", "npm --prefix clients/typescript ci"),
+    "cd clients/typescript && npm ci && npm pack": (
+        "clients/typescript/test/package.test.ts",
+        '["pack", "--json", "--pack-destination", project]',
+    ),
+    "cd your-worker && npm install /path/to/sinkgate/clients/typescript/sinkgate-leases-0.1.0.tgz": (
+        "clients/typescript/test/package.test.ts",
+        '["install", ...quiet, `./${packed.filename}`]',
+    ),
 }
 # Shown but run by no test, and why; a new command must go here or above.
 NOT_RUN: dict[str, str] = {
     "python3 bench/overload.py": "minutes of load against a slow upstream; run by hand",
     "python3 -m bench.run --workers 2": "minutes of load; test_bench runs bench.run",
     "python3 -m bench.latency": "minutes of fixed-rate load against every target; run by hand",
-    "pip install 'sinkgate[otel]'": "needs the index; the extra is only listed",
+    "pip install '.[otel]'": "needs the index for the OpenTelemetry packages; the extra is only listed",
     "createdb -h 127.0.0.1 -U postgres chaos": "creates a database on the shared server",
     "python3 -m pip install -e '.[dev]'": "installs the contributor tools",
     "SINKGATE_TEST_PG=postgresql://user@host:5432/db python3 -m pytest -q": "another server",
@@ -275,9 +283,6 @@ NOT_RUN: dict[str, str] = {
     "python3 -m examples.celery.destination": "the queue example test runs its own ledger",
     "python3 -m examples.arq.destination": "the queue example test runs its own ledger",
     "python3 -m tests.e2e.test_admin_browser docs": "needs chromium; writes docs/",
-    "cd your-worker && npm install /path/to/sinkgate/clients/typescript": (
-        "installs into the reader's own project; the TypeScript tests use the package in place"
-    ),
     "export SINKGATE_ADMIN_URL=http://127.0.0.1:8481 SINKGATE_ADMIN_TOKEN=...": "sets variables",
     "sinkgate chaos --jobs 3800 --workers 24 --duration 320 --gateways 3 --store-faults 0.2 "
     "--wire-faults 0.2 --seed 102 --store postgresql://postgres@127.0.0.1:5432/postgres": (
