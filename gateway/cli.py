@@ -383,6 +383,11 @@ def _upstream_tls(dest: DestinationConfig) -> str:
     return f"  tls={trust}{',client_cert' if dest.client_cert else ''}"
 
 
+def _pool_shown(config: Config) -> str:
+    """`pool_size` where it applies: PostgreSQL's connections (SQLite has one)."""
+    return "" if config.store_url.startswith("sqlite") else f" (pool size {config.store_pool_size})"
+
+
 def summary(config: Config) -> str:
     """A readable account of `config`; names secrets' variables, never their values."""
 
@@ -395,7 +400,7 @@ def summary(config: Config) -> str:
         f"listen        {addr(config.listen)}",
         f"admin listen  {addr(config.admin_listen)}",
         f"tls           {_listener_tls(config)}",
-        f"store         {_store_shown(config.store_url)} (pool size {config.store_pool_size})",
+        f"store         {_store_shown(config.store_url)}{_pool_shown(config)}",
         *_admin_access(config),
         f"lease API     {_lease_api_access(config)}",
         f"retention     idempotency keys {format_duration(config.idempotency_ttl)}, "

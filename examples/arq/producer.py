@@ -2,8 +2,9 @@
 
     python3 -m examples.arq.producer 1001 1999 [--twice]
 
-`--twice` enqueues the same order as two jobs: the second run finds the job
-completed and returns `{"sinkgate": "job_completed", ...}` instead of charging again.
+`--twice` enqueues the same order as two jobs, which arq may run at once: one
+charges it, and the other returns `{"sinkgate": "job_completed", ...}` instead of
+charging again. Either may print first.
 """
 
 from __future__ import annotations
