@@ -30,7 +30,7 @@ from gateway.store import janitor as retention  # looked up at start: tests repl
 from gateway.store import open_store
 from gateway.store.protocol import SettlementFeed, Store
 from gateway.store.records import Clock
-from gateway.supervisor import RELOAD_UNRECORDED, Slot, announce_reload
+from gateway.supervisor import RELOAD_UNRECORDED, Slot, announce_reload, take_reloads
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
@@ -321,6 +321,7 @@ async def serve(
             loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
             if slot is not None:  # the parent's: another worker records this reload
                 loop.add_signal_handler(RELOAD_UNRECORDED, app[RELOADER].on_relayed)
+                take_reloads()
         info = _serving(config, runner, admin_runner, slot)
         _tune_gc()
         log.info("serving", **info)

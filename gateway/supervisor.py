@@ -17,6 +17,8 @@ signals it handles and takes them one at a time with `sigtimedwait`.
   (`RELOAD_UNRECORDED`): one reload, one audit row, whatever N is.
 - SIGUSR1 from a worker: that worker applied `POST /admin/reload` and recorded
   it with the operator who asked; the parent sends SIGUSR2 to every other one.
+  A worker holds SIGHUP and SIGUSR2 until its handlers are in place, so one
+  that starts meanwhile reloads then instead of dying of the signal.
 - SIGCHLD: a worker that died is logged (exit code or signal) and started
   again (after a reload, it reloads the files before it serves, as the others
   did); one that dies within `STEADY_S` of its start waits before the next
@@ -47,6 +49,9 @@ HANDLED = frozenset({signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHU
 RELOAD_ALL = signal.SIGUSR1  # a worker to the parent: "I reloaded, reload the others"
 # The parent to a worker: "reload; another worker records it in the audit log".
 RELOAD_UNRECORDED = signal.SIGUSR2
+# A worker holds these until its handlers are in place (`take_reloads`): one sent
+# while it starts is taken then, instead of ending it (their default action).
+RELOADS = frozenset({signal.SIGHUP, RELOAD_UNRECORDED})
 STEADY_S = 5.0  # a worker up this long had a good start: its next restart is immediate
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -71,6 +76,12 @@ class Slot:
         if self.ready_fd is not None:
             os.write(self.ready_fd, b"1")
             os.close(self.ready_fd)
+
+
+def take_reloads() -> None:
+    """From a worker whose reload handlers are in place: let the reload signals in,
+    a pending one first."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOADS)
 
 
 def announce_reload() -> None:
@@ -139,7 +150,7 @@ class Supervisor:
     reloaded: bool = False  # a reload was passed on since the start
 
     def main(self) -> int:
-        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED | RELOADS)  # the workers inherit it
         if not self._start_all():
             return 1
         log.info("workers_serving", workers=self.count, pids=sorted(self.workers))
@@ -252,7 +263,7 @@ def _child(parent: int, slot: Slot, run: Callable[[Slot], int]) -> None:
     """In a forked worker: never returns."""
     code = 1
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED - RELOADS)
         _die_with_parent(parent)
         structlog.contextvars.bind_contextvars(worker=slot.index)
         code = run(slot)

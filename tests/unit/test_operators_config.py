@@ -56,12 +56,14 @@ def test_operator_errors_name_the_key(tmp_path: Path, operators: str, env, messa
 
 def test_every_operators_error_is_said_not_only_the_first(tmp_path: Path) -> None:
     """check-config prints every error: one per bad operator, each naming its key."""
-    operators = 'bob = "NOPE_1"\ncarol = "NOPE_2"\n"bad name" = "TOKEN_ALICE"\nalice = "TOKEN_ALICE"'
+    operators = (
+        'bob = "NOPE_1"\ncarol = "NOPE_2"\n"bad name" = "TOKEN_ALICE"\nalice = "TOKEN_ALICE"'
+    )
     error = config_error(write_config(tmp_path, f"[admin.operators]\n{operators}\n"), ENV)
     assert error.splitlines() == [
         "gateway.toml: admin.operators.bob: environment variable NOPE_1 is not set",
         "gateway.toml: admin.operators.carol: environment variable NOPE_2 is not set",
-        "gateway.toml: admin.operators.\"bad name\": an operator's name is 1-64 characters"
+        'gateway.toml: admin.operators."bad name": an operator\'s name is 1-64 characters'
         " of A-Za-z0-9._-",
     ]
 
