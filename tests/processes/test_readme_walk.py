@@ -263,7 +263,8 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "clients/typescript/test/package.test.ts",
         '["pack", "--json", "--pack-destination", project]',
     ),
-    "cd your-worker && npm install /path/to/sinkgate/clients/typescript/sinkgate-leases-0.1.0.tgz": (
+    "cd your-worker && npm install "
+    "/path/to/sinkgate/clients/typescript/sinkgate-leases-0.1.0.tgz": (
         "clients/typescript/test/package.test.ts",
         '["install", ...quiet, `./${packed.filename}`]',
     ),
@@ -273,7 +274,7 @@ NOT_RUN: dict[str, str] = {
     "python3 bench/overload.py": "minutes of load against a slow upstream; run by hand",
     "python3 -m bench.run --workers 2": "minutes of load; test_bench runs bench.run",
     "python3 -m bench.latency": "minutes of fixed-rate load against every target; run by hand",
-    "pip install '.[otel]'": "needs the index for the OpenTelemetry packages; the extra is only listed",
+    "pip install '.[otel]'": "needs the index for OpenTelemetry; the extra is only listed",
     "createdb -h 127.0.0.1 -U postgres chaos": "creates a database on the shared server",
     "python3 -m pip install -e '.[dev]'": "installs the contributor tools",
     "SINKGATE_TEST_PG=postgresql://user@host:5432/db python3 -m pytest -q": "another server",
