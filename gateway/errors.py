@@ -46,6 +46,17 @@ class ConfigError(GatewayError):
         return cls(*(line for problem in problems for line in problem.errors))
 
 
+class EnvironmentConfigError(ConfigError):
+    """A file that is right for a process with other variables: one its `*_env` key
+    names is unset, empty or holds a token it may not. A reload refuses a key of a
+    restart-only section for it, instead of failing (the restart checks it)."""
+
+    key: str
+
+    def __init__(self, error: str, *, key: str) -> None:
+        super().__init__(error, key=key)
+
+
 class Rejection(GatewayError):
     """An answer the gateway makes itself: problem+json with `Sinkgate-Rejected`."""
 

@@ -5,8 +5,9 @@ One `Reloader` per gateway process, so a parent running several processes only
 has to pass the signal on. A reload validates every file first and changes
 nothing if one is broken, logging each error exactly as `check-config` prints
 it. Changes to `[server]`, `[store]` and `[admin]` need a restart: they are
-logged as `reload_refused` and the rest goes ahead, also when such a section
-does not validate in this process (refused with its errors). A write already past its
+logged as `reload_refused` and the rest goes ahead, also when one of their keys
+fails only for this process's variables (refused with its error; a file error
+there fails the reload as anywhere else). A write already past its
 checks holds its destination as it was and finishes under it (see
 `Upstreams.replace`); new writes see the new files.
 """
@@ -26,7 +27,7 @@ from aiohttp import web
 from gateway.admin.models import ReloadAnswer
 from gateway.admin.session import operator_of
 from gateway.config.keys import RELOADED, RESTART_ONLY
-from gateway.config.model import Config, DestinationConfig, reread_config
+from gateway.config.model import Config, DestinationConfig, Reread, reread_config
 from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
@@ -103,15 +104,7 @@ class Reloader:
                 self._metrics.reloads.labels("failed").inc()
                 raise
             new = reread.config
-            # Refused: what a restart would apply, changed or not readable here
-            # (an operator's variable this process does not have, say).
-            unreadable = [e.key or line for e in reread.unread for line in e.errors]
-            changed = (
-                k
-                for f, k in RESTART_ONLY
-                if f not in old.overridden and getattr(new, f) != getattr(old, f)
-            )
-            refused = tuple(dict.fromkeys([*unreadable, *changed]))
+            refused = _refused(old, reread)
             if reread.unread:
                 errors = [line for e in reread.unread for line in e.errors]
                 log.warning("reload_refused", trigger=trigger, keys=list(refused), errors=errors)
@@ -253,6 +246,21 @@ class Reloader:
                 )
             )
         return web.json_response(to_json(ReloadAnswer(True, list(result.destinations))))
+
+
+def _refused(old: Config, reread: Reread) -> tuple[str, ...]:
+    """The keys a restart would apply that the files changed, or that this
+    process's variables fail (an operator's it was started without, say); a key
+    whose part failed (`admin.operators.carol`) is named by that part only."""
+    failed = [e.key for e in reread.unread]
+    changed = [
+        key
+        for name, key in RESTART_ONLY
+        if name not in old.overridden
+        and getattr(reread.config, name) != getattr(old, name)
+        and not any(f == key or f.startswith(key + ".") for f in failed)
+    ]
+    return tuple(dict.fromkeys([*failed, *changed]))
 
 
 def _keep_unchanged(

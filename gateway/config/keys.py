@@ -203,7 +203,10 @@ def operators(t: Table, name: str) -> tuple[tuple[str, str], ...]:
             table.problems.append(exc)
             continue
         if token in found:
-            table.report(person, f"has the same token as operator {found[token]!r}")
+            error = table.environment_error(
+                person, f"has the same token as operator {found[token]!r}"
+            )
+            table.problems.append(error)
             continue
         found[token] = person
     return tuple((person, token) for token, person in found.items())
@@ -216,7 +219,7 @@ def _operator_token(table: Table, person: str, env: Mapping[str, str]) -> str:
         raise table.error(person, f"{person!r} is the name of the shared admin.token_env token")
     token = secret(table, person, table.env_name(person), env)
     if not VISIBLE.fullmatch(token):  # the token itself is never echoed
-        raise table.error(person, "the token has characters other than visible ASCII")
+        raise table.environment_error(person, "the token has characters other than visible ASCII")
     return token
 
 

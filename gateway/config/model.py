@@ -50,7 +50,7 @@ from gateway.config.reader import (
     show,
 )
 from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, EnvironmentConfigError
 from gateway.policy.decision import Fencing
 
 __all__ = [
@@ -202,17 +202,18 @@ class Reread:
     """The files as a reload finds them (`reread_config`)."""
 
     config: Config
-    # The errors in the sections a reload does not apply: those sections are the
-    # running config's in `config`, and the reload refuses the keys named.
-    unread: tuple[ConfigError, ...] = ()
+    # What this process's variables fail in the sections a reload does not apply
+    # (`[server]`, `[store]`, `[admin]`): the reload refuses those keys.
+    unread: tuple[EnvironmentConfigError, ...] = ()
 
 
 def reread_config(running: Config, environ: Mapping[str, str] | None = None) -> Reread:
-    """`running`'s files as they are now, for a reload (SPEC 5). `[server]`,
-    `[store]` and `[admin]` wait for a restart, so an error there (an operator's
-    variable this process does not have, say) does not fail the reload: that
-    section stays as `running` has it and the error is in `unread`, refused as a
-    change would be. An error anywhere else raises `ConfigError`, as a load does."""
+    """`running`'s files as they are now, for a reload (SPEC 5). A file error
+    anywhere raises `ConfigError`, as a load does: the reload changes nothing.
+    In `[server]`, `[store]` and `[admin]`, which wait for a restart anyway, an
+    error of what a variable holds in this process (an operator's variable it was
+    started without) is in `unread` instead: the reload refuses its key, as it
+    would a change of it, and the restart that would apply it checks it."""
     env = os.environ if environ is None else environ
     return _load(running.source, env, running.display, running)
 
@@ -226,9 +227,10 @@ def _load(
         raise ConfigError(f"{given}: cannot read: {what}")
     file = display if display is not None else source.name
     problems = Problems()
-    # On a reload, what only a restart applies is read apart: its errors refuse it.
-    apart = problems if running is None else Problems()
     root = _gateway_table(source, file, env, problems)
+    # On a reload the restart-only sections are read apart, their variables'
+    # errors to be refused rather than raised.
+    at, apart = len(problems), problems if running is None else Problems()
     server, store, admin = (s.open(root, apart) for s in keys.RESTART_SECTIONS)
     retention, dirs = keys.RETENTION.open(root), keys.DESTINATIONS.open(root)
     srv = keys.SERVER.read(server)
@@ -239,37 +241,30 @@ def _load(
     admin_token = _admin_token(server, srv["admin_listen"][0], adm, env)
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
+    unread: list[EnvironmentConfigError] = []
+    if apart is not problems:
+        unread = [p for p in apart if isinstance(p, EnvironmentConfigError)]
+        problems[at:at] = [p for p in apart if not isinstance(p, EnvironmentConfigError)]
     problems.raise_any()
-    fields: dict[str, Any] = {
+    config = Config(
+        source=source,
         **keys.SERVER.fields(srv),
         **keys.STORE.fields(st),
         **keys.ADMIN.fields(adm),
-        "admin_token": admin_token,
-    }
-    unread: tuple[ConfigError, ...] = ()
-    if running is not None and apart:
-        unread = tuple(apart)
-        fields.update(_as_running(running, unread))
-    config = Config(
-        source=source,
-        **fields,
         **keys.RETENTION.fields(ret),
+        admin_token=admin_token,
         destinations=MappingProxyType(destinations),
         display=file,
     )
-    refused = [what for what, exposed in short_tokens(config) if exposed]
+    refused = []
+    for message, exposed, key in short_tokens(config):
+        if exposed and key is not None and running is not None:  # a restart-only token
+            unread.append(EnvironmentConfigError(message, key=key))
+        elif exposed:
+            refused.append(message)
     if refused:
         raise ConfigError(*refused)
-    return Reread(config, unread)
-
-
-def _as_running(running: Config, unread: tuple[ConfigError, ...]) -> dict[str, Any]:
-    """The fields of the restart-only sections that `unread` found errors in, as
-    `running` has them (an error of no known key: all of those sections)."""
-    sections = {e.key.split(".")[0] if e.key else "" for e in unread}
-    if "" in sections:
-        sections = {s.name for s in keys.RESTART_SECTIONS}
-    return {f: getattr(running, f) for f, k in keys.RESTART_ONLY if k.split(".")[0] in sections}
+    return Reread(config, tuple(unread))
 
 
 def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
@@ -308,15 +303,16 @@ def _admin_token(
     token_env = admin["token_env"]
     admin_token = env.get(token_env, "").strip() or None
     if admin_token is None and not admin["operators"] and not is_loopback(admin_host):
-        server.report(
+        error = server.environment_error(
             "admin_listen",
             f"listens beyond loopback on {show(admin_host)} but no admin token is "
             f"set (environment variable {token_env} is unset, empty or blank)",
         )
+        server.problems.append(error)
     for name, token in admin["operators"]:
         if token == admin_token:
             server.problems.append(
-                ConfigError(
+                EnvironmentConfigError(
                     f"{server.file}: admin.operators.{name}: has the same token as "
                     f"admin.token_env ({token_env})",
                     key=f"admin.operators.{name}",
@@ -328,22 +324,23 @@ def _admin_token(
 MIN_TOKEN_LENGTH = 16
 
 
-def short_tokens(config: Config) -> list[tuple[str, bool]]:
-    """Each token shorter than `MIN_TOKEN_LENGTH`, said with its key, and whether
-    its listener reaches beyond loopback (then it is refused: a short token can be
-    guessed from the network; on loopback it is only warned about)."""
+def short_tokens(config: Config) -> list[tuple[str, bool, str | None]]:
+    """Each token shorter than `MIN_TOKEN_LENGTH`, said with its key, whether its
+    listener reaches beyond loopback (then it is refused: a short token can be
+    guessed from the network; on loopback it is only warned about), and the
+    gateway file's key that names it (None: a destination's)."""
     file = config.display or config.source.name
     admin, main = "server.admin_listen", "server.listen"
-    found: list[tuple[str, str, str]] = []  # (where, token, listener)
+    found: list[tuple[str, str | None, str, str]] = []  # (file, key, token, listener)
     if config.admin_token is not None:
-        found.append((f"{file}: admin.token_env", config.admin_token, admin))
-    found += [(f"{file}: admin.operators.{n}", t, admin) for n, t in config.admin_operators]
-    found += [(f"{file}: server.lease_tokens_env", t, main) for t in config.lease_tokens or ()]
+        found.append((file, "admin.token_env", config.admin_token, admin))
+    found += [(file, f"admin.operators.{n}", t, admin) for n, t in config.admin_operators]
+    found += [(file, "server.lease_tokens_env", t, main) for t in config.lease_tokens or ()]
     for _, dest in sorted(config.destinations.items()):
-        where = f"{os.path.relpath(dest.source)}: worker_tokens_env"
-        found += [(where, t, main) for t in dest.worker_tokens or ()]
-    short: list[tuple[str, bool]] = []
-    for where, token, listener in dict.fromkeys(found):
+        found += [(os.path.relpath(dest.source), None, t, main) for t in dest.worker_tokens or ()]
+    short: list[tuple[str, bool, str | None]] = []
+    for in_file, key, token, listener in dict.fromkeys(found):
+        where = f"{in_file}: {key or 'worker_tokens_env'}"
         if len(token) >= MIN_TOKEN_LENGTH:
             continue
         host = (config.admin_listen if listener == admin else config.listen)[0]
@@ -353,7 +350,7 @@ def short_tokens(config: Config) -> list[tuple[str, bool]]:
             f"{where}: a token is shorter than {MIN_TOKEN_LENGTH} characters and "
             f"{listener} {reach}: use a long random one (e.g. openssl rand -hex 24)"
         )
-        short.append((message, exposed))
+        short.append((message, exposed, key))
     return short
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, EnvironmentConfigError
 from leases.model import VISIBLE
 
 _T = TypeVar("_T")
@@ -267,6 +267,11 @@ class Table:
         where = self.key(key)
         return ConfigError(f"{self.file}: {where}: {what}", key=where)
 
+    def environment_error(self, key: str, what: str) -> EnvironmentConfigError:
+        """An error of what a variable named at `key` holds, not of the file."""
+        where = self.key(key)
+        return EnvironmentConfigError(f"{self.file}: {where}: {what}", key=where)
+
     def report(self, key: str, what: str) -> None:
         """Collect an error at `key` and go on reading."""
         self.problems.append(self.error(key, what))
@@ -372,9 +377,9 @@ def secret(t: Table, key: str, var: str, env: Mapping[str, str]) -> str:
     """The value of `var`, stripped; unset or blank is an error at `key` of `t`."""
     value = env.get(var)
     if value is None:
-        raise t.error(key, f"environment variable {var} is not set")
+        raise t.environment_error(key, f"environment variable {var} is not set")
     if not value.strip():
-        raise t.error(key, f"environment variable {var} is empty")
+        raise t.environment_error(key, f"environment variable {var} is empty")
     return value.strip()
 
 
@@ -389,11 +394,11 @@ def bearer_tokens(
     tokens = [tok.strip() for tok in secret(t, key, var, env).split(",")]
     tokens = [tok for tok in tokens if tok]
     if not tokens:
-        raise t.error(key, f"environment variable {var} holds no tokens")
+        raise t.environment_error(key, f"environment variable {var} holds no tokens")
     for number, token in enumerate(tokens, 1):
         if not VISIBLE.fullmatch(token):
             # The token itself is never echoed.
-            raise t.error(
+            raise t.environment_error(
                 key,
                 f"environment variable {var}: token {number} has characters other than "
                 "visible ASCII",

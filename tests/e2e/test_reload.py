@@ -197,27 +197,56 @@ async def test_a_restart_only_section_this_process_cannot_read_is_refused_not_fa
     path = write_files(tmp_path, GATEWAY + operators, a=to(one))
     async with running_gateway(load_config(path)) as gw:
         running = gw.app[RELOADER].config
+        carol = 'carol = "RELOAD_T_CAROL"\n'
+        other = '[admin]\ntoken_env = "RELOAD_T_OTHER"\n'  # a change beside it is named too
         write_files(
             tmp_path,
-            GATEWAY + operators + 'carol = "RELOAD_T_CAROL"\n[retention]\nrejections_ttl = "1d"\n',
+            GATEWAY + other + operators + carol + '[retention]\nrejections_ttl = "1d"\n',
             b=to(one),
         )
         with capture_logs() as logs:
             result = await gw.app[RELOADER].reload("test")
         (entry,) = await gw.store.list_audit(AuditQuery())
-    assert result.added == ("b",) and result.refused == ("admin.operators.carol",)
+    assert result.added == ("b",)
+    assert result.refused == ("admin.operators.carol", "admin.token_env")
     applied = gw.app[WRITES].config
     assert applied.rejections_ttl == 24 * 3600 and sorted(applied.destinations) == ["a", "b"]
     assert applied.admin_operators == running.admin_operators  # as it ran
     (refused,) = [e for e in logs if e["event"] == "reload_refused"]
-    assert refused["keys"] == ["admin.operators.carol"]
+    assert refused["keys"] == ["admin.operators.carol", "admin.token_env"]
     assert refused["errors"] == [
         "gateway.toml: admin.operators.carol: environment variable RELOAD_T_CAROL is not set"
     ]
     assert "alice-token" not in repr(logs)
     assert entry.note == (
-        "test: added b; retention rejections_ttl 7d -> 1d; refused admin.operators.carol"
+        "test: added b; retention rejections_ttl 7d -> 1d;"
+        " refused admin.operators.carol, admin.token_env"
     )
+
+
+@pytest.mark.parametrize(
+    ("server", "section"),
+    [
+        ("bogus = 1\n", ""),
+        ('max_in_flight = "many"\n', ""),
+        ("", '[store]\nurl = "mysql://x"\n'),
+        ("", '[admin.operators]\n"bad name" = "RELOAD_T_ALICE"\n'),
+    ],
+)
+async def test_a_file_error_in_a_restart_only_section_fails_the_reload(
+    tmp_path: Path, one: RecordingUpstream, monkeypatch: pytest.MonkeyPatch, server, section
+) -> None:
+    """SPEC 5: a reload whose files do not validate changes nothing, whatever the
+    section: only what this process's variables fail is refused instead."""
+    monkeypatch.setenv("RELOAD_T_ALICE", "alice-token-0123456789abcdef")
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path)) as gw:
+        retention = '[retention]\nrejections_ttl = "1d"\n'
+        write_files(tmp_path, GATEWAY + server + section + retention, b=to(one))
+        with pytest.raises(ConfigError):
+            await gw.app[RELOADER].reload("test")
+        applied = gw.app[WRITES].config
+        assert sorted(applied.destinations) == ["a"] and applied.rejections_ttl == 7 * 86400
 
 
 async def test_each_applied_reload_is_in_the_audit_log_and_a_failed_one_is_not(

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.cli import config_warnings
 from gateway.config.keys import RESTART_ONLY
-from gateway.config.model import load_config
+from gateway.config.model import load_config, reread_config
 from tests.unit.test_config import config_error, write_config
 
 LONG = "a-token-long-enough-0123"
@@ -112,3 +112,23 @@ def test_a_short_token_on_loopback_is_a_warning(tmp_path: Path) -> None:
     assert warning.startswith("gateway.toml: admin.token_env: a token is shorter than 16")
     assert "server.admin_listen is loopback-only" in warning
     assert config_warnings(load_config(path, {"SINKGATE_ADMIN_TOKEN": LONG})) == []
+
+
+def test_a_reload_refuses_an_operators_short_token_beyond_loopback_as_check_config_does(
+    tmp_path: Path,
+) -> None:
+    """What only this process's variables fail in [admin] is refused by a reload
+    (the restart checks it), as an unset variable is; check-config refuses it."""
+    server = '[server]\nadmin_listen = "0.0.0.0:8481"\n'
+    path = write_config(tmp_path, server + '[admin.operators]\nalice = "TOKEN_ALICE"\n')
+    running = load_config(path, ENV)
+    write_config(tmp_path, server + '[admin.operators]\nalice = "TOKEN_ALICE"\ncarol = "TOKEN_C"\n')
+    env = {**ENV, "TOKEN_C": "tiny-carol"}
+    reread = reread_config(running, env)
+    assert [e.key for e in reread.unread] == ["admin.operators.carol"]
+    assert "a token is shorter than 16 characters" in str(reread.unread[0])
+    assert "shorter than 16" in config_error(path, env)
+    unset = reread_config(running, ENV)  # carol's variable not set at all
+    assert [str(e) for e in unset.unread] == [
+        "gateway.toml: admin.operators.carol: environment variable TOKEN_C is not set"
+    ]
