@@ -30,7 +30,13 @@ from gateway.store import janitor as retention  # looked up at start: tests repl
 from gateway.store import open_store
 from gateway.store.protocol import SettlementFeed, Store
 from gateway.store.records import Clock
-from gateway.supervisor import RELOAD_UNRECORDED, Slot, announce_reload, take_reloads
+from gateway.supervisor import (
+    RELOAD_UNRECORDED,
+    RELOADS,
+    Slot,
+    announce_reload,
+    take_reloads,
+)
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
@@ -311,7 +317,8 @@ async def serve(
     if slot is not None and slot.reload_at_start:
         # Started again after the others reloaded: the files as they applied them.
         with contextlib.suppress(ConfigError):  # logged; the start-up config stays
-            await app[RELOADER].reload("restart")
+            # recorded in the audit log when it was done, by the worker that did it
+            await app[RELOADER].reload("restart", record=False)
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
     try:
@@ -330,6 +337,8 @@ async def serve(
         await _until_stopped(stop, janitor)
         log.info("shutting_down")
     finally:
+        if slot is not None:  # draining: a reload relayed now must not end the worker
+            signal.pthread_sigmask(signal.SIG_BLOCK, RELOADS)
         with contextlib.suppress(NotImplementedError):
             loop.remove_signal_handler(signal.SIGHUP)
             loop.remove_signal_handler(RELOAD_UNRECORDED)

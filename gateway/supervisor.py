@@ -205,14 +205,17 @@ class Supervisor:
             self.stopping = True
             self.due.clear()
             self._send(signum)
-        elif signum == signal.SIGHUP and self.workers:
-            self.reloaded = True
-            recorder = min(self.workers, key=lambda pid: self.workers[pid].index)
-            _signal(recorder, signal.SIGHUP)
-            self._send(RELOAD_UNRECORDED, but=recorder)
+        elif signum == signal.SIGHUP:
+            self.reloaded = True  # a worker started later reloads before it serves
+            self._reap()  # a worker dead but not reaped yet cannot be the one that records
+            if self.workers and not self.stopping:
+                recorder = min(self.workers, key=lambda pid: self.workers[pid].index)
+                _signal(recorder, signal.SIGHUP)
+                self._send(RELOAD_UNRECORDED, but=recorder)
         elif signum == RELOAD_ALL and info.si_pid in self.workers:
             self.reloaded = True
-            self._send(RELOAD_UNRECORDED, but=info.si_pid)
+            if not self.stopping:  # a draining worker has no reload to do
+                self._send(RELOAD_UNRECORDED, but=info.si_pid)
 
     def _send(self, signum: int, *, but: int | None = None) -> None:
         for pid in list(self.workers):

@@ -259,9 +259,9 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     '--note "no charge for inv-45 at the PSP"': ("tests/e2e/test_keys_cli.py", '"--not-applied"'),
     "CI=true python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
     "npm --prefix clients/typescript ci": (".ci/run", "npm --prefix clients/typescript ci"),
-    "cd clients/typescript && npm ci && npm pack": (
+    "(cd clients/typescript && npm ci && npm pack)": (
         "clients/typescript/test/package.test.ts",
-        '["pack", "--json", "--pack-destination", project]',
+        '["pack", "--json", "--ignore-scripts", "--pack-destination", project]',
     ),
     "cd your-worker && npm install "
     "/path/to/sinkgate/clients/typescript/sinkgate-leases-0.1.0.tgz": (

@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent(
             os.kill(os.getpid(), signum)
         held = RELOADS <= signal.sigpending()
         slot.ready()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the parent passes its stop on
         os.kill(os.getppid(), signal.SIGTERM)
         return 0 if held else 3
 

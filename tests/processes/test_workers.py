@@ -316,7 +316,7 @@ async def test_sighup_to_the_parent_reloads_every_worker(sqlite_gateway: Gateway
     # one worker records the reload in the audit log; the other reloads unrecorded
     assert sorted(e["trigger"] for e in gw.events("reload_applied")) == ["relayed", "sighup"]
     assert await routable_everywhere(pinned, "refunds")
-    assert await audit_notes(gw) == ["sighup: added refunds"]
+    assert await eventually(lambda: audit_notes(gw)) == ["sighup: added refunds"]
 
 
 async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: Gateway) -> None:
@@ -330,7 +330,7 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: G
     assert sorted(e["trigger"] for e in applied) == ["admin", "relayed"]
     assert await routable_everywhere(pinned, "payouts")
     # the one row is the admin's: no anonymous "sighup" row nobody sent
-    assert await audit_notes(gw) == ["admin: added payouts"]
+    assert await eventually(lambda: audit_notes(gw)) == ["admin: added payouts"]
 
 
 async def audit_notes(gw: Gateway) -> list[str]:
