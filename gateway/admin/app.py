@@ -34,7 +34,7 @@ from gateway.admin.page.operator import OperatorPage
 from gateway.admin.page.signin import SignIn, login_page
 from gateway.admin.query import only_params
 from gateway.admin.rejections import RejectionsApi
-from gateway.admin.session import SessionAuth
+from gateway.admin.session import LOGIN_PATH, LOGOUT_PATH, SessionAuth
 from gateway.admin.throttle import FailureThrottle
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.models import OK
@@ -97,9 +97,9 @@ def create_admin_app(
     app.router.add_get("/admin", page.redirect_to_page)
     app.router.add_get("/admin/", page.listing)
     signin = SignIn(auth)
-    app.router.add_get("/admin/login", signin.login_form)
-    app.router.add_post("/admin/login", signin.login)
-    app.router.add_post("/admin/logout", signin.logout)
+    app.router.add_get(LOGIN_PATH, signin.login_form)
+    app.router.add_post(LOGIN_PATH, signin.login)
+    app.router.add_post(LOGOUT_PATH, signin.logout)
     app.router.add_get("/admin/rejections", rejections.list)
     app.router.add_get("/admin/rejections/{id}", _one(rejections.get, page=page.detail))
     app.router.add_get("/admin/jobs/{job_id}", _one(jobs.get, page=operator.job))

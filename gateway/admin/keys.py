@@ -227,7 +227,7 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
         return Resolution(destination, key, attempt, False, note, remote)
     status = _status(body.get("status", 200))
     replayed = _body(body.get("body", ""))
-    if replayed and status in _NO_CONTENT:  # the replay would drop it without a word
+    if replayed and status in _NO_CONTENT:  # such an answer has none to replay
         raise invalid_request(f"a {status} answer has no body: leave body empty", field="body")
     return Resolution(
         destination,
@@ -242,7 +242,8 @@ def parse_resolution(raw: bytes, destination: str, key: str, remote: str | None)
     )
 
 
-# Statuses whose answers carry no content (RFC 9110 15.3.5, 15.3.6, 15.4.5).
+# Statuses whose answers have no content (RFC 9110 15.3.5, 15.3.6, 15.4.5): a body
+# stored with one would be dropped (204, 304) or sent against the RFC (205).
 _NO_CONTENT = frozenset({204, 205, 304})
 
 

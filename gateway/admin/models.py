@@ -133,7 +133,7 @@ class KeyPage:
 class ResolveRequest:
     """The body of `POST /admin/keys/{destination}/{key}/resolve`; status, body and
     content_type (the answer to store) only go with `applied`, and a status of 204,
-    205 or 304 only with an empty body (its replays carry none)."""
+    205 or 304 only with an empty body (such an answer has no content)."""
 
     outcome: Annotated[str, Meta(enum=RESOLVE_OUTCOMES)]
     attempt: Annotated[str, Meta(pattern=IDENT_PATTERN)]

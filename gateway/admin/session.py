@@ -46,9 +46,13 @@ SESSION_TTL_S = 12 * 3600
 # The name the request authenticated as.
 OPERATOR: web.RequestKey[str] = web.RequestKey("operator", str)
 _NONCE = re.compile(r"[0-9a-f]{16}")
-# Where the page's own forms post: their `Origin` is `null` under the page's
-# `Referrer-Policy: no-referrer`. Anywhere else `null` is a sandboxed frame's.
-PAGE_FORMS = frozenset({"/admin/login", "/admin/logout", "/admin/queue/resolve"})
+# Where the page's own forms post (their routes are added at these paths): their
+# `Origin` is `null` under the page's `Referrer-Policy: no-referrer`. Anywhere
+# else `null` is a sandboxed frame's.
+LOGIN_PATH = "/admin/login"
+LOGOUT_PATH = "/admin/logout"
+RESOLVE_FORM_PATH = "/admin/queue/resolve"
+PAGE_FORMS = frozenset({LOGIN_PATH, LOGOUT_PATH, RESOLVE_FORM_PATH})
 
 
 def wants_html(request: web.Request) -> bool:
@@ -167,7 +171,7 @@ class SessionAuth:
                 request,
                 "a browser request from another site may not change anything here",
             )
-        if not guarded or path == "/admin/login" or self.open:
+        if not guarded or path == LOGIN_PATH or self.open:
             return await handler(request)
         scheme, _, credentials = authorization(request.headers).partition(" ")
         if scheme.lower() == "bearer" and credentials.strip():

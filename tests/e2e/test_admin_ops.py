@@ -306,6 +306,18 @@ async def test_a_cross_site_browser_request_changes_nothing_even_with_credential
     assert await store.list_audit(AuditQuery()) == []
 
 
+async def test_origin_null_is_the_pages_own_only_where_its_forms_post(client):
+    """A browser without Sec-Fetch-Site sends `Origin: null` from the page's own
+    forms (no-referrer) and from a sandboxed frame: only the form routes take it."""
+    null = {"Origin": "null", **AUTH}
+    reload = await client.post("/admin/reload", headers=null)
+    assert reload.status == 403
+    signed_out = await client.post("/admin/logout", headers=null, allow_redirects=False)
+    assert signed_out.status == 303
+    login = await client.post("/admin/login", data={"token": "wrong"}, headers={"Origin": "null"})
+    assert login.status == 401  # refused for its token, not for where it came from
+
+
 async def test_the_admin_listeners_own_pages_and_programs_may_post(client, store):
     origin = str(client.make_url("")).rstrip("/")
     for n, headers in enumerate(

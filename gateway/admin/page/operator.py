@@ -36,7 +36,7 @@ from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import PRESETS, pager
 from gateway.admin.page.render import REASON_KIND, Safe, html_response, link
 from gateway.admin.query import parse_time, utc_time
-from gateway.admin.session import SESSION_COOKIE, operator_of
+from gateway.admin.session import RESOLVE_FORM_PATH, SESSION_COOKIE, operator_of
 from gateway.config.reader import format_duration
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
@@ -85,7 +85,7 @@ class OperatorPage:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/queue", self.queue)
-        app.router.add_post("/admin/queue/resolve", self.resolve)
+        app.router.add_post(RESOLVE_FORM_PATH, self.resolve)
 
     # --- the glance ------------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ class OperatorPage:
         view = key_view(record, now)
         key_link = _key_href(record.destination, record.key)
         return (
-            f'<form class="resolve" method="post" action="/admin/queue/resolve" '
+            f'<form class="resolve" method="post" action="{RESOLVE_FORM_PATH}" '
             f'data-key="{e(record.key)}">'
             f'<div class="who"><a href="{e(key_link)}"><code>{e(record.destination)} / '
             f"{e(record.key)}</code></a><br>job <code>{e(record.job_id)}</code> gen "
