@@ -2,8 +2,9 @@
 //
 //   node examples/bullmq/producer.mjs 1003 1999 [--twice]
 //
-// `--twice` enqueues the same order as two jobs: the second run finds the job
-// completed and returns { sinkgate: "job_completed", ... } instead of charging again.
+// `--twice` enqueues the same order as two jobs, which workers may run at once: one
+// charges it, and the other returns { sinkgate: "job_completed", ... } instead of
+// charging again. Either may print first.
 
 import { Queue, QueueEvents } from "bullmq";
 import { connection, QUEUE } from "./worker.mjs";

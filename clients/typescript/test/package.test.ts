@@ -46,7 +46,8 @@ describe("the package", () => {
     const project = mkdtempSync(path.join(tmpdir(), "sinkgate-consumer-"));
     try {
       // as docs/workers-typescript.md says: pack in the checkout, install the file
-      const pack = spawnSync(npm, ["pack", "--json", "--pack-destination", project], {
+      // (dist/ is pretest's: prepack's rebuild would rewrite it under other tests)
+      const pack = spawnSync(npm, ["pack", "--json", "--ignore-scripts", "--pack-destination", project], {
         cwd: PACKAGE,
         encoding: "utf8",
       });
