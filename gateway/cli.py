@@ -330,7 +330,7 @@ async def _connect(config: Config) -> int:
 def config_warnings(config: Config) -> list[str]:
     """What is valid but most likely not meant; `check-config` prints it and exits 0,
     `serve` logs it."""
-    found = [what for what, exposed, _ in short_tokens(config) if not exposed]
+    found = [short.message for short in short_tokens(config) if not short.exposed]
     for _, dest in sorted(config.destinations.items()):
         for header in dest.headers_named_like_keys:
             found.append(

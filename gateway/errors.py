@@ -32,13 +32,11 @@ class GatewayError(Exception):
 
 class ConfigError(GatewayError):
     """The configuration is invalid. Each of `errors` is one line naming the file
-    and the key; the message is all of them, one per line. `key`: the dotted key
-    of the one error it was made for, where known (a reload refuses it by name)."""
+    and the key; the message is all of them, one per line."""
 
-    def __init__(self, *errors: str, key: str | None = None) -> None:
+    def __init__(self, *errors: str) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
-        self.key = key
 
     @classmethod
     def of(cls, problems: Iterable[ConfigError]) -> ConfigError:
@@ -49,12 +47,12 @@ class ConfigError(GatewayError):
 class EnvironmentConfigError(ConfigError):
     """A file that is right for a process with other variables: one its `*_env` key
     names is unset, empty or holds a token it may not. A reload refuses a key of a
-    restart-only section for it, instead of failing (the restart checks it)."""
-
-    key: str
+    restart-only section for it, instead of failing (the restart checks it).
+    `key`: the dotted key it was found at."""
 
     def __init__(self, error: str, *, key: str) -> None:
-        super().__init__(error, key=key)
+        super().__init__(error)
+        self.key = key
 
 
 class Rejection(GatewayError):

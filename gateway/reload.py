@@ -27,7 +27,13 @@ from aiohttp import web
 from gateway.admin.models import ReloadAnswer
 from gateway.admin.session import operator_of
 from gateway.config.keys import RELOADED, RESTART_ONLY
-from gateway.config.model import Config, DestinationConfig, Reread, reread_config
+from gateway.config.model import (
+    Config,
+    DestinationConfig,
+    Reread,
+    operator_key,
+    reread_config,
+)
 from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
@@ -249,18 +255,22 @@ class Reloader:
 
 
 def _refused(old: Config, reread: Reread) -> tuple[str, ...]:
-    """The keys a restart would apply that the files changed, or that this
-    process's variables fail (an operator's it was started without, say); a key
-    whose part failed (`admin.operators.carol`) is named by that part only."""
+    """The keys a restart would apply that this process's variables fail (an
+    operator's it was started without, say), then those the files changed."""
     failed = [e.key for e in reread.unread]
-    changed = [
-        key
-        for name, key in RESTART_ONLY
-        if name not in old.overridden
-        and getattr(reread.config, name) != getattr(old, name)
-        and not any(f == key or f.startswith(key + ".") for f in failed)
-    ]
-    return tuple(dict.fromkeys([*failed, *changed]))
+    new = reread.config
+
+    def changed(name: str) -> bool:
+        if name == "admin_operators":  # a failing operator is named by its own key
+            return _operators(new, failed) != _operators(old, failed)
+        return bool(getattr(new, name) != getattr(old, name))
+
+    changes = [key for name, key in RESTART_ONLY if name not in old.overridden and changed(name)]
+    return tuple(dict.fromkeys([*failed, *changes]))
+
+
+def _operators(config: Config, failed: list[str]) -> list[tuple[str, str]]:
+    return [(n, t) for n, t in config.admin_operators if operator_key(n) not in failed]
 
 
 def _keep_unchanged(

@@ -20,7 +20,6 @@ from urllib.parse import unquote
 
 from gateway.config.reader import (
     MiB,
-    Problems,
     Table,
     bearer_tokens,
     host_name_problem,
@@ -118,10 +117,9 @@ class Section:
         """The value each key has when the file does not set it."""
         return MappingProxyType({name: key.default for name, key in self.keys.items()})
 
-    def open(self, parent: Table, problems: Problems | None = None) -> Table:
-        """This section's table under `parent`; its errors go to `problems`
-        (default: `parent`'s)."""
-        return parent.table(self.name, self.names, problems)
+    def open(self, parent: Table) -> Table:
+        """This section's table under `parent`."""
+        return parent.table(self.name, self.names)
 
     def read(self, t: Table) -> dict[str, Any]:
         """Every key's value; a key that fails is reported and gets its default."""

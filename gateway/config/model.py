@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple, TypeGuard
 
 from gateway.config import keys
 from gateway.config.keys import (
@@ -38,6 +38,7 @@ from gateway.config.reader import (
     MiB,
     Problems,
     Table,
+    dotted,
     format_duration,
     format_size,
     is_loopback,
@@ -228,11 +229,7 @@ def _load(
     file = display if display is not None else source.name
     problems = Problems()
     root = _gateway_table(source, file, env, problems)
-    # On a reload the restart-only sections are read apart, their variables'
-    # errors to be refused rather than raised.
-    at, apart = len(problems), problems if running is None else Problems()
-    server, store, admin = (s.open(root, apart) for s in keys.RESTART_SECTIONS)
-    retention, dirs = keys.RETENTION.open(root), keys.DESTINATIONS.open(root)
+    server, store, admin, retention, dirs = (s.open(root) for s in keys.GATEWAY_FILE)
     srv = keys.SERVER.read(server)
     _check_server(server, srv)
     st = keys.STORE.read(store)
@@ -241,11 +238,11 @@ def _load(
     admin_token = _admin_token(server, srv["admin_listen"][0], adm, env)
     ret = keys.RETENTION.read(retention)
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
-    unread: list[EnvironmentConfigError] = []
-    if apart is not problems:
-        unread = [p for p in apart if isinstance(p, EnvironmentConfigError)]
-        problems[at:at] = [p for p in apart if not isinstance(p, EnvironmentConfigError)]
-    problems.raise_any()
+    # A reload refuses what only this process's variables fail where it applies
+    # nothing; any other error fails it, said with every one, as check-config says.
+    unread = [p for p in problems if _refusable(p, running)]
+    if len(unread) < len(problems):
+        problems.raise_any()
     config = Config(
         source=source,
         **keys.SERVER.fields(srv),
@@ -257,14 +254,24 @@ def _load(
         display=file,
     )
     refused = []
-    for message, exposed, key in short_tokens(config):
-        if exposed and key is not None and running is not None:  # a restart-only token
-            unread.append(EnvironmentConfigError(message, key=key))
-        elif exposed:
-            refused.append(message)
+    for short in short_tokens(config, running):
+        if not short.exposed:
+            continue
+        error = EnvironmentConfigError(short.message, key=short.key or "")
+        if short.key is not None and _refusable(error, running):
+            unread.append(error)
+        else:
+            refused.append(short.message)
     if refused:
         raise ConfigError(*refused)
     return Reread(config, tuple(unread))
+
+
+def _refusable(error: ConfigError, running: Config | None) -> TypeGuard[EnvironmentConfigError]:
+    """On a reload, an error a restart-only key has in this process's variables."""
+    if running is None or not isinstance(error, EnvironmentConfigError):
+        return False
+    return error.key.split(".")[0] in {section.name for section in keys.RESTART_SECTIONS}
 
 
 def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
@@ -313,9 +320,9 @@ def _admin_token(
         if token == admin_token:
             server.problems.append(
                 EnvironmentConfigError(
-                    f"{server.file}: admin.operators.{name}: has the same token as "
+                    f"{server.file}: {operator_key(name)}: has the same token as "
                     f"admin.token_env ({token_env})",
-                    key=f"admin.operators.{name}",
+                    key=operator_key(name),
                 )
             )
     return admin_token
@@ -324,34 +331,47 @@ def _admin_token(
 MIN_TOKEN_LENGTH = 16
 
 
-def short_tokens(config: Config) -> list[tuple[str, bool, str | None]]:
-    """Each token shorter than `MIN_TOKEN_LENGTH`, said with its key, whether its
-    listener reaches beyond loopback (then it is refused: a short token can be
-    guessed from the network; on loopback it is only warned about), and the
-    gateway file's key that names it (None: a destination's)."""
+class ShortToken(NamedTuple):
+    message: str
+    exposed: bool  # its listener reaches beyond loopback: refused, not only warned about
+    key: str | None  # the gateway file's key that names it; None: a destination's
+
+
+def short_tokens(config: Config, running: Config | None = None) -> list[ShortToken]:
+    """Each token shorter than `MIN_TOKEN_LENGTH`, said with its key, and whether
+    its listener reaches beyond loopback (then it is refused: a short token can be
+    guessed from the network; on loopback it is only warned about). On a reload
+    (`running`), a listener reaches as far as either the running or the new
+    address does: a changed address waits for the restart."""
     file = config.display or config.source.name
     admin, main = "server.admin_listen", "server.listen"
     found: list[tuple[str, str | None, str, str]] = []  # (file, key, token, listener)
     if config.admin_token is not None:
         found.append((file, "admin.token_env", config.admin_token, admin))
-    found += [(file, f"admin.operators.{n}", t, admin) for n, t in config.admin_operators]
+    found += [(file, operator_key(n), t, admin) for n, t in config.admin_operators]
     found += [(file, "server.lease_tokens_env", t, main) for t in config.lease_tokens or ()]
     for _, dest in sorted(config.destinations.items()):
         found += [(os.path.relpath(dest.source), None, t, main) for t in dest.worker_tokens or ()]
-    short: list[tuple[str, bool, str | None]] = []
+    short: list[ShortToken] = []
     for in_file, key, token, listener in dict.fromkeys(found):
-        where = f"{in_file}: {key or 'worker_tokens_env'}"
         if len(token) >= MIN_TOKEN_LENGTH:
             continue
-        host = (config.admin_listen if listener == admin else config.listen)[0]
-        exposed = not is_loopback(host)
+        field = "admin_listen" if listener == admin else "listen"
+        hosts = [getattr(c, field)[0] for c in (config, running) if c is not None]
+        exposed = not all(is_loopback(host) for host in hosts)
         reach = "reaches beyond loopback" if exposed else "is loopback-only"
         message = (
-            f"{where}: a token is shorter than {MIN_TOKEN_LENGTH} characters and "
-            f"{listener} {reach}: use a long random one (e.g. openssl rand -hex 24)"
+            f"{in_file}: {key or 'worker_tokens_env'}: a token is shorter than "
+            f"{MIN_TOKEN_LENGTH} characters and {listener} {reach}: use a long random "
+            "one (e.g. openssl rand -hex 24)"
         )
-        short.append((message, exposed, key))
+        short.append(ShortToken(message, exposed, key))
     return short
+
+
+def operator_key(name: str) -> str:
+    """The dotted key of operator `name`, as the config's own errors write it."""
+    return f"admin.operators.{dotted(name)}"
 
 
 def _absolute_sqlite(url: str, base: Path) -> str:

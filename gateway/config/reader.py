@@ -260,12 +260,11 @@ class Table:
                 self.report(key, f"unknown key{hint}")
 
     def key(self, key: str) -> str:
-        part = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+        part = dotted(key)
         return f"{self.prefix}.{part}" if self.prefix else part
 
     def error(self, key: str, what: str) -> ConfigError:
-        where = self.key(key)
-        return ConfigError(f"{self.file}: {where}: {what}", key=where)
+        return ConfigError(f"{self.file}: {self.key(key)}: {what}")
 
     def environment_error(self, key: str, what: str) -> EnvironmentConfigError:
         """An error of what a variable named at `key` holds, not of the file."""
@@ -276,14 +275,10 @@ class Table:
         """Collect an error at `key` and go on reading."""
         self.problems.append(self.error(key, what))
 
-    def table(
-        self, key: str, known: Iterable[str] | None, problems: Problems | None = None
-    ) -> Table:
-        """The table at `key`; its errors go to `problems` (default: this table's)."""
-        problems = self.problems if problems is None else problems
+    def table(self, key: str, known: Iterable[str] | None) -> Table:
         value = self.data.get(key, {})
         if not isinstance(value, dict):
-            problems.append(self.error(key, f"expected a table, got {show(value)}"))
+            self.report(key, f"expected a table, got {show(value)}")
             value = {}
         return Table(
             value,
@@ -292,7 +287,7 @@ class Table:
             known,
             env=self.env,
             base=self.base,
-            problems=problems,
+            problems=self.problems,
         )
 
     def string(self, key: str, default: str = "") -> str:
@@ -371,6 +366,11 @@ def read_toml(path: Path, display: str) -> dict[str, Any]:
 
 
 # --- secrets named by environment variable ------------------------------------
+
+
+def dotted(name: str) -> str:
+    """`name` as one part of a dotted key: bare, or quoted as TOML would need it."""
+    return name if _BARE_KEY.fullmatch(name) else json.dumps(name)
 
 
 def secret(t: Table, key: str, var: str, env: Mapping[str, str]) -> str:

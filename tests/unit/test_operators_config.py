@@ -10,6 +10,7 @@ import pytest
 from gateway.cli import config_warnings
 from gateway.config.keys import RESTART_ONLY
 from gateway.config.model import load_config, reread_config
+from gateway.errors import ConfigError
 from tests.unit.test_config import config_error, write_config
 
 LONG = "a-token-long-enough-0123"
@@ -132,3 +133,51 @@ def test_a_reload_refuses_an_operators_short_token_beyond_loopback_as_check_conf
     assert [str(e) for e in unset.unread] == [
         "gateway.toml: admin.operators.carol: environment variable TOKEN_C is not set"
     ]
+
+
+def test_a_reload_that_fails_says_every_error_as_check_config_does(tmp_path: Path) -> None:
+    """A file error fails the reload; its lines, the variables' errors among them,
+    come in check-config's order."""
+    path = write_config(tmp_path, '[admin.operators]\nalice = "TOKEN_ALICE"\n')
+    running = load_config(path, ENV)
+    broken = (
+        '[server]\nmax_in_flight = "many"\n[admin.operators]\nalice = "TOKEN_ALICE"\n'
+        'carol = "TOKEN_C"\n[retention]\nbogus = 1\n'
+    )
+    write_config(tmp_path, broken)
+    with pytest.raises(ConfigError) as reloaded:
+        reread_config(running, ENV)
+    lines = config_error(path, ENV).splitlines()
+    assert list(reloaded.value.errors) == lines
+    assert [line.split(": ")[1] for line in lines] == [
+        "retention.bogus",  # unknown keys are found as their table opens
+        "server.max_in_flight",
+        "admin.operators.carol",
+    ]
+
+
+def test_a_reload_names_an_operator_removed_beside_one_it_cannot_read(tmp_path: Path) -> None:
+    from gateway.reload import _refused
+
+    path = write_config(tmp_path, '[admin.operators]\nalice = "TOKEN_ALICE"\nbob = "TOKEN_BOB"\n')
+    running = load_config(path, ENV)
+    write_config(tmp_path, '[admin.operators]\nalice = "TOKEN_ALICE"\ncarol = "TOKEN_C"\n')
+    assert _refused(running, reread_config(running, ENV)) == (
+        "admin.operators.carol",
+        "admin.operators",
+    )
+
+
+def test_a_reload_judges_a_worker_tokens_reach_by_the_address_still_served(
+    tmp_path: Path,
+) -> None:
+    """A new listen address waits for the restart: a short worker token added by a
+    reload faces the address served now, beyond loopback, and is refused."""
+    path = write_config(tmp_path, '[server]\nlisten = "0.0.0.0:8480"\n')
+    running = load_config(path, ENV)
+    destination = 'upstream = "http://127.0.0.1:9/"\nworker_tokens_env = "W"\n'
+    write_config(tmp_path, '[server]\nlisten = "127.0.0.1:8480"\n', pay=destination)
+    env = {**ENV, "W": "w-short"}
+    assert load_config(tmp_path / "gateway.toml", env)  # on its own address: a warning
+    with pytest.raises(ConfigError, match="worker_tokens_env: a token is shorter than 16"):
+        reread_config(running, env)
