@@ -317,8 +317,8 @@ async def serve(
     if slot is not None and slot.reload_at_start:
         # Started again after the others reloaded: the files as they applied them.
         with contextlib.suppress(ConfigError):  # logged; the start-up config stays
-            # recorded in the audit log when it was done, by the worker that did it
-            await app[RELOADER].reload("restart", record=False)
+            # in the audit log already, by the worker that did it, unless none could
+            await app[RELOADER].reload("restart", record=slot.record_reload_at_start)
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
     try:
@@ -337,18 +337,26 @@ async def serve(
         await _until_stopped(stop, janitor)
         log.info("shutting_down")
     finally:
-        if slot is not None:  # draining: a reload relayed now must not end the worker
-            signal.pthread_sigmask(signal.SIG_BLOCK, RELOADS)
+        # Draining: a reload has nothing left to do, and a reload signal's default
+        # action (in any thread) would end the process with forwards in flight.
+        reloads = RELOADS if slot is not None else {signal.SIGHUP}
         with contextlib.suppress(NotImplementedError):
-            loop.remove_signal_handler(signal.SIGHUP)
-            loop.remove_signal_handler(RELOAD_UNRECORDED)
+            for signum in reloads:
+                loop.add_signal_handler(signum, _drop_reload, signum)
         if janitor is not None and not janitor.done():
             janitor.cancel()
             await asyncio.gather(janitor, return_exceptions=True)
         if admin_runner is not None:
             await admin_runner.cleanup()
         await _stop(runner, config.shutdown_grace)
+        with contextlib.suppress(NotImplementedError):
+            for signum in reloads:
+                loop.remove_signal_handler(signum)
         log.info("stopped")
+
+
+def _drop_reload(signum: int) -> None:
+    log.info("reload_dropped", signal=signal.Signals(signum).name, why="stopping")
 
 
 async def _start_listeners(

@@ -70,6 +70,9 @@ class Slot:
     # Started again after the others reloaded: it reloads too before it serves,
     # or it would serve the config the parent started with.
     reload_at_start: bool = False
+    # ...and records that reload in the audit log: a SIGHUP came while no worker
+    # was there to take it.
+    record_reload_at_start: bool = False
 
     def ready(self, info: object = None) -> None:
         """The `started` callback of `serve` (called once): tells the parent."""
@@ -148,6 +151,7 @@ class Supervisor:
     stopping: bool = False
     failed_stop: bool = False
     reloaded: bool = False  # a reload was passed on since the start
+    unrecorded: bool = False  # a SIGHUP no worker took: the next to start records it
 
     def main(self) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED | RELOADS)  # the workers inherit it
@@ -189,8 +193,11 @@ class Supervisor:
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            slot = Slot(index, self.listen, self.admin_listen, ready_fd, self.reloaded)
+            slot = Slot(
+                index, self.listen, self.admin_listen, ready_fd, self.reloaded, self.unrecorded
+            )
             _child(parent, slot, self.run)
+        self.unrecorded = False
         if ready_fd is not None:
             os.close(ready_fd)
         self.workers[pid] = _Worker(index, self.clock(), failures)
@@ -206,16 +213,28 @@ class Supervisor:
             self.due.clear()
             self._send(signum)
         elif signum == signal.SIGHUP:
-            self.reloaded = True  # a worker started later reloads before it serves
-            self._reap()  # a worker dead but not reaped yet cannot be the one that records
-            if self.workers and not self.stopping:
-                recorder = min(self.workers, key=lambda pid: self.workers[pid].index)
-                _signal(recorder, signal.SIGHUP)
-                self._send(RELOAD_UNRECORDED, but=recorder)
+            self._on_sighup()
         elif signum == RELOAD_ALL and info.si_pid in self.workers:
             self.reloaded = True
             if not self.stopping:  # a draining worker has no reload to do
                 self._send(RELOAD_UNRECORDED, but=info.si_pid)
+
+    def _on_sighup(self) -> None:
+        """Every worker reloads, and one records it: one that was serving, or else
+        one just started again (its start reload came before this one), or else the
+        next to start. A worker dead but not reaped yet is never the one."""
+        serving = set(self.workers)
+        self._reap()  # it may start again at once, on the files as they were
+        self.reloaded = True  # any worker started from now on reloads before it serves
+        if self.stopping:
+            return
+        candidates = [pid for pid in self.workers if pid in serving] or list(self.workers)
+        if not candidates:
+            self.unrecorded = True
+            return
+        recorder = min(candidates, key=lambda pid: self.workers[pid].index)
+        _signal(recorder, signal.SIGHUP)
+        self._send(RELOAD_UNRECORDED, but=recorder)
 
     def _send(self, signum: int, *, but: int | None = None) -> None:
         for pid in list(self.workers):
