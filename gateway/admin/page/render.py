@@ -12,6 +12,7 @@ from importlib import resources
 
 from aiohttp import web
 
+from gateway.admin.session import LOGOUT_PATH
 from leases.reasons import REASONS, Family, Reason, ReasonInfo
 
 
@@ -77,7 +78,7 @@ def html_response(
 
 
 _LOGOUT = (
-    '<form method="post" action="/admin/logout" class="logout">'
+    f'<form method="post" action="{LOGOUT_PATH}" class="logout">'
     '<button type="submit">Sign out</button></form>'
 )
 

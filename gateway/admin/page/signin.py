@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.page.render import Safe, html_response, render
-from gateway.admin.session import SESSION_COOKIE, SESSION_TTL_S, SessionAuth
+from gateway.admin.session import LOGIN_PATH, SESSION_COOKIE, SESSION_TTL_S, SessionAuth
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from leases.reasons import Reason
@@ -69,7 +69,7 @@ class SignIn:
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:
-        response = web.HTTPSeeOther("/admin/login")
+        response = web.HTTPSeeOther(LOGIN_PATH)
         response.del_cookie(SESSION_COOKIE, path="/admin")
         raise response
 
@@ -78,6 +78,7 @@ def login_page(request: web.Request, *, status: int, message: str | None) -> web
     next_url = request.path_qs if request.method == "GET" else "/admin/"
     body = render(
         "admin_login.html",
+        action=LOGIN_PATH,
         next=_safe_next(next_url),
         message=Safe(f'<p class="error">{html.escape(message)}</p>' if message else ""),
     )
