@@ -12,9 +12,10 @@ signals it handles and takes them one at a time with `sigtimedwait`.
 
 - SIGTERM/SIGINT: passed to every worker, which drains; the parent returns 0
   once all have exited 0.
-- SIGHUP: every worker reloads for itself. The first live worker gets the
+- SIGHUP: every worker reloads for itself. One that was serving gets the
   SIGHUP and records the reload in the audit log; the others get SIGUSR2
-  (`RELOAD_UNRECORDED`): one reload, one audit row, whatever N is.
+  (`RELOAD_UNRECORDED`): one reload, one audit row, whatever N is (see
+  `_on_sighup`). Nothing is relayed while the parent stops.
 - SIGUSR1 from a worker: that worker applied `POST /admin/reload` and recorded
   it with the operator who asked; the parent sends SIGUSR2 to every other one.
   A worker holds SIGHUP and SIGUSR2 until its handlers are in place, so one
