@@ -213,7 +213,7 @@ def operators(t: Table, name: str) -> tuple[tuple[str, str], ...]:
 def _operator_token(table: Table, person: str, env: Mapping[str, str]) -> str:
     if not _OPERATOR_NAME.fullmatch(person):
         raise table.error(person, "an operator's name is 1-64 characters of A-Za-z0-9._-")
-    if person == SHARED_OPERATOR:
+    if person.lower() == SHARED_OPERATOR:  # `Admin` beside `admin` in the audit log: who?
         raise table.error(person, f"{person!r} is the name of the shared admin.token_env token")
     token = secret(table, person, table.env_name(person), env)
     if not VISIBLE.fullmatch(token):  # the token itself is never echoed

@@ -41,6 +41,7 @@ def test_audit_ttl_is_read(tmp_path: Path) -> None:
     [
         ('"al ice" = "TOKEN_ALICE"', ENV, "an operator's name is 1-64 characters"),
         ('admin = "TOKEN_ALICE"', ENV, "is the name of the shared admin.token_env token"),
+        ('ADMIN = "TOKEN_ALICE"', ENV, "is the name of the shared admin.token_env token"),
         ('alice = "TOKEN_NONE"', ENV, "environment variable TOKEN_NONE is not set"),
         ('alice = "TOKEN_ALICE"', {"TOKEN_ALICE": " "}, "variable TOKEN_ALICE is empty"),
         ('alice = "TOKEN_ALICE"\nbob = "TOKEN_BOB"', {"TOKEN_ALICE": LONG, "TOKEN_BOB": LONG},
