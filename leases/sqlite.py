@@ -61,7 +61,12 @@ def sqlite_path(url: str) -> str:
     prefix = "sqlite:///"
     if not url.startswith(prefix) or len(url) == len(prefix):
         raise ValueError(f"not a sqlite URL: {url!r} (expected sqlite:///path)")
-    return url[len(prefix) :]
+    path = url[len(prefix) :]
+    if path == ":memory:":
+        # The store's connections (a writer and a reader) would each open a database
+        # of their own: a claim would be written where no read looks.
+        raise ValueError("an in-memory SQLite database cannot be a store: name a file")
+    return path
 
 
 def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> None:

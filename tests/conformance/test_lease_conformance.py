@@ -432,3 +432,10 @@ async def test_open_store_refuses_unknown_options_alike_on_every_backend(
     """One interface: the same ValueError (not a TypeError on some), before connecting."""
     with pytest.raises(ValueError, match="unknown store options: bogus"):
         await open_store(url.format(tmp=tmp_path), bogus=1)
+
+
+async def test_an_in_memory_sqlite_store_is_refused_before_it_is_opened() -> None:
+    """Its writer and reader connections would each have a database of their own:
+    a claim was written where no `get` looked (StoreUnavailable: no such table)."""
+    with pytest.raises(ValueError, match="in-memory SQLite database cannot be a store"):
+        await open_store("sqlite:///:memory:")
