@@ -441,7 +441,7 @@ DESTINATIONS = Section(
 )
 GATEWAY_FILE = (SERVER, STORE, ADMIN, RETENTION, DESTINATIONS)
 # The sections a reload applies none of (their changes wait for a restart).
-RESTART_SECTIONS = (SERVER, STORE, ADMIN)
+RESTART_SECTIONS = frozenset(section.name for section in GATEWAY_FILE if section.restart)
 
 # `Config` fields a reload does not apply, by the key that sets them; the admin
 # token is read from the variable `admin.token_env` names.

@@ -257,9 +257,8 @@ def _load(
     for short in short_tokens(config, running):
         if not short.exposed:
             continue
-        error = EnvironmentConfigError(short.message, key=short.key or "")
-        if short.key is not None and _refusable(error, running):
-            unread.append(error)
+        if short.key is not None and running is not None:  # a gateway file's: restart-only
+            unread.append(EnvironmentConfigError(short.message, key=short.key))
         else:
             refused.append(short.message)
     if refused:
@@ -271,7 +270,7 @@ def _refusable(error: ConfigError, running: Config | None) -> TypeGuard[Environm
     """On a reload, an error a restart-only key has in this process's variables."""
     if running is None or not isinstance(error, EnvironmentConfigError):
         return False
-    return error.key.split(".")[0] in {section.name for section in keys.RESTART_SECTIONS}
+    return error.key.split(".")[0] in keys.RESTART_SECTIONS
 
 
 def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Problems) -> Table:
@@ -334,7 +333,7 @@ MIN_TOKEN_LENGTH = 16
 class ShortToken(NamedTuple):
     message: str
     exposed: bool  # its listener reaches beyond loopback: refused, not only warned about
-    key: str | None  # the gateway file's key that names it; None: a destination's
+    key: str | None  # the gateway file's key naming it ([server] or [admin]); None: a destination's
 
 
 def short_tokens(config: Config, running: Config | None = None) -> list[ShortToken]:
