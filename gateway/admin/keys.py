@@ -24,6 +24,7 @@ from gateway.admin import models
 from gateway.admin.models import CONTENT_TYPE, NOTE_MAX, ResolveRequest
 from gateway.admin.query import only_params, parse_limit, parse_window, rfc3339, utc_time
 from gateway.admin.session import operator_of
+from gateway.config.model import DESTINATION_NAME
 from gateway.errors import Rejection, StoreUnavailable
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.problem import invalid_request
@@ -32,7 +33,7 @@ from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import KeyQuery, Resolution, ResolveRefused
 from gateway.store.protocol import AdminOpsStore
 from gateway.telemetry.unknown_keys import UnknownKeysGauge
-from leases.model import IDENT
+from leases.model import IDENT, KEY
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.admin")
@@ -82,6 +83,8 @@ class KeysApi:
     async def apply(self, resolution: Resolution) -> KeyRecord:
         """Resolve in the store; refusals become 404/409 problems. Logged, and the
         gauge refreshed at once (the queue just got shorter)."""
+        if not could_be_stored(resolution.destination, resolution.key):
+            raise _refusal(ResolveRefused(Reason.NOT_FOUND, None))
         try:
             record: KeyRecord = await self._store.resolve_key(resolution)
         except ResolveRefused as refused:
@@ -103,10 +106,24 @@ class KeysApi:
 
     async def get(self, request: web.Request) -> web.StreamResponse:
         destination, key = request.match_info["destination"], request.match_info["key"]
-        record = await self._store.key_record(destination, key)
-        if record is None:
-            raise Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
+        record = await find_key(self._store, destination, key)
         return web.json_response(key_view(record, self._store.clock()))
+
+
+def could_be_stored(destination: str, key: str) -> bool:
+    """Whether a key record can exist under these names: every one was written
+    by a write whose key passed `KEY` and whose destination `DESTINATION_NAME`.
+    Other names are not looked up (PostgreSQL cannot compare a NUL at all), so
+    they are not found on either store, and no store error is counted for them."""
+    return bool(DESTINATION_NAME.fullmatch(destination) and KEY.fullmatch(key))
+
+
+async def find_key(store: AdminOpsStore, destination: str, key: str) -> KeyRecord:
+    """The key's record, or the 404 problem."""
+    record = await store.key_record(destination, key) if could_be_stored(destination, key) else None
+    if record is None:
+        raise _refusal(ResolveRefused(Reason.NOT_FOUND, None))
+    return record
 
 
 def _refusal(refused: ResolveRefused) -> Rejection:

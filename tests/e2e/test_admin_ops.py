@@ -186,6 +186,44 @@ async def test_resolve_of_another_attempt_is_409_attempt_mismatch(client, store)
 
 
 @pytest.mark.parametrize(
+    "path",
+    [
+        "/admin/keys/payments/a%00b",
+        "/admin/keys/%00/k-1",
+        "/admin/keys/payments/%00",
+        "/admin/keys/pay%20ments/k-1",
+        "/admin/keys/payments/k%C3%A9",
+    ],
+)
+async def test_a_key_no_write_could_have_stored_is_not_found_on_every_store(store_backend, path):
+    """Looked up, a NUL was a 503 `store_unavailable` on PostgreSQL (its text
+    cannot hold one), with the driver's error as the detail and counted as a
+    store failure: bad input, not an outage. Now 404 on both stores, as any key
+    that no write's checks would have let in."""
+    metrics = Metrics()
+    app = create_admin_app(store_backend.store, metrics, token=TOKEN, gauge_interval=None)
+    resolve = {"outcome": "not_applied", "attempt": "0" * 32, "note": "checked"}
+    async with TestClient(TestServer(app)) as client:
+        answers = [
+            await client.get(path, headers=AUTH),
+            await client.get(path + "?format=html", headers=AUTH),
+            await client.post(path + "/resolve", json=resolve, headers=AUTH),
+        ]
+        problem = await answers[0].json(content_type=None)
+        scraped = await (await client.get("/metrics")).text()
+    assert [a.status for a in answers] == [404, 404, 404]
+    assert problem["reason"] == "not_found"
+    errors = [
+        s.value
+        for family in text_string_to_metric_families(scraped)
+        if family.name == "sinkgate_store_errors"
+        for s in family.samples
+        if s.name == "sinkgate_store_errors_total"
+    ]
+    assert not any(errors)
+
+
+@pytest.mark.parametrize(
     "body",
     [
         b"not json",

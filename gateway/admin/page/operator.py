@@ -27,6 +27,7 @@ from gateway.admin.audit import audit_cursor, audit_item, parse_audit_query
 from gateway.admin.jobs import job_view
 from gateway.admin.keys import (
     RESOLVE_REQUEST_MAX,
+    find_key,
     key_page,
     key_view,
     parse_key_query,
@@ -266,9 +267,7 @@ class OperatorPage:
 
     async def key(self, request: web.Request) -> web.Response:
         destination, key = request.match_info["destination"], request.match_info["key"]
-        record = await self._store.key_record(destination, key)
-        if record is None:
-            raise Rejection(Reason.NOT_FOUND, "no idempotency record for this destination and key")
+        record = await find_key(self._store, destination, key)
         now = self._store.clock()
         view = key_view(record, now)
         form = ""
