@@ -268,8 +268,11 @@ function unexpected(status: number, doc: Problem): Error {
     // The gateway validated what this client should already have: as if local.
     return new RangeError(detail || "invalid request");
   }
-  if (reason === "store_unavailable") return new StoreUnavailable(`the gateway's store is unavailable: ${detail}`);
-  return new StoreUnavailable(`unexpected lease API answer ${status} ${reason}: ${detail}`);
+  // The answer goes along: a wrong lease token (401) is told from an outage by `status` and `problem`.
+  const fields = sent({ status, doc });
+  if (reason === "store_unavailable")
+    return new StoreUnavailable(`the gateway's store is unavailable: ${detail}`, fields);
+  return new StoreUnavailable(`unexpected lease API answer ${status} ${reason}: ${detail}`, fields);
 }
 
 /** A lease object of SPEC 3 -> `Lease`; anything malformed is `StoreUnavailable`. */

@@ -4,6 +4,9 @@
  */
 
 import assert from "node:assert/strict";
+import { once } from "node:events";
+import http from "node:http";
+import type { AddressInfo } from "node:net";
 import { after, before, describe, it } from "node:test";
 import {
   BadWrite,
@@ -242,5 +245,30 @@ describe("through a real gateway", { skip }, () => {
     upstream.release();
     await first;
     await client.complete(lease);
+  });
+});
+
+describe("a lease API answer the client does not expect", () => {
+  it("is StoreUnavailable carrying the answer's status, detail and problem (a wrong lease token)", async () => {
+    const problem = { status: 401, detail: "missing or wrong lease API token", reason: "unauthorized" };
+    const server = http.createServer((_req, res) => {
+      res.writeHead(401, { "Content-Type": "application/problem+json", "Sinkgate-Rejected": "unauthorized" });
+      res.end(JSON.stringify(problem));
+    });
+    server.listen(0, "127.0.0.1");
+    await once(server, "listening");
+    const client = new LeaseClient(`http://127.0.0.1:${(server.address() as AddressInfo).port}`, { token: "wrong" });
+    try {
+      await assert.rejects(client.claim("job-1", { ttl: 30 }), (e: unknown) => {
+        assert.ok(e instanceof StoreUnavailable);
+        assert.deepEqual(
+          [e.reason, e.status, e.detail, e.problem],
+          ["store_unavailable", 401, problem.detail, problem],
+        );
+        return true;
+      });
+    } finally {
+      server.close();
+    }
   });
 });
