@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json as jsonlib
 import re
+import string
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -57,6 +58,19 @@ __all__ = [
 
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# The path and query are sent as this writer spells them, not as an HTTP
+# library would, byte for byte as the TypeScript writer does: the gateway
+# fingerprints them as sent, so a job redone in the other language must send
+# the same bytes. What RFC 3986 allows in a path (and `?` in the query) is kept,
+# and so is a `%XX` escape; every other character is percent-encoded as UTF-8
+# (a `%` that starts no escape, `#`, space, `|`, `[`, non-ASCII). A `params`
+# name or value keeps only the unreserved characters.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_UNSENDABLE = re.compile(r"[\r\n\x00]")
+_UNRESERVED = string.ascii_letters + string.digits + "-._~"
+_PATH_SPELLING = re.compile(rf"%[0-9A-Fa-f]{{2}}|[^{re.escape(_UNRESERVED)}!$&'()*+,;=:@/]")
+_QUERY_SPELLING = re.compile(rf"%[0-9A-Fa-f]{{2}}|[^{re.escape(_UNRESERVED)}!$&'()*+,;=:@/?]")
+_PARAM_SPELLING = re.compile(rf"[^{re.escape(_UNRESERVED)}]")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
@@ -191,7 +205,7 @@ class FencedWriter:
         Raises `LeaseLost` (from a lost `Hold`) before sending, `GatewayRejected`
         subclasses for gateway refusals, `ValueError` for bad arguments.
         """
-        url = self._url(method, destination, path)
+        url = self._url(method, destination, path, params)
         if (idempotency_key is None) == (step is None):
             raise ValueError("pass exactly one of idempotency_key and step")
         key = (
@@ -209,7 +223,7 @@ class FencedWriter:
             sent["Fencing-Job"] = lease.job_id
             sent["Fencing-Token"] = str(lease.generation)
             sent["Fencing-Owner"] = lease.owner
-            status, answer_headers, answer = await self._send(method, url, body, sent, params)
+            status, answer_headers, answer = await self._send(method, url, body, sent)
             if "Sinkgate-Rejected" not in answer_headers:
                 replayed = answer_headers.get("Idempotent-Replayed", "").lower() == "true"
                 if replayed and _stored_fence_refusal(status, answer):
@@ -230,6 +244,11 @@ class FencedWriter:
         (say `return=representation` for the upstream) is kept, the writer's
         `wait=N` after it."""
         sent = CIMultiDict(given or {})
+        for name, value in sent.items():
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"header name {name!r} is not an HTTP token")
+            if not isinstance(value, str) or _UNSENDABLE.search(value):
+                raise ValueError(f"header {name}: a value is a string without CR, LF or NUL")
         clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
         if clash:
             raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
@@ -258,7 +277,9 @@ class FencedWriter:
         wait = retry_after if retry_after is not None else 0.05 * 2 ** (retries - 1)
         return min(wait, self.max_retry_wait)
 
-    def _url(self, method: str, destination: str, path: str) -> URL:
+    def _url(
+        self, method: str, destination: str, path: str, params: Mapping[str, str] | None
+    ) -> URL:
         if not isinstance(method, str) or not re.fullmatch(r"[A-Za-z]+", method):
             raise ValueError(f"invalid method {method!r}")
         if not isinstance(destination, str) or not destination or "/" in destination:
@@ -276,10 +297,10 @@ class FencedWriter:
         if any(seg.lower().replace("%2e", ".") in (".", "..") for seg in segments):
             # The URL would be normalised on the way (possibly out of /to/...).
             raise ValueError(f"path must not contain '.' or '..' segments: {path!r}")
-        # The path is the caller's, percent-escapes included; yarl only escapes what
-        # must be (spaces, non-ASCII, a backslash) and keeps escapes such as %2F as they are.
+        # The path is the caller's, percent-escapes included, spelled as both
+        # writers spell it (escapes such as %2F kept as they are).
         route = f"{self._base}/to/{quote(destination, safe='')}"
-        url = URL(route + path)
+        url = URL(route + write_target(path, params), encoded=True)
         # What is sent, as yarl parsed it: still under this destination's route.
         prefix = URL(route).raw_path
         if url.raw_path != prefix and not url.raw_path.startswith(prefix + "/"):
@@ -292,7 +313,6 @@ class FencedWriter:
         url: URL,
         body: bytes | None,
         headers: CIMultiDict[str],
-        params: Mapping[str, str] | None,
     ) -> tuple[int, CIMultiDictProxy[str], bytes]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
@@ -304,7 +324,6 @@ class FencedWriter:
                     url,
                     data=body,
                     headers=headers,
-                    params=params,
                     allow_redirects=False,  # a redirect is the upstream's answer, relayed
                     timeout=self._timeout,
                 ) as resp:
@@ -318,6 +337,46 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
+
+
+def write_target(path: str, params: Mapping[str, str] | None = None) -> str:
+    """The path and query a write sends after `/to/{destination}`, spelled as
+    both writers spell them (see `_PATH_SPELLING`); `path` already checked by
+    `FencedWriter`. Raises `ValueError` for a lone surrogate or a `params`
+    name or value that is not a string (or an int)."""
+    path_part, question, query = path.partition("?")
+    target = _spelled(_PATH_SPELLING, path_part)
+    if question:
+        target += "?" + _spelled(_QUERY_SPELLING, query)
+    if params:
+        pairs = "&".join(
+            f"{_spelled(_PARAM_SPELLING, _param(name))}={_spelled(_PARAM_SPELLING, _param(value))}"
+            for name, value in params.items()
+        )
+        target += ("" if target.endswith("?") else "&" if question else "?") + pairs
+    return target
+
+
+def _spelled(pattern: re.Pattern[str], text: str) -> str:
+    try:
+        return pattern.sub(_escape, text)
+    except UnicodeEncodeError:
+        raise ValueError(f"{text!r} holds a lone surrogate, which UTF-8 cannot carry") from None
+
+
+def _escape(match: re.Match[str]) -> str:
+    found = match[0]
+    if len(found) == 3:  # an escape, kept as written
+        return found
+    return "".join(f"%{byte:02X}" for byte in found.encode())
+
+
+def _param(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"params names and values must be strings, not {type(value).__name__}")
 
 
 def _prefer(given: list[str], wait: str | None) -> str | None:

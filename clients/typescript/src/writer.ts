@@ -61,6 +61,19 @@ const OWN_HEADERS = new Set(["fencing-job", "fencing-token", "fencing-owner", "i
 const METHOD = /^[A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
 const CONTROL = /[\x00-\x1f\x7f]/;
+// The path and query are sent as this writer spells them, not as `URL` would,
+// byte for byte as the Python writer does: the gateway fingerprints them as
+// sent, so a job redone in the other language must send the same bytes. What
+// RFC 3986 allows in a path (and `?` in the query) is kept, and so is a `%XX`
+// escape; every other character is percent-encoded as UTF-8 (a `%` that starts
+// no escape, `#`, space, `|`, `[`, non-ASCII). A `query` name or value keeps
+// only the unreserved characters.
+const PATH_SPELLING = /%[0-9A-Fa-f]{2}|[^A-Za-z0-9\-._~!$&'()*+,;=:@/]/gu;
+const QUERY_SPELLING = /%[0-9A-Fa-f]{2}|[^A-Za-z0-9\-._~!$&'()*+,;=:@/?]/gu;
+const PARAM_SPELLING = /[^A-Za-z0-9\-._~]/gu;
+const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+// biome-ignore lint/suspicious/noControlCharactersInRegex: what a header value cannot carry
+const UNSENDABLE = /[\r\n\0]|[^\x00-\xff]/;
 
 export class FencedWriter {
   readonly #base: string;
@@ -164,7 +177,15 @@ export class FencedWriter {
   #headers(given: Readonly<Record<string, string>> | undefined, contentType: string | undefined, key: string) {
     const headers: Record<string, string> = {};
     const prefer: string[] = [];
+    if (given !== undefined && (given === null || typeof given !== "object")) {
+      throw new TypeError(`headers must be an object of names and values, not ${typeName(given)}`);
+    }
     for (const [name, value] of Object.entries(given ?? {})) {
+      if (!TOKEN.test(name)) throw new RangeError(`header name ${JSON.stringify(name)} is not an HTTP token`);
+      if (typeof value !== "string") throw new TypeError(`header ${name} must be a string, not ${typeName(value)}`);
+      if (UNSENDABLE.test(value)) {
+        throw new RangeError(`header ${name}: a value cannot carry CR, LF, NUL or characters above U+00FF`);
+      }
       if (OWN_HEADERS.has(name.toLowerCase()))
         throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
       if (name.toLowerCase() === "prefer") prefer.push(value);
@@ -201,11 +222,7 @@ export class FencedWriter {
       throw new RangeError(`path must not contain '.' or '..' segments: ${JSON.stringify(path)}`);
     }
     const route = `${this.#base}/to/${encodeURIComponent(destination)}`;
-    let url = route + full;
-    if (query !== undefined) {
-      const search = new URLSearchParams(query as Record<string, string>).toString();
-      if (search) url += (full.includes("?") ? "&" : "?") + search;
-    }
+    const url = route + writeTarget(full, query);
     // What fetch will send, parsed as it parses it: still under this destination's route.
     const prefix = new URL(route).pathname;
     const sent = new URL(url).pathname;
@@ -265,6 +282,42 @@ function result(status: number, headers: Headers, body: Uint8Array, replayed: bo
 }
 
 const encoder = new TextEncoder();
+
+/** The path and query a write sends after `/to/{destination}`, spelled as both
+ * writers spell them (see `PATH_SPELLING`); `path` already checked. */
+function writeTarget(path: string, query?: Readonly<Record<string, string>>): string {
+  const at = path.indexOf("?");
+  const question = at >= 0;
+  let target = spelled(PATH_SPELLING, question ? path.slice(0, at) : path);
+  if (question) target += `?${spelled(QUERY_SPELLING, path.slice(at + 1))}`;
+  if (query !== undefined) {
+    if (query === null || typeof query !== "object") {
+      throw new TypeError(`query must be an object of names and values, not ${typeName(query)}`);
+    }
+    const pairs = Object.entries(query).map(
+      ([name, value]) => `${spelled(PARAM_SPELLING, name)}=${spelled(PARAM_SPELLING, param(value))}`,
+    );
+    if (pairs.length > 0) target += (target.endsWith("?") ? "" : question ? "&" : "?") + pairs.join("&");
+  }
+  return target;
+}
+
+function spelled(pattern: RegExp, text: string): string {
+  return text.replace(pattern, (found) => {
+    if (found.length === 3 && found.startsWith("%")) return found; // an escape, kept as written
+    const code = found.charCodeAt(0);
+    if (found.length === 1 && code >= 0xd800 && code <= 0xdfff) {
+      throw new RangeError(`${JSON.stringify(text)} holds a lone surrogate, which UTF-8 cannot carry`);
+    }
+    return Array.from(encoder.encode(found), (byte) => `%${byte.toString(16).toUpperCase().padStart(2, "0")}`).join("");
+  });
+}
+
+function param(value: unknown): string {
+  if (typeof value === "string") return value;
+  if (typeof value === "number" && Number.isSafeInteger(value)) return String(value);
+  throw new TypeError(`query names and values must be strings, not ${typeName(value)}`);
+}
 
 function encodeBody(options: WriteOptions): [Uint8Array | undefined, string | undefined] {
   if (options.json !== undefined && options.body !== undefined) throw new TypeError("pass json or body, not both");

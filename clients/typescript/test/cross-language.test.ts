@@ -5,8 +5,11 @@
  */
 
 import assert from "node:assert/strict";
+import { once } from "node:events";
+import http from "node:http";
+import type { AddressInfo } from "node:net";
 import { after, before, describe, it } from "node:test";
-import { FencedWriter, hold, LeaseClient, LeaseHeld } from "@sinkgate/leases";
+import { FencedWriter, hold, type Lease, LeaseClient, LeaseHeld } from "@sinkgate/leases";
 import { destination, Gateway, gatewayMissing, missing, pythonAsync, Upstream, unique } from "./harness.js";
 
 // A Python worker: claims the job (waiting out a short-lived holder), charges it
@@ -99,6 +102,84 @@ describe("a Python worker and a Node worker redoing one job", { skip }, () => {
     assert.deepEqual(result, { replayed: true, status: 201 });
     assert.equal(upstream.of(job).length, 1);
     assert.equal((await client.get(job))?.state, "done");
+  });
+});
+
+// (path, query) and what follows /to/{destination}: the gateway fingerprints the
+// path and query as sent, so both writers must spell them alike. The Python
+// writer's tests hold the same table (tests/e2e/test_writer.py, SPELLINGS).
+const SPELLINGS: [string, Record<string, string> | null, string][] = [
+  ["/a|b^c", null, "/a%7Cb%5Ec"],
+  ["/a[b]", null, "/a%5Bb%5D"],
+  ["/100%", null, "/100%25"],
+  ["/a%zz/%41", null, "/a%25zz/%41"],
+  ["/a#b", null, "/a%23b"],
+  ["/é/😀", null, "/%C3%A9/%F0%9F%98%80"],
+  ["/a:b@c;d=e,f+g!h$i&j'k(l)m*n~o", null, "/a:b@c;d=e,f+g!h$i&j'k(l)m*n~o"],
+  ["/q?a=a b&c=d/e?f", null, "/q?a=a%20b&c=d/e?f"],
+  [
+    "/x",
+    { s: "a/b?&=", t: "~*'()!", v: "😀;:@,$ %41" },
+    "/x?s=a%2Fb%3F%26%3D&t=~%2A%27%28%29%21&v=%F0%9F%98%80%3B%3A%40%2C%24%20%2541",
+  ],
+  ["/x?", { a: "1" }, "/x?a=1"],
+  ["/x?y=1", { a: "2" }, "/x?y=1&a=2"],
+];
+
+const PYTHON_SPELLER = `
+import asyncio, json, sys
+from datetime import UTC, datetime
+from leases.model import Lease
+from leases.writer import FencedWriter
+
+async def main(url, table):
+    lease = Lease("job-1", "w", 3, "active", datetime.now(UTC), 30.0)
+    async with FencedWriter(url, lease, wait=0) as writer:
+        for n, (path, query, _) in enumerate(json.loads(table)):
+            await writer.post("d", path, params=query, step=str(n))
+
+asyncio.run(main(*sys.argv[1:]))
+`;
+
+describe("the path and query both writers send", { skip }, () => {
+  let server: http.Server;
+  let url: string;
+  const seen: string[] = [];
+
+  before(async () => {
+    server = http.createServer((req, res) => {
+      seen.push(req.url ?? "");
+      res.writeHead(201, { "Content-Type": "application/json" }).end("{}");
+    });
+    server.listen(0, "127.0.0.1");
+    await once(server, "listening");
+    url = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+  });
+
+  after(() => {
+    server.closeAllConnections();
+    server.close();
+  });
+
+  it("is spelled alike, byte for byte", async () => {
+    const lease: Lease = {
+      jobId: "job-1",
+      owner: "w",
+      generation: 3,
+      state: "active",
+      leaseUntil: new Date(Date.now() + 30_000),
+      expiresIn: 30,
+    };
+    const writer = new FencedWriter(url, lease, { wait: 0 });
+    for (const [n, [path, query]] of SPELLINGS.entries()) {
+      await writer.post("d", path, { body: "x", step: String(n), ...(query ? { query } : {}) });
+    }
+    const node = seen.splice(0);
+    await pythonAsync(PYTHON_SPELLER, [url, JSON.stringify(SPELLINGS)]);
+    const python = seen.splice(0);
+    const expected = SPELLINGS.map(([, , spelled]) => `/to/d${spelled}`);
+    assert.deepEqual(node, expected);
+    assert.deepEqual(python, expected);
   });
 });
 

@@ -135,6 +135,30 @@ describe("the writer's path", () => {
     }
     assert.equal(gateway.seen, 0);
   });
+
+  it("refuses headers and query values it cannot send with TypeError/RangeError, sending nothing", async () => {
+    // fetch threw these as its own TypeError, reported as GatewayUnavailable (a retryable family),
+    // or, for a string in place of the object, sent each of its characters as a header.
+    gateway.seen = 0;
+    const writer = new FencedWriter(gateway.url, LEASE);
+    const post = (options: Record<string, unknown>) =>
+      writer.post("payments", "/x", { step: "s", ...options } as Parameters<FencedWriter["post"]>[2]);
+    for (const headers of [{ "X-A": "a\nb" }, { "X-A": "a\rb" }, { "X A": "1" }, { "": "1" }, { "X-A": "✉" }]) {
+      await assert.rejects(post({ headers }), RangeError, JSON.stringify(headers));
+    }
+    for (const headers of ["X-A: 1", { "X-A": 1 }]) {
+      await assert.rejects(post({ headers }), TypeError, JSON.stringify(headers));
+    }
+    for (const query of ["a=1", { a: 1.5 }, { a: null }, { a: true }]) {
+      await assert.rejects(post({ query }), TypeError, JSON.stringify(query));
+    }
+    await assert.rejects(post({ query: { a: "b\udfff" } }), RangeError);
+    await assert.rejects(
+      post({}).then(() => writer.post("payments", "/\ud800", { step: "s" })),
+      RangeError,
+    );
+    assert.equal(gateway.seen, 1); // the one well-formed write
+  });
 });
 
 describe("the writer's Prefer", () => {
