@@ -42,7 +42,18 @@ PROG = "sinkgate"
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the process exit status."""
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # The reader went away (`sinkgate rejections --all --json | head -1`): no
+        # traceback, and nothing more written. What is still buffered would fail
+        # again when Python flushes stdout on exit, so it goes nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["chaos"]:
         # chaos defines its own flags (and --help): everything after the word is theirs.
         return _delegate("gateway.tools.chaos.run", "chaos", argv[1:])

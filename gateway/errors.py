@@ -6,6 +6,7 @@ raise `Rejection` and one place turns it into problem+json.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,3 +90,12 @@ class Rejection(GatewayError):
             "reason": self.reason,
             **self.members,
         }
+
+
+def os_error_words(exc: OSError) -> str:
+    """`Connection refused`, not asyncio's `Connect call failed (...)`; the
+    class's name where the error says nothing (asyncio's bare
+    `ConnectionResetError()` for a peer gone mid-handshake)."""
+    if exc.errno:
+        return os.strerror(exc.errno)
+    return str(exc) or type(exc).__name__

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sqlite3
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, os_error_words
 from gateway.store import sqlite_schema
 from leases import sqlite as lease_sqlite
 
@@ -153,8 +154,13 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
     if isinstance(exc, UnicodeError):  # e.g. "label empty or too long"
         why = exc.__cause__ or exc
         return f"cannot resolve the host of {where} ({why}): check the URL's host name"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host of {where} ({exc.strerror}): check the URL's host name"
     if isinstance(exc, OSError):
-        return f"cannot connect to {where} ({exc.strerror or exc}): is PostgreSQL running there?"
+        return (
+            f"cannot connect to {where} ({os_error_words(exc)}): is PostgreSQL running there, "
+            "and is the URL's port its port?"
+        )
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
@@ -167,7 +173,7 @@ def missing_database(url: str) -> str:
     port = f" -p {parts.port}" if parts.port else ""
     return (
         f'database "{name}" does not exist on {_server(url)}: create it with '
-        f"`createdb{host}{port}{user} {name}` (or CREATE DATABASE {name}), then start again"
+        f"`createdb{host}{port}{user} {name}` (or CREATE DATABASE {name})"
     )
 
 

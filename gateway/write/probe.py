@@ -7,7 +7,6 @@ refusal of the client certificate would have arrived: see `_refused_late`)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import ssl
 from urllib.parse import urlsplit
@@ -15,7 +14,7 @@ from urllib.parse import urlsplit
 from gateway.config.model import DestinationConfig
 from gateway.config.reader import host_name_problem
 from gateway.config.tls import destination_context
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, os_error_words
 
 
 class UpstreamUnreachable(GatewayError):
@@ -53,7 +52,9 @@ async def upstream_status(dest: DestinationConfig) -> str:
             "and any firewall"
         ) from exc
     except socket.gaierror as exc:
-        raise UpstreamUnreachable(f"cannot resolve {host}: {exc.strerror}") from exc
+        raise UpstreamUnreachable(
+            f"cannot resolve {host} ({exc.strerror}): check the host name and this machine's DNS"
+        ) from exc
     except UnicodeError as exc:  # the loader refuses these; a name built otherwise
         raise UpstreamUnreachable(
             f"cannot resolve {host}: {host_name_problem(host) or exc}: check the host name"
@@ -64,11 +65,11 @@ async def upstream_status(dest: DestinationConfig) -> str:
             # upstream hung up on the ClientHello, as a server not speaking TLS does.
             raise UpstreamUnreachable(
                 f"the connection to {host}:{port} was closed during the TLS handshake "
-                f"({_why(exc)}): does it speak HTTPS on port {port}? A client certificate "
-                "it wants goes in client_cert and client_key"
+                f"({os_error_words(exc)}): does it speak HTTPS on port {port}? A client "
+                "certificate it wants goes in client_cert and client_key"
             ) from exc
         raise UpstreamUnreachable(
-            f"cannot connect to {host}:{port} ({_why(exc)}): is the upstream "
+            f"cannot connect to {host}:{port} ({os_error_words(exc)}): is the upstream "
             "running, and is the port right?"
         ) from exc
     closed = ""
@@ -116,7 +117,7 @@ async def _refused_late(
     except TimeoutError:
         return ""
     except (ssl.SSLError, *_DROPPED) as exc:
-        why = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else _why(exc)
+        why = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else os_error_words(exc)
         raise UpstreamUnreachable(
             f"TLS: the upstream refused the connection once the handshake was done ({why}): "
             "a client certificate it wants goes in client_cert and client_key, signed by a "
@@ -128,12 +129,3 @@ async def _refused_late(
         else "wants a client certificate, set client_cert and client_key"
     )
     return f"; but it closed the connection at once: if it {advice}"
-
-
-def _why(exc: OSError) -> str:
-    """`Connection refused`, not asyncio's `Connect call failed (...)`; the
-    class's name where the error says nothing (asyncio's bare
-    `ConnectionResetError()` for a peer gone mid-handshake)."""
-    if exc.errno:
-        return os.strerror(exc.errno)
-    return str(exc) or type(exc).__name__

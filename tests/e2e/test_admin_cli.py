@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import socket
+import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -15,6 +17,7 @@ from aiohttp import web
 
 from gateway import cli as gateway_cli
 from gateway.admin.app import create_admin_app
+from gateway.admin.cli import keys as keys_cli
 from gateway.admin.cli.client import connect, to_rfc3339
 from gateway.admin.cli.rejections import main, more_hint
 from gateway.http.server import GatewayRunner
@@ -144,6 +147,12 @@ def test_at_the_largest_limit_the_hint_is_to_narrow_not_to_raise_it():
         "show them all with --all, or narrow them with --reason, --job, --destination, "
         "--since or --until"
     )
+    # `sinkgate keys --limit 1000` said to raise --limit all the same
+    assert keys_cli.more_hint(1000) == (
+        "show them all with --all, or narrow them with --state, --destination, --job, "
+        "--since or --until"
+    )
+    assert keys_cli.more_hint(999).startswith("raise --limit (up to 1000), ")
 
 
 async def test_empty_result(admin_url, token):
@@ -250,3 +259,19 @@ async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):
 def test_relative_times(value, expected):
     now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
     assert to_rfc3339(value, now, "--since") == expected
+
+
+async def test_a_reader_that_goes_away_gets_no_traceback(admin_url, token):
+    """`sinkgate rejections --json | head -1`: the pipe closes under the writer."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE
+    try:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "rejections", "--admin", admin_url, "--json",
+            stdout=write_end, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    _, err = await child.communicate()
+    assert child.returncode == 1
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

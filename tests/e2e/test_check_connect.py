@@ -255,6 +255,28 @@ async def test_the_probes_report_a_host_name_the_resolver_refuses(tmp_path):
     assert "pw-secret" not in str(failed.value)
 
 
+async def test_a_name_nobody_resolves_and_a_refused_port_say_what_to_check(tmp_path):
+    """`.invalid` never resolves (RFC 6761). The upstream's line named the
+    resolver's error only; PostgreSQL's asked whether PostgreSQL ran there
+    (the name is what is wrong), and a refused port read `Connect call failed
+    ('127.0.0.1', N)`."""
+    path = config(tmp_path, "sqlite:///data.db", pay="http://nohost.invalid/api")
+    with pytest.raises(UpstreamUnreachable) as upstream:
+        await upstream_status(load_config(path, environ={}).destinations["pay"])
+    assert str(upstream.value).startswith("cannot resolve nohost.invalid (")
+    assert str(upstream.value).endswith("): check the host name and this machine's DNS")
+    with pytest.raises(ProbeFailed) as unresolved:
+        await store_status("postgresql://postgres@nohost.invalid:5432/x")
+    assert "cannot resolve the host of nohost.invalid:5432 (" in str(unresolved.value)
+    assert str(unresolved.value).endswith("): check the URL's host name")
+    port = closed_port()
+    with pytest.raises(ProbeFailed) as refused:
+        await store_status(f"postgresql://postgres@127.0.0.1:{port}/x")
+    assert f"cannot connect to 127.0.0.1:{port} (Connection refused): is PostgreSQL" in str(
+        refused.value
+    )
+
+
 def client_ca_server(ca: trustme.CA) -> ssl.SSLContext:
     """A TLS 1.3-only server context that wants a client certificate signed by `ca`."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

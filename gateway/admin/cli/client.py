@@ -229,6 +229,15 @@ def follow_pages(
             return items, cursor is not None
 
 
+def page_hint(shown: int, filters: str) -> str:
+    """What to do when more rows matched than the `shown` ones: a larger
+    `--limit` only while it can still grow."""
+    narrow = f"narrow them with {filters}"
+    if shown < PAGE_MAX:
+        return f"raise --limit (up to {PAGE_MAX}), show them all with --all, or {narrow}"
+    return f"show them all with --all, or {narrow}"
+
+
 def page_limit(args: argparse.Namespace) -> int:
     """`--limit`, or no limit with `--all`."""
     return sys.maxsize if getattr(args, "all", False) else int(args.limit)

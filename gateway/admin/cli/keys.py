@@ -21,6 +21,7 @@ from gateway.admin.cli.client import (
     connect,
     follow_pages,
     format_rows,
+    page_hint,
     page_limit,
     to_rfc3339,
 )
@@ -49,7 +50,7 @@ def main(
         return 0
     print(format_rows(COLUMNS, [_cells(i) for i in items], empty="no keys match"), file=out)
     if more:
-        print("(more keys match: raise --limit, use --all, or narrow the filters)", file=out)
+        print(f"(more keys match: {more_hint(len(items))})", file=out)
     return 0
 
 
@@ -120,3 +121,7 @@ def _cells(item: dict[str, Any]) -> tuple[Any, ...]:
         item.get("attempts"),
         item.get("status"),
     )
+
+
+def more_hint(shown: int) -> str:
+    return page_hint(shown, "--state, --destination, --job, --since or --until")

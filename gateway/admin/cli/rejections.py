@@ -13,7 +13,6 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from gateway.admin.cli import PAGE_MAX
 from gateway.admin.cli.client import (
     CliError,
     cell,
@@ -21,6 +20,7 @@ from gateway.admin.cli.client import (
     dash,
     follow_pages,
     format_rows,
+    page_hint,
     page_limit,
     to_rfc3339,
 )
@@ -67,10 +67,7 @@ def main(
 
 
 def more_hint(shown: int) -> str:
-    narrow = "narrow them with --reason, --job, --destination, --since or --until"
-    if shown < PAGE_MAX:
-        return f"raise --limit (up to {PAGE_MAX}), show them all with --all, or {narrow}"
-    return f"show them all with --all, or {narrow}"
+    return page_hint(shown, "--reason, --job, --destination, --since or --until")
 
 
 def fetch(args: argparse.Namespace, now: datetime) -> tuple[list[dict[str, Any]], bool]:
