@@ -37,6 +37,7 @@ from gateway.admin.rejections import RejectionsApi
 from gateway.admin.session import LOGIN_PATH, LOGOUT_PATH, SessionAuth
 from gateway.admin.throttle import FailureThrottle
 from gateway.errors import Rejection, StoreUnavailable
+from gateway.http.leases import JOB_SEGMENT
 from gateway.http.models import OK
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.schema import to_json
@@ -102,7 +103,7 @@ def create_admin_app(
     app.router.add_post(LOGOUT_PATH, signin.logout)
     app.router.add_get("/admin/rejections", rejections.list)
     app.router.add_get("/admin/rejections/{id}", _one(rejections.get, page=page.detail))
-    app.router.add_get("/admin/jobs/{job_id}", _one(jobs.get, page=operator.job))
+    app.router.add_get(f"/admin/jobs/{JOB_SEGMENT}", _one(jobs.get, page=operator.job))
     app.router.add_get("/admin/keys", keys.list)
     app.router.add_post("/admin/keys/{destination}/{key:.+}/resolve", keys.resolve)
     app.router.add_get("/admin/audit", _or_page(audit.list, page=operator.audit))

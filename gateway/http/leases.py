@@ -37,6 +37,9 @@ from leases.reasons import Reason
 log = structlog.get_logger("gateway.http")
 
 MAX_BODY = 64 * 1024
+# A job id as a path segment: any characters but `/` (aiohttp's default pattern
+# leaves out `{` and `}`, which the job id alphabet has).
+JOB_SEGMENT = "{job_id:[^/]+}"
 
 # The body each verb takes (gateway.http.models): any other field is refused, so a
 # typo ("tll") fails loudly instead of silently falling back to a default.
@@ -59,10 +62,10 @@ def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = N
     if tokens:
         app[LEASE_TOKENS] = tokens
     traced = traces.traced_lease_handler  # the handler itself when tracing is off
-    app.router.add_get("/leases/{job_id}", traced(_get))
-    app.router.add_post("/leases/{job_id}/{op}", traced(_post))
+    app.router.add_get(f"/leases/{JOB_SEGMENT}", traced(_get))
+    app.router.add_post(f"/leases/{JOB_SEGMENT}/{{op}}", traced(_post))
     # Any other method on a verb's path still gets problem+json, never aiohttp's text.
-    app.router.add_route("*", "/leases/{job_id}/{op}", traced(_wrong_method))
+    app.router.add_route("*", f"/leases/{JOB_SEGMENT}/{{op}}", traced(_wrong_method))
 
 
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:

@@ -355,6 +355,13 @@ async def test_job_known_only_from_rejections_is_shown(client, mixed):
     assert [r["id"] for r in job["recent_rejections"]] == [mixed["d"]]
 
 
+async def test_a_job_id_with_braces_has_its_view(client, store):
+    """aiohttp's default segment pattern left `{` and `}` out of the route: 404."""
+    await store.claim("job{7}", owner="w", ttl=30)
+    job = await get_json(client, "/admin/jobs/job%7B7%7D")
+    assert job["lease"]["job_id"] == "job{7}"
+
+
 @pytest.mark.parametrize("job", ["never-seen", "%20"])
 async def test_unknown_job_is_404(client, job):
     response = await client.get(f"/admin/jobs/{job}", headers=AUTH)

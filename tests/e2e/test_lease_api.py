@@ -444,6 +444,9 @@ async def test_chunked_body_over_64_kib_is_413_body_too_large(
         ("%2E%2E", ".."),
         ("job%3A42", "job:42"),
         ("~user!$&'()*+,;=@", "~user!$&'()*+,;=@"),
+        # aiohttp's default segment pattern left `{` and `}` out: 404 no route
+        ("job{1}", "job{1}"),
+        ("%7Bjob%7D", "{job}"),
     ],
 )
 async def test_job_id_in_the_path_is_percent_decoded(
