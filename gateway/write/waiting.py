@@ -126,8 +126,10 @@ class Waiters:
         self._metrics = metrics
         self._store = store
         self._poll_s = poll_s if store is not None else None
-        self._keys: dict[tuple[str, str], set[_Waiter]] = {}
-        self._jobs: dict[str, set[_Waiter]] = {}
+        # Each key's and job's waiters in the order they came (a dict as an ordered
+        # set): a settlement wakes them, and so decides them, first come first.
+        self._keys: dict[tuple[str, str], dict[_Waiter, None]] = {}
+        self._jobs: dict[str, dict[_Waiter, None]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -227,8 +229,8 @@ class Waiters:
     def _register(self, waiter: _Waiter) -> None:
         facts = waiter.facts
         if facts.key is not None:
-            self._keys.setdefault((facts.destination, facts.key), set()).add(waiter)
-        self._jobs.setdefault(facts.job_id, set()).add(waiter)
+            self._keys.setdefault((facts.destination, facts.key), {})[waiter] = None
+        self._jobs.setdefault(facts.job_id, {})[waiter] = None
 
     def _rewatch(self, waiter: _Waiter) -> None:
         """`waiter`, woken, watches its key and job again before its next decision
@@ -397,15 +399,15 @@ def _collect_young() -> None:
         gc.collect(0)
 
 
-def _holding(waiters: set[_Waiter]) -> list[_Waiter]:
+def _holding(waiters: dict[_Waiter, None]) -> list[_Waiter]:
     return [w for w in waiters if w.holding]
 
 
-def _discard(table: dict[T, set[_Waiter]], ident: T, waiter: _Waiter) -> None:
-    """`waiter` out of `table[ident]`; a set left empty goes too."""
+def _discard(table: dict[T, dict[_Waiter, None]], ident: T, waiter: _Waiter) -> None:
+    """`waiter` out of `table[ident]`; a key or job left without waiters goes too."""
     waiters = table.get(ident)
     if waiters is not None:
-        waiters.discard(waiter)
+        waiters.pop(waiter, None)
         if not waiters:
             del table[ident]
 

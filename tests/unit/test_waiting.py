@@ -206,6 +206,35 @@ async def test_the_wake_starts_the_decision_and_the_write_resumes_with_its_verdi
     assert nothing_left(waiters)
 
 
+async def test_writes_held_on_one_key_are_woken_in_the_order_they_came() -> None:
+    """The first held is decided first (on SQLite, the first of a run is the one
+    forwarded after a release). The registry held them in a set: a later write
+    could be forwarded and an earlier one, held longer, replayed."""
+    started: list[int] = []
+
+    class Recording(Starter):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.n = n
+
+        def start(self, answer: asyncio.Future[Verdict | None]) -> bool:
+            started.append(self.n)
+            return super().start(answer)
+
+    waiters = Waiters(limit=100, metrics=Metrics())
+    starters = [Recording(n) for n in range(40)]
+    tasks = []
+    for n, starter in enumerate(starters):  # one at a time: held in this order
+        decide, _ = decisions(IN_PROGRESS)
+        tasks.append(asyncio.create_task(waiters.decide(FACTS, 30, decide, never_gone, starter)))
+        await held(waiters, n + 1)
+    waiters.settled("pay", "key-1", "job-1")
+    assert started == list(range(40))
+    for starter in starters:
+        starter.answers[0].set_result(REPLAY)
+    assert all(w.verdict is REPLAY for w in await asyncio.gather(*tasks))
+
+
 async def test_a_decision_that_cannot_start_is_left_to_the_write() -> None:
     starter = Starter(can=False)
     decide, given = decisions(IN_PROGRESS, REPLAY)
