@@ -57,9 +57,10 @@ LEASES_SCHEMA_VERSION = 1
 
 
 def sqlite_path(url: str) -> str:
-    """`sqlite:///rel/path` -> `rel/path`; `sqlite:////abs/path` -> `/abs/path`."""
+    """`sqlite:///rel/path` -> `rel/path`; `sqlite:////abs/path` -> `/abs/path`. The
+    scheme in any case, as `open_store` reads it; the rest is the file's name."""
     prefix = "sqlite:///"
-    if not url.startswith(prefix) or len(url) == len(prefix):
+    if url[: len(prefix)].lower() != prefix or len(url) == len(prefix):
         raise ValueError(f"not a sqlite URL: {url!r} (expected sqlite:///path)")
     path = url[len(prefix) :]
     if path == ":memory:":

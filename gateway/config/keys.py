@@ -263,6 +263,8 @@ def store_url(t: Table, name: str) -> str:
         # Only the scheme is echoed: the rest may hold a password.
         got = f"a {show(written)} URL" if has_scheme else "a value without scheme://"
         raise t.error(name, f"expected sqlite:///path or postgresql://..., got {got}")
+    if url[: len("sqlite:///")].lower() == "sqlite:///":
+        url = "sqlite:///" + url[len("sqlite:///") :]  # the scheme in any case, as RFC 3986
     if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
         raise t.error(
             name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"

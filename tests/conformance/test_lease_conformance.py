@@ -439,3 +439,14 @@ async def test_an_in_memory_sqlite_store_is_refused_before_it_is_opened() -> Non
     a claim was written where no `get` looked (StoreUnavailable: no such table)."""
     with pytest.raises(ValueError, match="in-memory SQLite database cannot be a store"):
         await open_store("sqlite:///:memory:")
+
+
+async def test_the_sqlite_scheme_is_read_in_any_case(tmp_path: Path) -> None:
+    """As the http and postgresql schemes are (RFC 3986: schemes are case-insensitive);
+    SQLITE:/// was `not a sqlite URL`."""
+    store = await open_store(f"SQLite:///{tmp_path / 'case.db'}")
+    try:
+        assert (await store.claim("job-1", owner="w", ttl=30)).generation == 1
+    finally:
+        await store.close()
+    assert (tmp_path / "case.db").exists()

@@ -460,6 +460,10 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[store]\nurl = "sqlite://x.db"\n',
             "store.url: expected sqlite:///relative/path",
         ),
+        (  # the scheme in any case: the in-memory check still applies
+            '[store]\nurl = "SQLITE:///:memory:"\n',
+            "store.url: an in-memory SQLite database cannot be the store: name a file",
+        ),
         (  # every connection its own empty database: reads found no tables
             '[store]\nurl = "sqlite:///:memory:"\n',
             "store.url: an in-memory SQLite database cannot be the store: name a file",
