@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import importlib
 import os
+import select
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
@@ -45,12 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket's, not the reader's: a failure to see
         # The reader went away (`sinkgate rejections --all --json | head -1`): no
         # traceback, and nothing more written. What is still buffered would fail
         # again when Python flushes stdout on exit, so it goes nowhere.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says so at once)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor, no poll()
+        return False
 
 
 def _main(argv: list[str]) -> int:

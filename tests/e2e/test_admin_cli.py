@@ -275,3 +275,14 @@ async def test_a_reader_that_goes_away_gets_no_traceback(admin_url, token):
     _, err = await child.communicate()
     assert child.returncode == 1
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_a_broken_pipe_that_is_not_the_readers_is_not_hidden(monkeypatch, capsys):
+    """Only a closed stdout ends the command quietly; a socket's EPIPE is a failure."""
+
+    def broken(argv: list[str]) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(gateway_cli, "_main", broken)
+    with pytest.raises(BrokenPipeError):
+        gateway_cli.main(["demo"])
