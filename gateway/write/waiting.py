@@ -234,8 +234,8 @@ class Waiters:
 
     def _rewatch(self, waiter: _Waiter) -> None:
         """`waiter`, woken, watches its key and job again before its next decision
-        (the same waiter: whoever unwatches it at the end finds it)."""
-        self._unwatch(waiter)
+        (the same waiter: whoever unwatches it at the end finds it). Where it is
+        still listed, woken by its own timer, it keeps its place."""
         waiter.woken = _future()
         waiter.holding = False
         self._register(waiter)

@@ -466,3 +466,18 @@ def test_the_young_generation_is_collected_while_held_once_half_way_to_its_thres
     monkeypatch.setattr(waiting.gc, "collect", calls.append)
     waiting._collect_young()
     assert calls == collected
+
+
+async def test_a_write_that_wakes_on_its_own_keeps_its_place() -> None:
+    """Woken by its own timer and refused again, a write is watched again where it
+    was, not behind the writes that came after it."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    first, second = (
+        waiting._Waiter(FACTS, never_gone, asyncio.get_running_loop().create_future(), None, 1e9)
+        for _ in range(2)
+    )
+    waiters._register(first)
+    waiters._register(second)
+    waiters._rewatch(first)
+    assert list(waiters._keys[("pay", "key-1")]) == [first, second]
+    assert list(waiters._jobs["job-1"]) == [first, second]
