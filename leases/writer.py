@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import json as jsonlib
 import re
-import string
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +42,7 @@ from .rejections import (
     StaleWrite,
     rejection_from_response,
 )
+from .target import Params, write_target
 
 __all__ = [
     "BadWrite",
@@ -58,19 +58,9 @@ __all__ = [
 
 _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGRESS})
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# The path and query are sent as this writer spells them, not as an HTTP
-# library would, byte for byte as the TypeScript writer does: the gateway
-# fingerprints them as sent, so a job redone in the other language must send
-# the same bytes. What RFC 3986 allows in a path (and `?` in the query) is kept,
-# and so is a `%XX` escape; every other character is percent-encoded as UTF-8
-# (a `%` that starts no escape, `#`, space, `|`, `[`, non-ASCII). A `params`
-# name or value keeps only the unreserved characters.
+# Header names and values a request can carry (as the TypeScript writer checks them).
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _UNSENDABLE = re.compile(r"[\r\n\x00]")
-_UNRESERVED = string.ascii_letters + string.digits + "-._~"
-_PATH_SPELLING = re.compile(rf"%[0-9A-Fa-f]{{2}}|[^{re.escape(_UNRESERVED)}!$&'()*+,;=:@/]")
-_QUERY_SPELLING = re.compile(rf"%[0-9A-Fa-f]{{2}}|[^{re.escape(_UNRESERVED)}!$&'()*+,;=:@/?]")
-_PARAM_SPELLING = re.compile(rf"[^{re.escape(_UNRESERVED)}]")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
@@ -191,7 +181,7 @@ class FencedWriter:
         json: Any = None,
         data: bytes | str | None = None,
         headers: Mapping[str, str] | None = None,
-        params: Mapping[str, str] | None = None,
+        params: Params | None = None,
         idempotency_key: str | None = None,
         step: str | None = None,
     ) -> WriteResult:
@@ -277,9 +267,7 @@ class FencedWriter:
         wait = retry_after if retry_after is not None else 0.05 * 2 ** (retries - 1)
         return min(wait, self.max_retry_wait)
 
-    def _url(
-        self, method: str, destination: str, path: str, params: Mapping[str, str] | None
-    ) -> URL:
+    def _url(self, method: str, destination: str, path: str, params: Params | None) -> URL:
         if not isinstance(method, str) or not re.fullmatch(r"[A-Za-z]+", method):
             raise ValueError(f"invalid method {method!r}")
         if not isinstance(destination, str) or not destination or "/" in destination:
@@ -337,46 +325,6 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
-
-
-def write_target(path: str, params: Mapping[str, str] | None = None) -> str:
-    """The path and query a write sends after `/to/{destination}`, spelled as
-    both writers spell them (see `_PATH_SPELLING`); `path` already checked by
-    `FencedWriter`. Raises `ValueError` for a lone surrogate or a `params`
-    name or value that is not a string (or an int)."""
-    path_part, question, query = path.partition("?")
-    target = _spelled(_PATH_SPELLING, path_part)
-    if question:
-        target += "?" + _spelled(_QUERY_SPELLING, query)
-    if params:
-        pairs = "&".join(
-            f"{_spelled(_PARAM_SPELLING, _param(name))}={_spelled(_PARAM_SPELLING, _param(value))}"
-            for name, value in params.items()
-        )
-        target += ("" if target.endswith("?") else "&" if question else "?") + pairs
-    return target
-
-
-def _spelled(pattern: re.Pattern[str], text: str) -> str:
-    try:
-        return pattern.sub(_escape, text)
-    except UnicodeEncodeError:
-        raise ValueError(f"{text!r} holds a lone surrogate, which UTF-8 cannot carry") from None
-
-
-def _escape(match: re.Match[str]) -> str:
-    found = match[0]
-    if len(found) == 3:  # an escape, kept as written
-        return found
-    return "".join(f"%{byte:02X}" for byte in found.encode())
-
-
-def _param(value: object) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    raise ValueError(f"params names and values must be strings, not {type(value).__name__}")
 
 
 def _prefer(given: list[str], wait: str | None) -> str | None:

@@ -38,4 +38,5 @@ export {
   REASONS,
   type ReasonInfo,
 } from "./reasons.js";
+export type { Query } from "./target.js";
 export { FencedWriter, type WriteOptions, type WriteResult, type WriterOptions } from "./writer.js";

@@ -16,6 +16,7 @@ import type { HeldLease } from "./hold.js";
 import { canonicalJson } from "./json.js";
 import { deriveKey, validateKey } from "./key.js";
 import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
+import { entries, type Query, writeTarget } from "./target.js";
 import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
 
 /** The upstream's answer as the gateway relayed (or replayed) it. */
@@ -49,8 +50,10 @@ export interface WriteOptions {
   readonly json?: unknown;
   /** A raw body; a string is sent as `text/plain; charset=utf-8`. */
   readonly body?: Uint8Array | string | undefined;
-  readonly headers?: Readonly<Record<string, string>> | undefined;
-  readonly query?: Readonly<Record<string, string>> | undefined;
+  /** An object of names and values, a `Headers` or a `Map`. */
+  readonly headers?: Readonly<Record<string, string>> | Headers | ReadonlyMap<string, string> | undefined;
+  /** Names and values for the query, spelled as the Python writer spells its `params`. */
+  readonly query?: Query | undefined;
   /** The job's step: the key is `deriveKey(jobId, step)`, the same in every run. */
   readonly step?: string | undefined;
   /** An explicit idempotency key instead of `step`. */
@@ -61,19 +64,11 @@ const OWN_HEADERS = new Set(["fencing-job", "fencing-token", "fencing-owner", "i
 const METHOD = /^[A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
 const CONTROL = /[\x00-\x1f\x7f]/;
-// The path and query are sent as this writer spells them, not as `URL` would,
-// byte for byte as the Python writer does: the gateway fingerprints them as
-// sent, so a job redone in the other language must send the same bytes. What
-// RFC 3986 allows in a path (and `?` in the query) is kept, and so is a `%XX`
-// escape; every other character is percent-encoded as UTF-8 (a `%` that starts
-// no escape, `#`, space, `|`, `[`, non-ASCII). A `query` name or value keeps
-// only the unreserved characters.
-const PATH_SPELLING = /%[0-9A-Fa-f]{2}|[^A-Za-z0-9\-._~!$&'()*+,;=:@/]/gu;
-const QUERY_SPELLING = /%[0-9A-Fa-f]{2}|[^A-Za-z0-9\-._~!$&'()*+,;=:@/?]/gu;
-const PARAM_SPELLING = /[^A-Za-z0-9\-._~]/gu;
+// Header names and values a request can carry (undici sends a value's U+0080-U+00FF as
+// Latin-1 bytes, which the gateway refuses: ASCII only).
 const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: what a header value cannot carry
-const UNSENDABLE = /[\r\n\0]|[^\x00-\xff]/;
+const UNSENDABLE = /[\r\n\0]|[^\x00-\x7f]/;
 
 export class FencedWriter {
   readonly #base: string;
@@ -174,17 +169,16 @@ export class FencedWriter {
     this.#signal?.throwIfAborted();
   }
 
-  #headers(given: Readonly<Record<string, string>> | undefined, contentType: string | undefined, key: string) {
+  #headers(given: WriteOptions["headers"], contentType: string | undefined, key: string) {
     const headers: Record<string, string> = {};
     const prefer: string[] = [];
-    if (given !== undefined && (given === null || typeof given !== "object")) {
-      throw new TypeError(`headers must be an object of names and values, not ${typeName(given)}`);
-    }
-    for (const [name, value] of Object.entries(given ?? {})) {
-      if (!TOKEN.test(name)) throw new RangeError(`header name ${JSON.stringify(name)} is not an HTTP token`);
+    for (const [name, value] of entries(given, "headers")) {
+      if (typeof name !== "string" || !TOKEN.test(name)) {
+        throw new RangeError(`header name ${JSON.stringify(name)} is not an HTTP token`);
+      }
       if (typeof value !== "string") throw new TypeError(`header ${name} must be a string, not ${typeName(value)}`);
       if (UNSENDABLE.test(value)) {
-        throw new RangeError(`header ${name}: a value cannot carry CR, LF, NUL or characters above U+00FF`);
+        throw new RangeError(`header ${name}: a value is ASCII without CR, LF or NUL`);
       }
       if (OWN_HEADERS.has(name.toLowerCase()))
         throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
@@ -282,42 +276,6 @@ function result(status: number, headers: Headers, body: Uint8Array, replayed: bo
 }
 
 const encoder = new TextEncoder();
-
-/** The path and query a write sends after `/to/{destination}`, spelled as both
- * writers spell them (see `PATH_SPELLING`); `path` already checked. */
-function writeTarget(path: string, query?: Readonly<Record<string, string>>): string {
-  const at = path.indexOf("?");
-  const question = at >= 0;
-  let target = spelled(PATH_SPELLING, question ? path.slice(0, at) : path);
-  if (question) target += `?${spelled(QUERY_SPELLING, path.slice(at + 1))}`;
-  if (query !== undefined) {
-    if (query === null || typeof query !== "object") {
-      throw new TypeError(`query must be an object of names and values, not ${typeName(query)}`);
-    }
-    const pairs = Object.entries(query).map(
-      ([name, value]) => `${spelled(PARAM_SPELLING, name)}=${spelled(PARAM_SPELLING, param(value))}`,
-    );
-    if (pairs.length > 0) target += (target.endsWith("?") ? "" : question ? "&" : "?") + pairs.join("&");
-  }
-  return target;
-}
-
-function spelled(pattern: RegExp, text: string): string {
-  return text.replace(pattern, (found) => {
-    if (found.length === 3 && found.startsWith("%")) return found; // an escape, kept as written
-    const code = found.charCodeAt(0);
-    if (found.length === 1 && code >= 0xd800 && code <= 0xdfff) {
-      throw new RangeError(`${JSON.stringify(text)} holds a lone surrogate, which UTF-8 cannot carry`);
-    }
-    return Array.from(encoder.encode(found), (byte) => `%${byte.toString(16).toUpperCase().padStart(2, "0")}`).join("");
-  });
-}
-
-function param(value: unknown): string {
-  if (typeof value === "string") return value;
-  if (typeof value === "number" && Number.isSafeInteger(value)) return String(value);
-  throw new TypeError(`query names and values must be strings, not ${typeName(value)}`);
-}
 
 function encodeBody(options: WriteOptions): [Uint8Array | undefined, string | undefined] {
   if (options.json !== undefined && options.body !== undefined) throw new TypeError("pass json or body, not both");

@@ -21,7 +21,8 @@ export const PYTHON = process.env.SINKGATE_PYTHON || "python3";
 // The gateway and `leases` of this checkout come first on Python's path (npm runs
 // the tests in clients/typescript): an installed copy from elsewhere must not be
 // the one these tests compare against.
-const REPO = path.resolve(process.cwd(), "..", "..");
+/** The repository's top (the tests run from `clients/typescript`). */
+export const REPO = path.resolve(process.cwd(), "..", "..");
 const PYTHON_ENV: NodeJS.ProcessEnv = existsSync(path.join(REPO, "gateway", "__init__.py"))
   ? { ...process.env, PYTHONPATH: [REPO, process.env.PYTHONPATH].filter(Boolean).join(path.delimiter) }
   : process.env;
