@@ -1,6 +1,7 @@
 """Writes refused before their facts are known (SPEC 2 steps 1-4: an unknown
-destination, a method, auth, size, headers): they reach neither the store nor
-the rejection log, so they are said here.
+destination, a method, size, a slow body, a bad path or header) and not for a
+worker token or fencing header (those the rejection log keeps): they reach
+neither the store nor the rejection log, so they are said here.
 
 One `write_refused` log line per refusal, with the reason, the destination name
 as asked for, the method and the worker's address, at most `per_second` a

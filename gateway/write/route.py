@@ -187,7 +187,9 @@ class WriteGateway:
         label = target.destination if target.destination in self.in_flight else "(unknown)"
         metrics = self.metrics
         metrics.tally.add(metrics.child(metrics.writes, label, written.decision))
-        if facts is None and written.decision == "rejected":  # steps 1-4: nowhere else
+        if facts is None and written.decision == "rejected" and written.rejection_id is None:
+            # Refused before the fence and kept nowhere else (not a missing token
+            # or fencing header, which the rejection log has): said with the address.
             self.metrics.refusals.note(
                 written.reason, target.destination, request.method, request.remote
             )

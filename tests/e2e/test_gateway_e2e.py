@@ -1143,9 +1143,13 @@ async def test_a_refusal_before_the_fence_is_one_log_line_with_the_workers_addre
     gw: Gateway,
 ) -> None:
     """A misspelt destination or a disallowed method reached no log but the
-    write's own line: it is said with the reason and the worker's address."""
+    write's own line: it is said with the reason and the worker's address. A
+    refusal the rejection log keeps (a missing fencing header) is not said again."""
     with structlog.testing.capture_logs() as logs:
         assert_rejected(await gw.write("/to/exampel/x"), 404, "unknown_destination")
+        assert_rejected(await gw.write("/to/pay/x", generation=None), 400, "missing_fencing_token")
+    decisions = [entry["reason"] for entry in logs if entry["event"] == "write_decision"]
+    assert decisions == ["unknown_destination", "missing_fencing_token"]
     (line,) = [entry for entry in logs if entry["event"] == "write_refused"]
     assert (line["reason"], line["destination"], line["method"]) == (
         "unknown_destination",
