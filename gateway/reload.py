@@ -138,7 +138,8 @@ class Reloader:
                 audit_ttl_s=applied.audit_ttl,
                 operator=operator,
             )
-            self._metrics.reloads.labels("applied").inc()
+            if record:  # with --workers N, one reload is one count, as it is one row
+                self._metrics.reloads.labels("applied").inc()
             retention = tuple(
                 f"{name} {format_duration(getattr(old, name))} -> "
                 f"{format_duration(getattr(new, name))}"

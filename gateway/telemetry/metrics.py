@@ -152,7 +152,7 @@ class Metrics:
         )
         self.reloads = Counter(
             "sinkgate_reloads_total",
-            "Config reloads, by result (applied, failed).",
+            "Config reloads, by result (applied, failed); one applied by every worker counts once.",
             ["result"],
             registry=r,
         )

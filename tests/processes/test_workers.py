@@ -331,6 +331,9 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: G
     assert await routable_everywhere(pinned, "payouts")
     # the one row is the admin's: no anonymous "sighup" row nobody sent
     assert await eventually(lambda: audit_notes(gw)) == ["admin: added payouts"]
+    # and one count, whichever worker is scraped (each worker applied it)
+    for scraper in await gw.pin_each(admin=True):
+        assert await scraped(scraper, "sinkgate_reloads_total", result="applied") == 1
 
 
 async def audit_notes(gw: Gateway) -> list[str]:
