@@ -7,6 +7,7 @@ or problem+json. Nothing is written unless the request is valid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -180,7 +181,14 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     store = request.app[STORE]
     facts: dict[str, Any] = {}
     try:
-        _authorize(request)
+        try:
+            _authorize(request)
+        except Rejection:
+            # the line and the answer name the path's job where it is valid, as a
+            # write refused for its token does
+            with contextlib.suppress(Rejection):
+                facts["job_id"] = _job_id(request)
+            raise
         facts["job_id"] = job_id = _job_id(request)
         body = await _body(request, op) if op in LEASE_REQUESTS else None
         facts.update(

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import structlog
 
 from gateway.config.model import load_config
 from gateway.errors import ConfigError
@@ -21,9 +22,15 @@ async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path)
         async with running_gateway(config) as gw:
             url = f"{gw.url}/leases/job-1/claim"
             body = {"owner": "a", "ttl": 5}
-            async with gw.session.post(url, json=body) as resp:
-                assert resp.status == 401
-                assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+            with structlog.testing.capture_logs() as logs:
+                async with gw.session.post(url, json=body) as resp:
+                    assert resp.status == 401
+                    assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+                    assert (await resp.json())["job_id"] == "job-1"
+                async with gw.session.post(f"{gw.url}/leases/%FF/claim", json=body) as resp:
+                    assert resp.status == 401  # the token first, the job id after
+            lines = [(e["job_id"], e["reason"]) for e in logs if e["event"] == "lease_decision"]
+            assert lines == [("job-1", "unauthorized"), (None, "unauthorized")]
             wrong = {"Authorization": "Bearer lease-secreT"}
             async with gw.session.post(url, json=body, headers=wrong) as resp:
                 assert resp.status == 401
