@@ -263,13 +263,13 @@ function sent(answer: { status: number; doc: Problem }): LeaseErrorFields {
 
 function unexpected(status: number, doc: Problem): Error {
   const reason = typeof doc.reason === "string" ? doc.reason : "";
-  const detail = typeof doc.detail === "string" ? doc.detail : "";
+  // The answer goes along: a wrong lease token (401) is told from an outage by `status` and `problem`.
+  const fields = sent({ status, doc });
+  const detail = fields.detail;
   if (status === 400 && reason === "invalid_request") {
     // The gateway validated what this client should already have: as if local.
     return new RangeError(detail || "invalid request");
   }
-  // The answer goes along: a wrong lease token (401) is told from an outage by `status` and `problem`.
-  const fields = sent({ status, doc });
   if (reason === "store_unavailable")
     return new StoreUnavailable(`the gateway's store is unavailable: ${detail}`, fields);
   return new StoreUnavailable(`unexpected lease API answer ${status} ${reason}: ${detail}`, fields);
