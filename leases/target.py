@@ -11,7 +11,8 @@ UTF-8: a `%` that starts no escape, `#`, space, `|`, `[`, non-ASCII, and in
 the query `'` (which Node's `fetch` would encode on its own). An empty query
 is left out, `?` and all. A `params` name
 or value keeps only the unreserved characters, and the pairs go in the order
-of their spelled names (a JavaScript object puts integer-like names first).
+of their spelled names (a JavaScript object puts integer-like names first); a
+name given more than once keeps its values in the order given.
 The shared table of spellings is `tests/vectors/write_spellings.json`.
 """
 
@@ -36,9 +37,14 @@ def write_target(path: str, params: Params | None = None) -> str:
     `ValueError` for a lone surrogate, or for `params` that are not a mapping
     or pairs of strings (or ints)."""
     path_part, _, query = path.partition("?")
+    # By name only, so a name given twice keeps its values in the order given
+    # (a stable sort, as JavaScript's).
     pairs = sorted(
-        (_spelled(_PARAM, _param(name)), _spelled(_PARAM, _param(value)))
-        for name, value in _pairs(params)
+        (
+            (_spelled(_PARAM, _param(name)), _spelled(_PARAM, _param(value)))
+            for name, value in _pairs(params)
+        ),
+        key=lambda pair: pair[0],
     )
     parts = [_spelled(_QUERY, query)] if query else []
     parts += [f"{name}={value}" for name, value in pairs]
@@ -54,14 +60,22 @@ def _pairs(params: Params | None) -> list[tuple[object, object]]:
     if isinstance(params, str | bytes):
         raise ValueError("params must be a mapping or (name, value) pairs, not a string")
     try:
-        pairs = [tuple(pair) for pair in params]
+        pairs = [_pair(pair) for pair in params]
     except TypeError:
         raise ValueError(
             f"params must be a mapping or (name, value) pairs, not {type(params).__name__}"
         ) from None
-    if any(len(pair) != 2 for pair in pairs):
+    if any(pair is None for pair in pairs):
         raise ValueError("params pairs must each be (name, value)")
-    return [(name, value) for name, value in pairs]
+    return [pair for pair in pairs if pair is not None]
+
+
+def _pair(pair: object) -> tuple[object, object] | None:
+    """A (name, value) pair, or None for anything else (a string of two is no pair)."""
+    if isinstance(pair, str | bytes) or not isinstance(pair, Iterable):
+        return None
+    items = tuple(pair)
+    return (items[0], items[1]) if len(items) == 2 else None
 
 
 def _spelled(pattern: re.Pattern[str], text: str) -> str:

@@ -381,6 +381,8 @@ def _body(json: Any, data: bytes | str | None) -> tuple[bytes | None, str | None
         return text.encode(), "application/json"
     if isinstance(data, str):
         return data.encode(), "text/plain; charset=utf-8"
-    if data is None or isinstance(data, bytes):
-        return data, None
+    if data is None:
+        return None, None
+    if isinstance(data, bytes):  # said, not left to aiohttp: the TypeScript writer says it too
+        return data, "application/octet-stream"
     raise ValueError(f"data must be bytes or str, not {type(data).__name__}")

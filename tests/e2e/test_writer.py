@@ -199,7 +199,17 @@ async def test_paths_and_params_are_spelled_as_the_typescript_writer_spells_them
 
 @pytest.mark.parametrize(
     "params",
-    [{"a": 1.5}, {"a": None}, {"a": True}, {"\ud800": "x"}, {"a": "b\udfff"}, "a=1", [("a",)], 5],
+    [
+        {"a": 1.5},
+        {"a": None},
+        {"a": True},
+        {"\ud800": "x"},
+        {"a": "b\udfff"},
+        "a=1",
+        [("a",)],
+        ["ab", "cd"],  # two strings of two characters are not two pairs
+        5,
+    ],
 )
 async def test_params_that_cannot_be_spelled_raise_before_sending(
     fake: FakeGateway, writer: FencedWriter, params: Any

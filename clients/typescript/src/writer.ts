@@ -285,7 +285,9 @@ function encodeBody(options: WriteOptions): [Uint8Array | undefined, string | un
     return [encoder.encode(canonicalJson(options.json)), "application/json"];
   }
   if (typeof options.body === "string") return [encoder.encode(options.body), "text/plain; charset=utf-8"];
-  if (options.body === undefined || options.body instanceof Uint8Array) return [options.body, undefined];
+  if (options.body === undefined) return [undefined, undefined];
+  // As the Python writer (aiohttp's default for bytes): the content type is in the fingerprint.
+  if (options.body instanceof Uint8Array) return [options.body, "application/octet-stream"];
   throw new TypeError(`body must be a Uint8Array or a string, not ${typeName(options.body)}`);
 }
 
