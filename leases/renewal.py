@@ -130,7 +130,13 @@ class Renewer:
                     state.lease = await self.store.renew(state.lease, ttl=self.schedule.ttl)
             except LeaseLost as exc:
                 return self.lose(exc.reason, exc.current_generation)
-            except (StoreUnavailable, TimeoutError):
+            except Exception as exc:  # StoreUnavailable, TimeoutError: an outage
+                if not isinstance(exc, StoreUnavailable | TimeoutError):
+                    # Not an outage (a gateway answering 400 to the renewal, say), but
+                    # the lease is just as unrenewed: retried, and lost at the same
+                    # deadline. Raised out, it ended this watchdog and left the body
+                    # running past its lease.
+                    log.warning("renewal_failed", job_id=state.job_id, error=repr(exc))
                 if now() >= state.deadline:
                     return self.lose(Reason.STORE_UNAVAILABLE)
                 unreachable = True

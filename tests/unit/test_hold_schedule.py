@@ -60,6 +60,7 @@ class RecordingStore:
         self.renewed_at: list[float] = []
         self.refuse_from: float | None = None
         self.unavailable = False
+        self.fails_with: Exception | None = None
         self.completed = False
 
     def _lease(self, job_id: str, owner: str, generation: int, state: str = "active") -> Lease:
@@ -71,6 +72,8 @@ class RecordingStore:
     async def renew(self, lease: Lease | LeaseRef, *, ttl: float | None = None) -> Lease:
         if self.unavailable:
             raise StoreUnavailable("down")
+        if self.fails_with is not None:
+            raise self.fails_with
         if self.refuse_from is not None and self.clock.now >= self.refuse_from:
             raise LeaseLost(lease.job_id, lease.generation, "stale_generation")
         self.renewed_at.append(self.clock.now)
@@ -165,3 +168,21 @@ async def test_an_unreachable_store_loses_the_lease_at_the_local_deadline_not_la
         await task
     assert lost.value.reason == "store_unavailable"
     assert clock.now == pytest.approx(28.6)
+
+
+async def test_a_renewal_failing_otherwise_loses_the_lease_at_the_same_deadline() -> None:
+    """A renewal that raises what no outage raises (the HTTP store's ValueError for
+    a 400 answer) is as unrenewed as an unreachable store: the body is stopped at
+    the local deadline. It used to end the watchdog, and the body ran on."""
+    clock = VirtualTime()
+    store = RecordingStore(clock)
+    store.fails_with = ValueError("ttl: out of range")
+    task = asyncio.create_task(_held(clock, store, body_for=1000.0))
+    await clock.advance(28.4)
+    assert not task.done()
+    await clock.advance(0.2)
+    assert task.done()  # the body stopped, not left running on
+    with pytest.raises(LeaseLost) as lost:
+        await task
+    assert lost.value.reason == "store_unavailable"
+    assert not store.completed
