@@ -139,7 +139,7 @@ def _int(value: object) -> int | None:
 
 def _retry_after(value: str | None) -> float | None:
     """Delta-seconds only; an HTTP-date falls back to the writer's own backoff."""
-    if value is None or not value.strip().isdigit():
+    if value is None or not (value.strip().isascii() and value.strip().isdigit()):
         return None
     seconds = float(value.strip())
     return seconds if math.isfinite(seconds) else None

@@ -364,7 +364,7 @@ def _server_attributes(request: web.Request, route: str) -> dict[str, Any]:
         attributes["client.address"] = request.remote
     # From the Host header as sent: cheaper than building `request.url`.
     host, colon, port = request.host.rpartition(":")
-    if colon and port.isdigit():
+    if colon and port.isascii() and port.isdigit():
         attributes["server.port"] = int(port)
     else:
         host = request.host

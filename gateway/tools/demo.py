@@ -68,7 +68,7 @@ class Recorder:
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         token = request.headers.get("Fencing-Token", "")
-        if token.isdigit():
+        if token.isascii() and token.isdigit():
             try:
                 with self.db:  # the effect's transaction: here only the fence's mark
                     self.fence.setup_sync(self.db)

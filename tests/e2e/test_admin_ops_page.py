@@ -135,10 +135,11 @@ async def test_resolve_form_needs_its_csrf_token(browser, store):
 
 async def test_a_refused_form_says_why_and_changes_nothing(browser, store):
     page = await (await browser.get("/admin/queue")).text()
-    form = {**form_fields(page, "lost-1"), "outcome": "applied", "note": "x", "status": "abc"}
-    refused = await browser.post("/admin/queue/resolve", data=form)
-    assert refused.status == 400
-    assert "Not resolved: status must be an integer" in await refused.text()
+    for status in ("abc", "²"):  # a digit to str.isdigit, not to int(): it was a 500
+        form = {**form_fields(page, "lost-1"), "outcome": "applied", "note": "x", "status": status}
+        refused = await browser.post("/admin/queue/resolve", data=form)
+        assert refused.status == 400
+        assert "Not resolved: status must be an integer" in await refused.text()
     stale = {**form_fields(page, "lost-1"), "outcome": "applied", "note": "x", "attempt": "old"}
     conflict = await browser.post("/admin/queue/resolve", data=stale)
     assert conflict.status == 409 and "another attempt holds the key" in await conflict.text()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import structlog
+from aiohttp.test_utils import make_mocked_request
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -313,3 +314,12 @@ async def test_a_malformed_traceparent_starts_a_new_trace_and_the_write_goes_thr
     assert status == 201
     write = only(spans, "sinkgate.write")
     assert write.parent is None
+
+
+@pytest.mark.parametrize(("host", "port"), [("gw:8080", 8080), ("gw:²", None), ("gw", None)])
+def test_the_server_port_is_read_from_ascii_digits_only(host: str, port: int | None) -> None:
+    """ "²" is a digit to `str.isdigit` but not to `int`: a traced request whose
+    Host header ended in it was answered 500."""
+    request = make_mocked_request("POST", "/to/pay/x", headers={"Host": host})
+    attributes = traces._server_attributes(request, "/to/{destination}/{path}")
+    assert attributes.get("server.port") == port

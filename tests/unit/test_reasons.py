@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from gateway.errors import STATUS_BY_REASON, Rejection
 from leases.reasons import LOST_REASONS, REASONS, RECORDED_REASONS, Family, Reason, title_of
 from leases.writer import (
@@ -106,3 +108,15 @@ def test_a_reason_to_retry_later_always_says_when() -> None:
     for reason, info in REASONS.items():
         assert Rejection(reason, "x").retry_after == (1 if info.retry_later else None), reason
     assert Rejection(Reason.LEASE_HELD, "x", retry_after=7).retry_after == 7
+
+
+@pytest.mark.parametrize(
+    ("sent", "read"), [("3", 3.0), (" 2 ", 2.0), ("²", None), ("\u0661", None)]
+)
+def test_a_retry_after_is_read_in_ascii_digits_only(sent: str, read: float | None) -> None:
+    """Both "²" and an Arabic-Indic digit are digits to `str.isdigit`: the first made the
+    writer raise ValueError, the second was read as 1 s, where the TypeScript
+    writer falls back to its own backoff for both."""
+    headers = {"Sinkgate-Rejected": "request_in_progress", "Retry-After": sent}
+    body = b'{"reason": "request_in_progress", "status": 409}'
+    assert rejection_from_response(409, headers, body).retry_after == read

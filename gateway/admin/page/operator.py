@@ -248,7 +248,8 @@ class OperatorPage:
         }
         if body["outcome"] == "applied":
             status = form.get("status", "") or "200"
-            body["status"] = int(status) if status.isdigit() and len(status) < 4 else status
+            digits = status.isascii() and status.isdigit()  # "²" is a digit to isdigit, not to int
+            body["status"] = int(status) if digits and len(status) < 4 else status
             body["body"] = form.get("body", "")
         try:
             resolution = parse_resolution(

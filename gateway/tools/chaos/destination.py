@@ -123,7 +123,7 @@ class Recorder:
             effect = Effect(
                 seq=len(self.effects) + 1,
                 job_id=job_id,
-                generation=int(token) if token.isdigit() else None,
+                generation=int(token) if token.isascii() and token.isdigit() else None,
                 key=key,
                 owner=request.headers.get("Fencing-Owner"),
                 path=request.raw_path,

@@ -97,7 +97,7 @@ class LateWire:
     ) -> web.StreamResponse:
         job = request.headers.get("Fencing-Job")
         token = request.headers.get("Fencing-Token", "")
-        if not job or not token.isdigit():
+        if not job or not (token.isascii() and token.isdigit()):
             response: web.StreamResponse = await handler(request)
             return response
         if LATE_HEADER in request.headers:
@@ -161,7 +161,7 @@ class FencedLedger:
     ) -> T | Refusal:
         """Check and record the effect in one transaction; `applied()` (the in-memory
         record) runs once it has committed. Returns its result, or the refusal."""
-        if not token.isdigit() or not 1 <= int(token) <= MAX_GENERATION:
+        if not (token.isascii() and token.isdigit()) or not 1 <= int(token) <= MAX_GENERATION:
             self.refused[Reason.INVALID_FENCING_TOKEN] += 1
             return refusal(Reason.INVALID_FENCING_TOKEN, "the fence needs a valid Fencing-Token")
         try:
