@@ -64,6 +64,12 @@ _UNSENDABLE = re.compile(r"[\r\n\x00]")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
+# The connection's and the body's framing, the HTTP client's to set: Node's fetch
+# refuses all but Content-Length, and a Content-Length of the caller's that is not
+# the body's length hangs or cuts the request. Refused alike in both writers.
+_CONNECTION_HEADERS = frozenset(
+    {"connection", "content-length", "expect", "keep-alive", "transfer-encoding", "upgrade"}
+)
 
 
 # --- results and keys ----------------------------------------------------------------------
@@ -242,6 +248,9 @@ class FencedWriter:
         clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
         if clash:
             raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
+        framing = sorted(name for name in sent if name.lower() in _CONNECTION_HEADERS)
+        if framing:
+            raise ValueError(f"{framing[0]} is the HTTP client's to set, not a header to pass")
         if content_type is not None and "Content-Type" not in sent:
             sent["Content-Type"] = content_type
         sent["Idempotency-Key"] = key

@@ -220,7 +220,18 @@ async def test_params_that_cannot_be_spelled_raise_before_sending(
 
 
 @pytest.mark.parametrize(
-    "headers", [{"X-A": "a\nb"}, {"X-A": "a\rb"}, {"X-A": "a\x00"}, {"X A": "1"}, {"X-A": 1}]
+    "headers",
+    [
+        {"X-A": "a\nb"},
+        {"X-A": "a\rb"},
+        {"X-A": "a\x00"},
+        {"X A": "1"},
+        {"X-A": 1},
+        {"Content-Length": "3"},
+        {"transfer-encoding": "chunked"},
+        {"Expect": "100-continue"},
+        {"Connection": "close"},
+    ],
 )
 async def test_headers_that_cannot_be_sent_raise_before_sending(
     fake: FakeGateway, writer: FencedWriter, headers: dict[str, Any]

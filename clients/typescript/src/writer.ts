@@ -61,6 +61,17 @@ export interface WriteOptions {
 }
 
 const OWN_HEADERS = new Set(["fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"]);
+// The connection's and the body's framing, the HTTP client's to set: fetch throws for all but
+// Content-Length (which hangs or cuts the request when it is not the body's length). Refused
+// alike in both writers, before anything is sent, rather than as a retryable GatewayUnavailable.
+const CONNECTION_HEADERS = new Set([
+  "connection",
+  "content-length",
+  "expect",
+  "keep-alive",
+  "transfer-encoding",
+  "upgrade",
+]);
 const METHOD = /^[A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
 const CONTROL = /[\x00-\x1f\x7f]/;
@@ -182,6 +193,8 @@ export class FencedWriter {
       }
       if (OWN_HEADERS.has(name.toLowerCase()))
         throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
+      if (CONNECTION_HEADERS.has(name.toLowerCase()))
+        throw new TypeError(`${name} is the HTTP client's to set, not a header to pass`);
       if (name.toLowerCase() === "prefer") prefer.push(value);
       else headers[name] = value;
     }
