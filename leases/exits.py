@@ -91,17 +91,21 @@ async def settle(
         return
     reason = _failure(task)
     if reason is not None:
-        lease = state.lease
-        log.warning(
-            "lease_exit_failed",
-            job_id=lease.job_id,
-            generation=lease.generation,
-            owner=lease.owner,
-            action=action,
-            reason=reason,
-        )
+        exit_failed(state.lease, action, reason)
     if arrived is not None:
         raise arrived
+
+
+def exit_failed(lease: Lease, action: OnExit, reason: str) -> None:
+    """An exit's store call that did not succeed, and is not raised: said."""
+    log.warning(
+        "lease_exit_failed",
+        job_id=lease.job_id,
+        generation=lease.generation,
+        owner=lease.owner,
+        action=action,
+        reason=reason,
+    )
 
 
 async def _bounded(

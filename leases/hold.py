@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
 from .errors import LeaseError, LeaseLost
-from .exits import OnExit, give_back_claim, release, settle, stop, wind_up
+from .exits import OnExit, exit_failed, give_back_claim, release, settle, stop, wind_up
 from .model import Lease, default_owner, validate_ttl
 from .reasons import Reason
 from .renewal import Hold, RenewalSchedule, Renewer, Sleep
@@ -111,7 +111,12 @@ async def hold(
     except LeaseLost:
         raise
     except BaseException:
-        await _exit(store, state, renewer, "release", cancel_timeout)
+        try:
+            await _exit(store, state, renewer, "release", cancel_timeout)
+        except Exception as exc:  # the body's error is the caller's news, not the release's
+            # (refused otherwise than as lost or unavailable, a 400 say): logged, and
+            # the lease left to expire by itself
+            exit_failed(state.lease, "release", getattr(exc, "reason", type(exc).__name__))
         raise
     else:
         await _exit(store, state, renewer, on_exit, cancel_timeout, raise_lost=True)

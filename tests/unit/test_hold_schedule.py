@@ -12,6 +12,7 @@ import itertools
 from datetime import UTC, datetime
 
 import pytest
+import structlog
 
 from leases import Lease, LeaseLost, LeaseRef, StoreUnavailable, hold
 from leases.hold import RenewalSchedule
@@ -84,6 +85,8 @@ class RecordingStore:
         return self._lease(lease.job_id, lease.owner, lease.generation, "done")
 
     async def release(self, lease: Lease | LeaseRef) -> Lease:
+        if self.fails_with is not None:
+            raise self.fails_with
         return self._lease(lease.job_id, lease.owner, lease.generation, "free")
 
     async def get(self, job_id: str) -> Lease | None:
@@ -186,3 +189,20 @@ async def test_a_renewal_failing_otherwise_loses_the_lease_at_the_same_deadline(
         await task
     assert lost.value.reason == "store_unavailable"
     assert not store.completed
+
+
+async def test_the_bodys_error_is_raised_when_the_release_after_it_fails_otherwise() -> None:
+    """A release refused with ValueError (the HTTP store's 400) replaced the body's
+    own error, which the caller's `except` then missed."""
+    clock = VirtualTime()
+    store = RecordingStore(clock)
+
+    async def failing() -> None:
+        async with hold(store, "job-1", ttl=30.0, monotonic=clock.monotonic, sleep=clock.sleep):
+            store.fails_with = ValueError("release refused")
+            raise RuntimeError("body failed")
+
+    with structlog.testing.capture_logs() as logs, pytest.raises(RuntimeError, match="body failed"):
+        await failing()
+    [line] = [e for e in logs if e["event"] == "lease_exit_failed"]
+    assert (line["action"], line["reason"]) == ("release", "ValueError")

@@ -155,7 +155,7 @@ export async function hold<T>(
   outside?.throwIfAborted();
 
   const started = now();
-  const lease = await client.claim(jobId, { owner: options.owner, ttl: schedule.ttl });
+  const lease = await claim(client, jobId, options.owner, schedule.ttl, outside, cancelTimeout);
   const state = new Hold(lease, schedule.deadline(started), now);
   if (outside?.aborted) {
     await giveBack(client, state, cancelTimeout);
@@ -211,13 +211,63 @@ async function settle<T>(
   }
   await stopWatching();
   if (!outcome.ok) {
-    if (!(outcome.error instanceof LeaseLost) && state.lost === undefined) await release(client, state);
+    if (!(outcome.error instanceof LeaseLost) && state.lost === undefined) {
+      // The body's error is what the caller needs; a release refused otherwise (a 400,
+      // say) must not replace it. The lease then expires by itself.
+      await release(client, state).catch(() => undefined);
+    }
     throw outcome.error;
   }
   if (state.lost !== undefined) throw state.lost;
   if (onExit === "complete") state.lease = await client.complete(state.lease);
   else if (onExit === "release") await release(client, state);
   return outcome.value;
+}
+
+/** The claim; the outside `signal` aborting while it is on the wire ends the wait
+ * at once. The gateway may grant the claim all the same: its answer is awaited
+ * (at most `cancelTimeout` seconds) and the lease given back, as the Python
+ * `hold` does, so the job is not blocked for a ttl. */
+async function claim(
+  client: LeaseClient,
+  jobId: string,
+  owner: string | undefined,
+  ttl: number,
+  outside: AbortSignal | undefined,
+  cancelTimeout: number,
+): Promise<Lease> {
+  const claiming = client.claim(jobId, { owner, ttl });
+  if (outside === undefined) return claiming;
+  let onAbort = (): void => undefined;
+  const aborted = new Promise<"aborted">((resolve) => {
+    onAbort = () => resolve("aborted");
+    outside.addEventListener("abort", onAbort, { once: true });
+  });
+  try {
+    const first = await Promise.race([claiming, aborted]);
+    if (first !== "aborted") return first;
+  } finally {
+    outside.removeEventListener("abort", onAbort);
+  }
+  claiming.catch(() => undefined); // refused or unanswered: nothing to give back
+  await withinSeconds(
+    claiming.then((lease) => client.release(lease)).catch(() => undefined),
+    cancelTimeout,
+  );
+  throw outside.reason;
+}
+
+/** `work`, or nothing once `seconds` have passed (the work goes on unawaited). */
+async function withinSeconds(work: Promise<unknown>, seconds: number): Promise<void> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const timedOut = new Promise<void>((resolve) => {
+    timer = setTimeout(resolve, seconds * 1000);
+  });
+  try {
+    await Promise.race([work, timedOut]);
+  } finally {
+    clearTimeout(timer);
+  }
 }
 
 /** The watchdog: renew on schedule; on a refusal or a passed deadline, lose the lease. */

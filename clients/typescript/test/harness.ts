@@ -255,6 +255,8 @@ export class Wire {
   failLeases = false;
   /** Lease calls get no answer at all (until the wire closes). */
   hangLeases = false;
+  /** Lease calls that reached the wire. */
+  leaseCalls = 0;
   readonly #waiters: Array<(held: Held) => void> = [];
   readonly held: Held[] = [];
 
@@ -284,6 +286,7 @@ export class Wire {
     for await (const chunk of req) chunks.push(chunk as Buffer);
     const body = Buffer.concat(chunks);
     const url = req.url ?? "/";
+    if (url.startsWith("/leases/")) this.leaseCalls++;
     if (this.hangLeases && url.startsWith("/leases/")) return;
     if (this.failLeases && url.startsWith("/leases/")) {
       res.writeHead(503, { "Content-Type": "text/plain" });

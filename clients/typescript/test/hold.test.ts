@@ -93,6 +93,39 @@ describe("hold through a real gateway", { skip }, () => {
     assert.equal((await client.get(job))?.state, "free");
   });
 
+  it("stops waiting for a claim on the wire when the worker shuts down", async () => {
+    // The claim never answers: without the outside signal heeded, hold waited for the
+    // client's timeout (here 60 s) and then rejected with StoreUnavailable.
+    const wire = await fresh();
+    wire.hangLeases = true;
+    const shutdown = new AbortController();
+    const slow = new LeaseClient(wire.url, { timeout: 60 });
+    const options = { ttl: 5, signal: shutdown.signal, cancelTimeout: 0.2 };
+    let started = false;
+    const running = hold(slow, unique("hold"), options, async () => {
+      started = true;
+    });
+    while (wire.leaseCalls === 0) await new Promise((resolve) => setTimeout(resolve, 5));
+    shutdown.abort(new Error("shutting down"));
+    await assert.rejects(running, /shutting down/);
+    assert.equal(started, false);
+    assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
+  });
+
+  it("keeps the body's error when the release after it is refused", async () => {
+    const job = unique("hold");
+    const refusing = new LeaseClient(gateway.url);
+    refusing.release = async () => {
+      throw new RangeError("release refused");
+    };
+    await assert.rejects(
+      hold(refusing, job, { ttl: 5 }, async () => {
+        throw new Error("body failed");
+      }),
+      /body failed/,
+    );
+  });
+
   it("leaves no listener on a worker-wide shutdown signal once it has ended", async () => {
     const shutdown = new AbortController();
     for (let i = 0; i < 3; i++) {
