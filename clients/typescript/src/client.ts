@@ -105,19 +105,20 @@ export class LeaseClient {
   }
 
   /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
-  renew(lease: LeaseRef, options: { ttl?: number | undefined } & CallOptions = {}): Promise<Lease> {
-    const ttl = options.ttl === undefined ? undefined : validateTtl(options.ttl);
-    return this.#held("renew", lease, ttl, options.signal);
+  async renew(lease: LeaseRef, options: { ttl?: number | undefined } & CallOptions = {}): Promise<Lease> {
+    // async, as every call: a bad argument is a rejected promise, never a synchronous throw
+    const ttl = options?.ttl === undefined ? undefined : validateTtl(options.ttl);
+    return this.#held("renew", lease, ttl, options?.signal);
   }
 
   /** Mark the job done (it can never be claimed again); throws `LeaseLost`. */
-  complete(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("complete", lease, undefined, options.signal);
+  async complete(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
+    return this.#held("complete", lease, undefined, options?.signal);
   }
 
   /** Free the job for another claim now; throws `LeaseLost`. */
-  release(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("release", lease, undefined, options.signal);
+  async release(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
+    return this.#held("release", lease, undefined, options?.signal);
   }
 
   /** The job's lease, or null when it was never claimed. */

@@ -153,6 +153,10 @@ describe("through a real gateway", { skip }, () => {
     assert.equal(await client.get(job), null, "nothing was claimed");
     assert.throws(() => new LeaseClient("ftp://x"), RangeError);
     const lease = await client.claim(job, { owner: "w", ttl: 5 });
+    // a rejected promise, as every call's, never a synchronous throw that `.catch()` misses
+    const renewals = [client.renew(lease, { ttl: 0 }), client.renew(lease, { ttl: "5" as unknown as number })];
+    await assert.rejects(renewals[0] as Promise<unknown>, RangeError);
+    await assert.rejects(renewals[1] as Promise<unknown>, TypeError);
     const writer = new FencedWriter(gateway.url, lease);
     const before = upstream.effects.length;
     await assert.rejects(writer.post("rec", "/a", { json: {}, step: "s", key: "k" }), TypeError);
