@@ -20,7 +20,7 @@ import { DelayedError } from "bullmq";
 import { defaultOwner, LeaseClient } from "./client.js";
 import { JobCompleted, LeaseHeld, LeaseLost, StaleWrite, StoreUnavailable } from "./errors.js";
 import { hold } from "./hold.js";
-import { validateSeconds, validateTtl } from "./validate.js";
+import { typeName, validateSeconds, validateTtl } from "./validate.js";
 import { FencedWriter, type WriterOptions } from "./writer.js";
 
 export interface FencedProcessorOptions<D = unknown> {
@@ -72,6 +72,7 @@ export function verdict(error: unknown, retryDelay = 1): Verdict | undefined {
 /** A job id from `text`: kept when it is a valid one (1-256 visible ASCII), else
  * a readable prefix and a hash, equally stable (Python's `job_id_from`). */
 export function jobIdFrom(text: string): string {
+  if (typeof text !== "string") throw new TypeError(`jobIdFrom takes a string, not ${typeName(text)}`);
   if (/^[\x21-\x7e]{1,256}$/.test(text)) return text;
   const digest = createHash("sha256").update(utf8Bytes(text)).digest("hex").slice(0, 32);
   // The first 200 code points, as Python's `text[:200]` (not 200 UTF-16 units).

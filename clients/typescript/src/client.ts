@@ -283,7 +283,9 @@ function toLease(doc: Problem): Lease {
     if (state !== "free" && state !== "active" && state !== "done")
       throw new RangeError(`unknown state ${String(state)}`);
     const until = doc.lease_until;
-    const leaseUntil = typeof until === "string" ? new Date(until) : new Date(Number.NaN);
+    // RFC 3339 has an offset: without one, Date would read the time as local
+    const zoned = typeof until === "string" && /(?:Z|[+-]\d\d:\d\d)$/i.test(until);
+    const leaseUntil = zoned ? new Date(until) : new Date(Number.NaN);
     if (Number.isNaN(leaseUntil.getTime())) throw new RangeError("lease_until must be an RFC 3339 time");
     const expiresIn = doc.expires_in;
     if (typeof expiresIn !== "number" || !(Number.isFinite(expiresIn) && expiresIn >= 0)) {

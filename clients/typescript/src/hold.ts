@@ -16,7 +16,7 @@
 import { bounded, sleep } from "./abort.js";
 import type { CallOptions, Lease, LeaseClient } from "./client.js";
 import { LeaseLost, StoreUnavailable } from "./errors.js";
-import { validateIdent, validateSeconds, validateTtl } from "./validate.js";
+import { typeName, validateIdent, validateSeconds, validateTtl } from "./validate.js";
 
 export type OnExit = "complete" | "release" | "keep";
 
@@ -55,6 +55,12 @@ export class RenewalSchedule {
     readonly safetyMargin = 0.05,
   ) {
     validateTtl(ttl);
+    for (const [name, value] of [
+      ["renewFraction", renewFraction],
+      ["safetyMargin", safetyMargin],
+    ] as const) {
+      if (typeof value !== "number") throw new TypeError(`${name} must be a number, not ${typeName(value)}`);
+    }
     if (!(renewFraction > 0 && renewFraction < 1)) throw new RangeError("renewFraction must be between 0 and 1");
     if (!(safetyMargin >= 0 && safetyMargin < renewFraction)) {
       throw new RangeError("safetyMargin must be between 0 and renewFraction");

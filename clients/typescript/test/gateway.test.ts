@@ -275,4 +275,23 @@ describe("a lease API answer the client does not expect", () => {
       server.close();
     }
   });
+
+  it("is StoreUnavailable for a lease_until without an offset, which Date would read as local time", async () => {
+    const lease = { job_id: "job-1", owner: "w", generation: 1, state: "active", expires_in: 30 };
+    const server = http.createServer((req, res) => {
+      const zoned = req.url?.endsWith("/claim") ? "2030-01-01T00:00:00" : "2030-01-01T00:00:00+01:00";
+      res.writeHead(200, { "Content-Type": "application/json" });
+      res.end(JSON.stringify({ ...lease, lease_until: zoned }));
+    });
+    server.listen(0, "127.0.0.1");
+    await once(server, "listening");
+    const client = new LeaseClient(`http://127.0.0.1:${(server.address() as AddressInfo).port}`);
+    try {
+      await assert.rejects(client.claim("job-1", { ttl: 30 }), StoreUnavailable);
+      const got = await client.get("job-1");
+      assert.equal(got?.leaseUntil.toISOString(), "2029-12-31T23:00:00.000Z");
+    } finally {
+      server.close();
+    }
+  });
 });

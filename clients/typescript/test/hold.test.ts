@@ -20,6 +20,8 @@ describe("RenewalSchedule", () => {
     assert.throws(() => new RenewalSchedule(30, 1.2), RangeError);
     assert.throws(() => new RenewalSchedule(30, 0.3, 0.3), RangeError);
     assert.throws(() => new RenewalSchedule(0.01), RangeError);
+    assert.throws(() => new RenewalSchedule(30, "0.5" as unknown as number), TypeError);
+    assert.throws(() => new RenewalSchedule(30, 0.5, "0.1" as unknown as number), TypeError);
   });
 });
 

@@ -167,4 +167,8 @@ describe("jobIdFrom against Python's job_id_from", { skip }, () => {
     assert.notEqual(jobIdFrom("job \ud800"), jobIdFrom("job \udbff"));
     assert.notEqual(jobIdFrom("job \ud800"), jobIdFrom("job \ufffd"));
   });
+
+  it("takes only a string (a number was returned as it came, not as a job id)", () => {
+    assert.throws(() => jobIdFrom(42 as unknown as string), TypeError);
+  });
 });
