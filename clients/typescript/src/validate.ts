@@ -61,6 +61,8 @@ export function baseUrl(value: unknown, what: string): string {
     throw new RangeError(`${what} must be http(s)://host[:port], not ${JSON.stringify(value)}`);
   }
   if (url.search || url.hash) throw new RangeError(`${what} must not carry a query or fragment`);
+  // fetch refuses a URL with credentials: every call would fail as an outage
+  if (url.username || url.password) throw new RangeError(`${what} must not carry user:password@; pass a token`);
   return url.href.replace(/\/+$/, "");
 }
 

@@ -152,6 +152,7 @@ describe("through a real gateway", { skip }, () => {
     await assert.rejects(client.claim(job, { ttl: "5" as unknown as number }), TypeError);
     assert.equal(await client.get(job), null, "nothing was claimed");
     assert.throws(() => new LeaseClient("ftp://x"), RangeError);
+    assert.throws(() => new LeaseClient("http://u:p@127.0.0.1:1"), RangeError);
     const lease = await client.claim(job, { owner: "w", ttl: 5 });
     // a rejected promise, as every call's, never a synchronous throw that `.catch()` misses
     const renewals = [client.renew(lease, { ttl: 0 }), client.renew(lease, { ttl: "5" as unknown as number })];
