@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -57,6 +58,9 @@ from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
+
+# An applied preference named `wait` (RFC 7240: names are case-insensitive).
+_WAIT_ELEMENT = re.compile(r"\s*wait\s*(?:[=;]|$)", re.IGNORECASE)
 
 # Starts a woken write's decision, its verdict to be set on the future given.
 StartWoken = Callable[[WriteFacts, WriteContext, Woken], object]
@@ -596,8 +600,15 @@ def _say_applied(rejection: Rejection, cap: int) -> None:
 
 
 def _add_applied(headers: CIMultiDict[str], cap: int) -> None:
-    applied = [*headers.getall("Preference-Applied", ()), f"wait={cap}"]
-    headers["Preference-Applied"] = ", ".join(applied)
+    """The gateway's `wait=M` after the answer's own applied preferences, in place
+    of a `wait` the upstream applied (it is sent `Prefer` as it came): one `wait`,
+    the one this answer's worker waited by."""
+    theirs = headers.getall("Preference-Applied", [])
+    if any(_WAIT_ELEMENT.match(e) for value in theirs for e in value.split(",")):
+        # Split only then: a quoted value with a comma is rare, a `wait` in one rarer.
+        elements = (e.strip() for value in theirs for e in value.split(","))
+        theirs = [e for e in elements if e and not _WAIT_ELEMENT.match(e)]
+    headers["Preference-Applied"] = ", ".join([*theirs, f"wait={cap}"])
 
 
 def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:

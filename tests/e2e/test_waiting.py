@@ -53,6 +53,8 @@ class HeldUpstream:
         answer = web.json_response({"n": len(self.received)}, status=201)
         if "return=minimal" in request.headers.get("Prefer", ""):
             answer.headers["Preference-Applied"] = "return=minimal"
+        if request.path.endswith("/applies-wait"):  # an upstream that reads `wait` too
+            answer.headers["Preference-Applied"] = "return=minimal, WAIT=7"
         return answer
 
 
@@ -324,6 +326,16 @@ async def test_the_destinations_own_applied_preferences_are_kept(gw: Gateway) ->
     status, headers, _ = await gw.write("/to/pay/x", key="k", headers=prefer)
     assert status == 201 and headers["Idempotent-Replayed"] == "true"
     assert headers["Preference-Applied"] == "wait=10"
+
+
+async def test_a_wait_the_destination_applied_gives_way_to_the_gateways(gw: Gateway) -> None:
+    """`Prefer` goes on to the upstream, which may apply a `wait` of its own: the
+    answer says the gateway's, once, not `wait=7, wait=10`, whose first a worker
+    would read."""
+    await gw.claim("job-1")
+    prefer = {"Prefer": "return=minimal, wait=10"}
+    status, headers, _ = await gw.write("/to/pay/applies-wait", key="k", headers=prefer)
+    assert status == 201 and headers["Preference-Applied"] == "return=minimal, wait=10"
 
 
 async def test_a_store_failure_deciding_a_waiting_write_says_the_wait_applied(
