@@ -31,7 +31,7 @@ export interface HoldOptions {
   readonly renewFraction?: number;
   /** Give the lease up locally `ttl * safetyMargin` early (default 0.05), for a slow worker clock. */
   readonly safetyMargin?: number;
-  /** Seconds the release after an outside abort may take (default 2). */
+  /** Seconds giving the lease back after an outside abort may take, a claim still on the wire included (default 2). */
   readonly cancelTimeout?: number;
   /** Aborting it (the worker shutting down) stops the body and releases the lease. */
   readonly signal?: AbortSignal | undefined;
@@ -232,8 +232,9 @@ async function settle<T>(
 
 /** The claim; the outside `signal` aborting while it is on the wire ends the wait
  * at once. The gateway may grant the claim all the same: its answer is awaited
- * (at most `cancelTimeout` seconds) and the lease given back, as the Python
- * `hold` does, so the job is not blocked for a ttl. */
+ * and the lease given back, as the Python `hold` does, so the job is not
+ * blocked for a ttl. Both calls together are cut at `cancelTimeout` seconds, so
+ * a worker shutting down is not kept up by them. */
 async function claim(
   client: LeaseClient,
   jobId: string,
@@ -242,8 +243,9 @@ async function claim(
   outside: AbortSignal | undefined,
   cancelTimeout: number,
 ): Promise<Lease> {
-  const claiming = client.claim(jobId, { owner, ttl });
-  if (outside === undefined) return claiming;
+  if (outside === undefined) return client.claim(jobId, { owner, ttl });
+  const giveUp = new AbortController();
+  const claiming = client.claim(jobId, { owner, ttl, signal: giveUp.signal });
   let onAbort = (): void => undefined;
   const aborted = new Promise<"aborted">((resolve) => {
     onAbort = () => resolve("aborted");
@@ -255,25 +257,9 @@ async function claim(
   } finally {
     outside.removeEventListener("abort", onAbort);
   }
-  claiming.catch(() => undefined); // refused or unanswered: nothing to give back
-  await withinSeconds(
-    claiming.then((lease) => client.release(lease)).catch(() => undefined),
-    cancelTimeout,
-  );
+  claiming.catch(() => undefined); // refused, unanswered or cut: nothing to give back
+  await within(cancelTimeout, giveUp, async (signal) => client.release(await claiming, { signal }));
   throw outside.reason;
-}
-
-/** `work`, or nothing once `seconds` have passed (the work goes on unawaited). */
-async function withinSeconds(work: Promise<unknown>, seconds: number): Promise<void> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const timedOut = new Promise<void>((resolve) => {
-    timer = setTimeout(resolve, seconds * 1000);
-  });
-  try {
-    await Promise.race([work, timedOut]);
-  } finally {
-    clearTimeout(timer);
-  }
 }
 
 /** The watchdog: renew on schedule; on a refusal or a passed deadline, lose the lease. */
@@ -331,12 +317,21 @@ async function release(client: LeaseClient, state: Hold, options: CallOptions = 
 
 /** Give the lease back within `seconds` (shutting down, or claimed too late). */
 async function giveBack(client: LeaseClient, state: Hold, seconds: number): Promise<void> {
-  const controller = new AbortController();
+  await within(seconds, new AbortController(), (signal) => release(client, state, { signal }));
+}
+
+/** Run `work`, aborting its signal (`controller`'s) after `seconds`; a failure
+ * or the cut changes nothing: an unreleased lease expires by itself. */
+async function within(
+  seconds: number,
+  controller: AbortController,
+  work: (signal: AbortSignal) => Promise<unknown>,
+): Promise<void> {
   const timer = setTimeout(() => controller.abort(new StoreUnavailable("release timed out")), seconds * 1000);
   try {
-    await release(client, state, { signal: controller.signal });
+    await work(controller.signal);
   } catch {
-    // timed out: the lease expires by itself
+    // refused, unreachable or cut: the lease expires by itself
   } finally {
     clearTimeout(timer);
   }

@@ -257,6 +257,8 @@ export class Wire {
   hangLeases = false;
   /** Lease calls that reached the wire. */
   leaseCalls = 0;
+  /** Hung lease calls the worker gave up on (closed before an answer). */
+  leaseCallsCut = 0;
   readonly #waiters: Array<(held: Held) => void> = [];
   readonly held: Held[] = [];
 
@@ -287,7 +289,12 @@ export class Wire {
     const body = Buffer.concat(chunks);
     const url = req.url ?? "/";
     if (url.startsWith("/leases/")) this.leaseCalls++;
-    if (this.hangLeases && url.startsWith("/leases/")) return;
+    if (this.hangLeases && url.startsWith("/leases/")) {
+      res.on("close", () => {
+        if (!res.writableFinished) this.leaseCallsCut++;
+      });
+      return;
+    }
     if (this.failLeases && url.startsWith("/leases/")) {
       res.writeHead(503, { "Content-Type": "text/plain" });
       res.end("lease API down");

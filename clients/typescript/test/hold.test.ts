@@ -114,6 +114,24 @@ describe("hold through a real gateway", { skip }, () => {
     assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
   });
 
+  it("cuts a claim still unanswered after a shutdown at cancelTimeout", async () => {
+    // The claim may still be granted, so hold waits for it to give it back - but
+    // only for cancelTimeout: before, it stayed on the wire until the client's
+    // timeout (here 60 s), keeping a shutting-down worker up.
+    const wire = await fresh();
+    wire.hangLeases = true;
+    const shutdown = new AbortController();
+    const slow = new LeaseClient(wire.url, { timeout: 60 });
+    const running = hold(slow, unique("hold"), { ttl: 5, signal: shutdown.signal, cancelTimeout: 0.2 }, () => 1);
+    while (wire.leaseCalls === 0) await new Promise((resolve) => setTimeout(resolve, 5));
+    shutdown.abort(new Error("shutting down"));
+    await assert.rejects(running, /shutting down/);
+    for (let waited = 0; wire.leaseCallsCut === 0 && waited < 10_000; waited += 20) {
+      await new Promise((resolve) => setTimeout(resolve, 20));
+    }
+    assert.equal(wire.leaseCallsCut, 1);
+  });
+
   it("keeps the body's error when the release after it is refused", async () => {
     const job = unique("hold");
     const refusing = new LeaseClient(gateway.url);
