@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-__all__ = ["MAX_VALUE", "preferences"]
+__all__ = ["MAX_VALUE", "preferences", "without"]
 
 # One preference: its name, then an optional `= value` (token or quoted string),
 # then anything up to the next comma outside quotes (its parameters).
@@ -36,17 +36,44 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
     for value in values:
         if len(value) > MAX_VALUE:
             continue
-        position = 0
-        while position < len(value):
-            # Empty elements (`, wait=5`, `a,, b`) are skipped (RFC 9110 section 5.6.1).
-            skipped = _EMPTY.match(value, position)
-            assert skipped is not None  # it matches the empty string too
-            position = skipped.end()
-            if position == len(value):
-                break
-            match = _PREFERENCE.match(value, position)
-            if match is None or match.end() == position:
-                break  # not a preference list from here on: nothing more to read
-            position = match.end()
+        for match, _ in _elements(value):
             given = match["quoted"] if match["quoted"] is not None else match["token"]
             yield match["name"].lower(), given
+
+
+def without(values: Iterable[str], name: str) -> list[str]:
+    """The header `values` with every element named `name` (lower-case) taken
+    out, the others kept as written; a value that is not wholly a preference
+    list, or is longer than `MAX_VALUE`, is kept as it is (where its elements
+    end cannot be told). Values left empty are dropped."""
+    kept = []
+    for value in values:
+        if len(value) > MAX_VALUE or name not in value.lower():
+            kept.append(value)
+            continue
+        elements = list(_elements(value))
+        if elements and elements[-1][1] == len(value):
+            others = [m.group().strip(" \t,") for m, _ in elements if m["name"].lower() != name]
+            value = ", ".join(others)
+        if value:
+            kept.append(value)
+    return kept
+
+
+def _elements(value: str) -> Iterator[tuple[re.Match[str], int]]:
+    """Each element's match, and where reading stopped after it (the end of
+    `value` when the whole value is a preference list)."""
+    position = 0
+    while position < len(value):
+        # Empty elements (`, wait=5`, `a,, b`) are skipped (RFC 9110 section 5.6.1).
+        skipped = _EMPTY.match(value, position)
+        assert skipped is not None  # it matches the empty string too
+        if skipped.end() == len(value):
+            return
+        match = _PREFERENCE.match(value, skipped.end())
+        if match is None or match.end() == skipped.end():
+            return  # not a preference list from here on: nothing more to read
+        position = match.end()
+        after = _EMPTY.match(value, position)
+        assert after is not None
+        yield match, after.end()

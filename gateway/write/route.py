@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,7 +32,7 @@ from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
 from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
-from gateway.write.prefer import applied_wait, wait_preference
+from gateway.write.prefer import applied_wait, preference_without, wait_preference
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
 from gateway.write.request import (
@@ -58,9 +57,6 @@ from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.write")
-
-# An applied preference named `wait` (RFC 7240: names are case-insensitive).
-_WAIT_ELEMENT = re.compile(r"\s*wait\s*(?:[=;]|$)", re.IGNORECASE)
 
 # Starts a woken write's decision, its verdict to be set on the future given.
 StartWoken = Callable[[WriteFacts, WriteContext, Woken], object]
@@ -602,12 +598,9 @@ def _say_applied(rejection: Rejection, cap: int) -> None:
 def _add_applied(headers: CIMultiDict[str], cap: int) -> None:
     """The gateway's `wait=M` after the answer's own applied preferences, in place
     of a `wait` the upstream applied (it is sent `Prefer` as it came): one `wait`,
-    the one this answer's worker waited by."""
-    theirs = headers.getall("Preference-Applied", [])
-    if any(_WAIT_ELEMENT.match(e) for value in theirs for e in value.split(",")):
-        # Split only then: a quoted value with a comma is rare, a `wait` in one rarer.
-        elements = (e.strip() for value in theirs for e in value.split(","))
-        theirs = [e for e in elements if e and not _WAIT_ELEMENT.match(e)]
+    the one this answer's worker waited by. A quoted value is one element, commas
+    and all (`foo="a,wait=1"` is kept whole)."""
+    theirs = preference_without(headers.getall("Preference-Applied", []), "wait")
     headers["Preference-Applied"] = ", ".join([*theirs, f"wait={cap}"])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.write.prefer import MAX_VALUE, applied_wait, wait_preference
+from gateway.write.prefer import MAX_VALUE, applied_wait, preference_without, wait_preference
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,27 @@ def test_wait_preference(values: list[str], expected: int | None) -> None:
 )
 def test_applied_wait(preference: int | None, max_wait: float, expected: int) -> None:
     assert applied_wait(preference, max_wait) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([], []),
+        (["respond-async"], ["respond-async"]),  # no `wait`: not even parsed
+        (["return=minimal, WAIT=7"], ["return=minimal"]),
+        (["wait=7"], []),  # a value left empty is dropped
+        (["wait=7", "respond-async"], ["respond-async"]),
+        (["wait=7;x=1 ,  return=minimal"], ["return=minimal"]),
+        # A comma inside quotes separates nothing: split on commas, this lost
+        # `foo`'s value and kept a `wait` that was never one.
+        (['foo="a,wait=1", wait=3'], ['foo="a,wait=1"']),
+        (['foo="a, wait=1"'], ['foo="a, wait=1"']),
+        (["waiting=2, wait=1"], ["waiting=2"]),
+        # Not wholly a preference list (an unbalanced quote): kept as it is.
+        (['foo="a, wait=1'], ['foo="a, wait=1']),
+        (["wait=1, (x)"], ["wait=1, (x)"]),
+        (["wait=1, " + "x" * MAX_VALUE], ["wait=1, " + "x" * MAX_VALUE]),
+    ],
+)
+def test_preference_without(values: list[str], expected: list[str]) -> None:
+    assert preference_without(values, "wait") == expected

@@ -52,3 +52,11 @@ def test_each_write_gets_its_own_headers_and_a_new_record_or_wait_new_ones() -> 
         ("Idempotent-Replayed", "true"),
         ("Sinkgate-Replay-Body", "omitted"),
     ]
+
+
+def test_the_records_own_wait_gives_way_but_a_quoted_comma_is_one_element() -> None:
+    record = dataclasses.replace(
+        RECORD, headers=(("Preference-Applied", 'foo="a,wait=1", Wait=7;x=1, respond-async'),)
+    )
+    response = Replays().response(Replay(record), 30)
+    assert response.headers["Preference-Applied"] == 'foo="a,wait=1", respond-async, wait=30'
