@@ -99,7 +99,8 @@ class Reloader:
         """Apply the files as they are now; `ConfigError` (logged) if they do not load.
         `remote` and `operator` are who asked (the admin route's client and the name
         its token has), for the audit log; `record=False`: another worker of this
-        gateway writes the reload's audit row (`on_relayed`)."""
+        gateway writes the reload's audit row and counts it in
+        `sinkgate_reloads_total` (`on_relayed`)."""
         async with self._lock:  # one at a time: each compares with the last applied
             old = self.config
             try:
@@ -107,7 +108,8 @@ class Reloader:
             except ConfigError as exc:
                 for line in exc.errors:
                     log.error("reload_failed", trigger=trigger, error=line)
-                self._metrics.reloads.labels("failed").inc()
+                if record:  # as below: each worker fails a relayed reload, one counts it
+                    self._metrics.reloads.labels("failed").inc()
                 raise
             new = reread.config
             refused = _refused(old, reread)
@@ -224,7 +226,8 @@ class Reloader:
     def on_relayed(self) -> None:
         """`RELOAD_UNRECORDED` from the parent of `--workers N`: another worker
         reloaded (a SIGHUP, or `POST /admin/reload` with its operator) and writes
-        the audit row; this one reloads, logged and counted, without a second row."""
+        the audit row and counts it; this one reloads and logs it, without a
+        second row or count."""
         self._in_background("relayed", record=False)
 
     def _in_background(self, trigger: str, *, record: bool) -> None:

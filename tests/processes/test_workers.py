@@ -336,6 +336,17 @@ async def test_admin_reload_on_one_worker_reloads_every_worker(sqlite_gateway: G
         assert await scraped(scraper, "sinkgate_reloads_total", result="applied") == 1
 
 
+async def test_a_sighup_that_fails_in_every_worker_counts_once(sqlite_gateway: Gateway) -> None:
+    gw = sqlite_gateway
+    (gw.directory / "destinations" / "broken.toml").write_text("upstream = \n")
+    gw.process.send_signal(signal.SIGHUP)
+    # every worker rereads the files and fails, and logs it
+    await eventually(lambda: len(gw.events("reload_failed")) >= 2, within=10)
+    # one reload, one count, as an applied one (each worker failed it)
+    for scraper in await gw.pin_each(admin=True):
+        assert await scraped(scraper, "sinkgate_reloads_total", result="failed") == 1
+
+
 async def audit_notes(gw: Gateway) -> list[str]:
     admin = (await gw.pin_each(admin=True))[0]
     answer = await admin.request("GET", "/admin/audit")
