@@ -14,7 +14,13 @@ import { Worker } from "bullmq";
 import { fencedProcessor } from "@sinkgate/leases/bullmq";
 
 export const QUEUE = "sinkgate-orders";
-export const connection = { host: process.env.EXAMPLE_REDIS_HOST ?? "127.0.0.1", port: 6379 };
+// EXAMPLE_BROKER as the Celery and arq examples read it: redis://host:port/db.
+const broker = new URL(process.env.EXAMPLE_BROKER ?? "redis://127.0.0.1:6379/0");
+export const connection = {
+  host: broker.hostname,
+  port: Number(broker.port || 6379),
+  db: Number(broker.pathname.slice(1) || 0),
+};
 const GATEWAY = process.env.EXAMPLE_GATEWAY ?? "http://127.0.0.1:8480";
 
 const shipOrder = fencedProcessor(

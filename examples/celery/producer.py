@@ -2,8 +2,9 @@
 
     python3 -m examples.celery.producer 1001 1999 [--twice]
 
-`--twice` sends the same order as two messages: the second run finds the job
-completed and returns `{"sinkgate": "job_completed", ...}` instead of charging again.
+`--twice` sends the same order as two messages, which the worker's processes may
+run at once: one charges it, and the other returns
+`{"sinkgate": "job_completed", ...}` instead of charging again. Either may print first.
 """
 
 from __future__ import annotations
