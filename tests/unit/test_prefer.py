@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gateway.write.prefer import MAX_VALUE, applied_wait, preference_without, wait_preference
+from leases.prefer import preferences
 
 
 @pytest.mark.parametrize(
@@ -90,3 +94,13 @@ def test_applied_wait(preference: int | None, max_wait: float, expected: int) ->
 )
 def test_preference_without(values: list[str], expected: list[str]) -> None:
     assert preference_without(values, "wait") == expected
+
+
+# The TypeScript writer's tests read the same table: both writers refuse a
+# caller's `Prefer` with a `wait` in it exactly when the gateway would read one.
+NAMES = json.loads((Path(__file__).parents[1] / "vectors" / "prefer_names.json").read_text())
+
+
+@pytest.mark.parametrize("row", NAMES, ids=[row["value"][:40] for row in NAMES])
+def test_the_shared_table_of_preference_names(row: dict[str, object]) -> None:
+    assert [name for name, _ in preferences([str(row["value"])])] == row["names"]

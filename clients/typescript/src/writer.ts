@@ -15,6 +15,7 @@ import { GatewayUnavailable, parseObject, rejectionFromResponse } from "./errors
 import type { HeldLease } from "./hold.js";
 import { canonicalJson } from "./json.js";
 import { deriveKey, validateKey } from "./key.js";
+import { preferenceNames } from "./prefer.js";
 import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
 import { entries, type Query, writeTarget } from "./target.js";
 import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
@@ -264,12 +265,11 @@ export class FencedWriter {
 function mergePrefer(given: readonly string[], wait: string | undefined): string | undefined {
   for (const value of given) {
     if (typeof value !== "string") throw new TypeError(`Prefer must be a string, not ${typeName(value)}`);
-    for (const preference of value.split(",")) {
-      if ((preference.split(";", 1)[0] ?? "").split("=", 1)[0]?.trim().toLowerCase() === "wait") {
-        throw new RangeError(
-          `Prefer ${JSON.stringify(value)}: the writer sets the wait preference itself; pass the wait option`,
-        );
-      }
+    // Read as the gateway reads it: a `wait` inside a quoted value is none.
+    if (preferenceNames(value).includes("wait")) {
+      throw new RangeError(
+        `Prefer ${JSON.stringify(value)}: the writer sets the wait preference itself; pass the wait option`,
+      );
     }
   }
   const preferences = given.map((value) => value.trim()).filter((value) => value !== "");

@@ -6,10 +6,13 @@
 
 import assert from "node:assert/strict";
 import { once } from "node:events";
+import { readFileSync } from "node:fs";
 import http from "node:http";
 import type { AddressInfo } from "node:net";
+import path from "node:path";
 import { after, before, describe, it } from "node:test";
 import { FencedWriter, type Lease } from "@sinkgate/leases";
+import { REPO } from "./harness.js";
 
 const LEASE: Lease = {
   jobId: "job-1",
@@ -218,5 +221,23 @@ describe("the writer's Prefer", () => {
       }
     }
     assert.equal(gateway.seen, 0);
+  });
+
+  it("reads the caller's Prefer as the Python writer and the gateway do: a quoted comma separates nothing", async () => {
+    // Split on every comma, handling="a, wait=3" was refused here and sent by Python.
+    const rows = JSON.parse(readFileSync(path.join(REPO, "tests", "vectors", "prefer_names.json"), "utf8")) as Array<{
+      value: string;
+      names: string[];
+    }>;
+    for (const { value, names } of rows.filter((row) => row.value.trim() !== "")) {
+      gateway.prefer.length = 0;
+      if (names.includes("wait")) {
+        await assert.rejects(write(5, { Prefer: value }), RangeError, value);
+        assert.deepEqual(gateway.prefer, [], value);
+      } else {
+        await write(5, { Prefer: value });
+        assert.deepEqual(gateway.prefer, [`${value.trim()}, wait=5`], value);
+      }
+    }
   });
 });
