@@ -13,7 +13,7 @@
  * arrives after that deadline never starts the body.
  */
 
-import { bounded, sleep } from "./abort.js";
+import { bounded, sleep, timerDelay } from "./abort.js";
 import type { CallOptions, Lease, LeaseClient } from "./client.js";
 import { LeaseLost, StoreUnavailable } from "./errors.js";
 import { typeName, validateIdent, validateSeconds, validateTtl } from "./validate.js";
@@ -327,7 +327,7 @@ async function within(
   controller: AbortController,
   work: (signal: AbortSignal) => Promise<unknown>,
 ): Promise<void> {
-  const timer = setTimeout(() => controller.abort(new StoreUnavailable("release timed out")), seconds * 1000);
+  const timer = setTimeout(() => controller.abort(new StoreUnavailable("release timed out")), timerDelay(seconds));
   try {
     await work(controller.signal);
   } catch {

@@ -32,7 +32,8 @@ export interface WriteResult {
 }
 
 export interface WriterOptions {
-  /** The hold's signal (default: the `HeldLease`'s own): once aborted, nothing is sent. */
+  /** Once aborted, nothing is sent and a request in flight is cut (a worker's
+   * shutdown, say). A `HeldLease`'s own signal is heeded as well, always. */
   readonly signal?: AbortSignal | undefined;
   /** The destination's worker token (`Authorization: Bearer`). */
   readonly token?: string | undefined;
@@ -85,7 +86,8 @@ const UNSENDABLE = /[\r\n\0]|[^\x00-\x7f]/;
 export class FencedWriter {
   readonly #base: string;
   readonly #lease: Lease | HeldLease;
-  readonly #signal: AbortSignal | undefined;
+  /** The `HeldLease`'s signal, then the caller's: any of them stops the writer. */
+  readonly #signals: readonly AbortSignal[];
   readonly #token: string | undefined;
   readonly #maxRetries: number;
   readonly #maxRetryWait: number;
@@ -100,10 +102,15 @@ export class FencedWriter {
     validateIdent(lease.owner, "lease.owner");
     validateGeneration(lease.generation);
     this.#lease = lease;
-    this.#signal = options.signal ?? ("signal" in lease ? lease.signal : undefined);
-    if (this.#signal !== undefined && !(this.#signal instanceof AbortSignal)) {
+    if (options.signal !== undefined && !(options.signal instanceof AbortSignal)) {
       throw new TypeError("signal must be an AbortSignal");
     }
+    // The caller's signal adds to the hold's, never replaces it: a writer given a
+    // shutdown signal under a hold still stops the moment the lease may be gone.
+    const held = "signal" in lease && lease.signal instanceof AbortSignal ? lease.signal : undefined;
+    this.#signals = [held, options.signal].filter(
+      (signal, i, all): signal is AbortSignal => signal !== undefined && all.indexOf(signal) === i,
+    );
     this.#token = options.token === undefined ? undefined : validateVisible(options.token, "token");
     const maxRetries = options.maxRetries ?? 5;
     if (!Number.isInteger(maxRetries) || maxRetries < 0) throw new RangeError("maxRetries must be an integer >= 0");
@@ -171,14 +178,14 @@ export class FencedWriter {
       // The gateway held the write already (`Preference-Applied`): no second wait on top of its own.
       if (answerHeaders.has("Preference-Applied")) continue;
       const wait = rejection.retryAfter ?? 0.05 * 2 ** retries;
-      await sleep(Math.min(wait, this.#maxRetryWait), this.#signal);
+      await sleep(Math.min(wait, this.#maxRetryWait), this.#signals);
     }
   }
 
   /** No effect under a lost lease: throw the hold's `LeaseLost` (or the signal's reason). */
   #check(): void {
     if ("check" in this.#lease) this.#lease.check();
-    this.#signal?.throwIfAborted();
+    for (const signal of this.#signals) signal.throwIfAborted();
   }
 
   #headers(given: WriteOptions["headers"], contentType: string | undefined, key: string) {
@@ -241,7 +248,7 @@ export class FencedWriter {
   }
 
   async #send(method: string, url: string, body: Uint8Array | undefined, headers: Record<string, string>) {
-    const request = bounded(this.#signal, this.#timeout);
+    const request = bounded(this.#signals, this.#timeout);
     try {
       const init: RequestInit = { method, headers, redirect: "manual", signal: request.signal };
       if (body !== undefined) init.body = body;

@@ -194,6 +194,27 @@ describe("hold through a real gateway", { skip }, () => {
     assert.notEqual((await client.get(job))?.state, "done", "the job is not completed");
   });
 
+  it("cuts the write in flight on a lost lease when the writer was given a signal of its own", async () => {
+    // The caller's signal (a worker's shutdown) used to replace the lease's: the
+    // write then went on after the hold had rejected with LeaseLost.
+    const job = unique("own-signal");
+    const net = await fresh();
+    net.holdWrites = true;
+    const held = net.nextHeld();
+    const shutdown = new AbortController();
+    const running = hold(client, job, { owner: "w", ttl: 2 }, async (lease) => {
+      const writer = new FencedWriter(net.url, lease, { signal: shutdown.signal });
+      return writer.post("rec", "/charges", { json: { amount: 8 }, step: "charge" });
+    });
+    const write = await held;
+    await client.release((await client.get(job)) as Lease);
+    await assert.rejects(running, LeaseLost);
+    assert.equal(await write.cut, true, "the worker cut its request");
+    assert.equal(await write.forward(), undefined);
+    assert.equal(upstream.of(job).length, 0);
+    assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
+  });
+
   /** A worker whose lease API is down while its write is held on the wire. */
   async function storeGoesAway(wired: boolean) {
     const job = unique(wired ? "wired" : "unwired");

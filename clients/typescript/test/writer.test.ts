@@ -223,6 +223,14 @@ describe("the writer's Prefer", () => {
     assert.equal(gateway.seen, 0);
   });
 
+  it("takes a timeout longer than a Node timer keeps (2^31 - 1 ms) as that longest one", async () => {
+    // Past it, setTimeout fires after 1 ms: every write failed at once as gateway_timeout.
+    gateway.prefer.length = 0;
+    const writer = new FencedWriter(gateway.url, LEASE, { timeout: 3e6, maxRetryWait: 1e7 });
+    assert.equal((await writer.post("d", "/x", { json: {}, step: "long" })).status, 201);
+    assert.equal(gateway.prefer.length, 1);
+  });
+
   it("reads the caller's Prefer as the Python writer and the gateway do: a quoted comma separates nothing", async () => {
     // Split on every comma, handling="a, wait=3" was refused here and sent by Python.
     const rows = JSON.parse(readFileSync(path.join(REPO, "tests", "vectors", "prefer_names.json"), "utf8")) as Array<{
