@@ -381,7 +381,12 @@ def upstream_headers(t: Table, name: str) -> tuple[tuple[str, str], ...]:
 SERVER = Section(
     "server",
     Key("listen", parsed(parse_listen), ("127.0.0.1", 8480), "writes, the lease API, /healthz"),
-    Key("admin_listen", parsed(parse_listen), ("127.0.0.1", 8481), "/admin, /metrics, /healthz, /readyz"),
+    Key(
+        "admin_listen",
+        parsed(parse_listen),
+        ("127.0.0.1", 8481),
+        "/admin, /metrics, /healthz, /readyz",
+    ),
     Key("max_in_flight", integer(1), 4096, "writes on the wire at once, all destinations"),
     Key("max_deciding", integer(1), 4096, "writes waiting for their store decision at once"),
     Key("max_body_buffer", size(), 64 * MiB, "request bodies still arriving, all writes"),
