@@ -286,3 +286,53 @@ def test_a_broken_pipe_that_is_not_the_readers_is_not_hidden(monkeypatch, capsys
     monkeypatch.setattr(gateway_cli, "_main", broken)
     with pytest.raises(BrokenPipeError):
         gateway_cli.main(["demo"])
+
+
+async def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(token):
+    """urllib follows redirects and copies `Authorization` to the new host: a
+    server at the admin URL that redirected got the admin token sent to another."""
+    seen: list[str | None] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"items": [], "next_cursor": None})
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"http://127.0.0.1:{other_port}/admin/rejections")
+
+    other = web.Application()
+    other.router.add_get("/admin/rejections", elsewhere)
+    first = web.Application()
+    first.router.add_get("/admin/rejections", redirect)
+    runners = [web.AppRunner(other), web.AppRunner(first)]
+    for runner in runners:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+    other_port = runners[0].addresses[0][1]
+    port = runners[1].addresses[0][1]
+    try:
+        code, out, err = await run(args(f"http://127.0.0.1:{port}"))
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert (code, out) == (1, "")
+    assert "answered 302, a redirect to" in err and "not followed" in err
+    assert err.count("\n") == 1
+    assert seen == []
+
+
+async def test_a_token_read_with_its_newline_is_stripped_as_the_gateway_strips_it(
+    admin_url, monkeypatch
+):
+    monkeypatch.setenv("SINKGATE_ADMIN_TOKEN", f" {TOKEN}\r\n")
+    code, out, _ = await run(args(admin_url))
+    assert code == 0 and "job-42" in out
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path, token):
+    config = tmp_path / "gateway.toml"
+    config.write_bytes(b'[server]\nadmin_listen = "x\xff"\n')
+    out, err = io.StringIO(), io.StringIO()
+    assert main(parse("--config", str(config)), stdout=out, stderr=err) == 1
+    assert f"cannot read the config {config}" in err.getvalue()
+    assert err.getvalue().count("\n") == 1

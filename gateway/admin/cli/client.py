@@ -99,7 +99,7 @@ def _from_config(option: str | None, env: Mapping[str, str]) -> tuple[str, str]:
     try:
         with path.open("rb") as fh:
             server = tomllib.load(fh).get("server", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read the config {path} ({where}): {exc}") from exc
     if not isinstance(server, dict):
         raise CliError(f"{path}: [server] is not a table")
@@ -133,13 +133,17 @@ def admin_request(admin: Admin, path: str, body: dict[str, Any] | None = None) -
         request.data = json.dumps(body).encode()
         request.add_header("Content-Type", "application/json")
         request.method = "POST"
-    token = os.environ.get(TOKEN_ENV)
+    # Stripped as the gateway strips the variable it reads (a token file's newline).
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
     if token:
         if not VISIBLE.fullmatch(token):
             raise CliError(f"{TOKEN_ENV} holds characters a header cannot carry")
         request.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(
+        _NoRedirects(), urllib.request.HTTPSHandler(context=admin.tls)
+    )
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=admin.tls) as response:
+        with opener.open(request, timeout=TIMEOUT_S) as response:
             answer: dict[str, Any] = json.load(response)
             return answer
     except urllib.error.HTTPError as exc:
@@ -150,7 +154,22 @@ def admin_request(admin: Admin, path: str, body: dict[str, Any] | None = None) -
         raise CliError(f"{base} did not answer JSON: {exc}") from exc
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """The admin listener never redirects an API call: a redirect is some other
+    server, and following it would send it the admin token (urllib copies the
+    header to the new host) and turn a POST into a GET."""
+
+    def redirect_request(self, *args: Any) -> None:
+        return None  # urllib then raises the 3xx as an HTTPError
+
+
 def _refused(exc: urllib.error.HTTPError, base: str, token: str | None) -> CliError:
+    if 300 <= exc.code < 400:
+        where = _UNPRINTABLE.sub("?", exc.headers.get("Location", "") if exc.headers else "")[:200]
+        return CliError(
+            f"{base} answered {exc.code}, a redirect{f' to {where}' if where else ''}: "
+            "not followed, the admin listener never redirects; check the admin URL"
+        )
     detail = _problem_detail(exc)
     if exc.code == 401:
         hint = (
