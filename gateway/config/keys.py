@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from gateway.config.reader import (
     MiB,
@@ -249,6 +249,10 @@ def store_url(t: Table, name: str) -> str:
     scheme = written.lower() if has_scheme else ""
     if scheme in ("postgresql", "postgres"):
         # asyncpg would fail on these only at start-up, with a traceback
+        try:
+            urlsplit(url)  # asyncpg reads it so: `[::1` or `[zz]` fails there
+        except ValueError as exc:  # the message names the host at most
+            raise t.error(name, f"the URL cannot be read: {exc}") from None
         hosts = _postgres_hosts(url)
         if not all(_port_ok(port) for _, port in hosts):
             raise t.error(name, "a port in the URL is not a number from 1 to 65535")

@@ -484,6 +484,14 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[store]\nurl = "postgres://h1:5432,h2:99999/db"\n',
             "store.url: a port in the URL is not a number from 1 to 65535",
         ),
+        (  # asyncpg reads it with urllib: a ValueError traceback in check-config --connect
+            '[store]\nurl = "postgresql://postgres:pw@[::1/db"\n',
+            "store.url: the URL cannot be read: Invalid IPv6 URL",
+        ),
+        (
+            '[store]\nurl = "postgresql://postgres:pw@[zz]/db"\n',
+            "store.url: the URL cannot be read: 'zz' does not appear to be an IPv4 or IPv6",
+        ),
         (  # the resolver refuses it: asyncpg would fail with a UnicodeError traceback
             '[store]\nurl = "postgresql://postgres:pw@a..b:5432/x"\n',
             'store.url: "a..b" in the URL is not a host name: a label between dots is empty',
