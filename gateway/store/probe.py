@@ -75,6 +75,11 @@ def _sqlite_status(path: str) -> str:
         return "in memory: nothing to check"
     file = Path(path)
     if not file.exists():
+        if file.is_symlink():  # dangling: SQLite creates the file where it points, if it can
+            target = Path(os.path.realpath(file))
+            if not target.parent.is_dir():
+                raise ProbeFailed(f"it is a link to {target}, whose directory does not exist")
+            return _missing_file(target.parent)
         return _missing_file(file.parent)
     try:
         # A URI, so that mode=ro holds: the path encoded in it, or a `#`, `?` or `%`
@@ -126,6 +131,7 @@ async def _postgres_status(url: str) -> str:
         OSError,
         TimeoutError,
         UnicodeError,  # a host name the resolver cannot encode (`a..b`)
+        ValueError,  # a URL asyncpg cannot read (the config check refuses those)
         asyncpg.PostgresError,
         asyncpg.InterfaceError,
     ) as exc:
@@ -161,6 +167,8 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
             f"cannot connect to {where} ({os_error_words(exc)}): is PostgreSQL running there, "
             "and is the URL's port its port?"
         )
+    if type(exc) is ValueError:  # urllib's words name the host at most, never the password
+        return f"cannot read the URL ({exc}): check its host and port"
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
@@ -195,7 +203,10 @@ def _sqlstate(exc: BaseException | None) -> str | None:
 
 
 def _server(url: str) -> str:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # `[::1` and the like: no host to name
+        return "the URL's server"
     try:
         port = parts.port or 5432
     except ValueError:

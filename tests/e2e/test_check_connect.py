@@ -115,6 +115,29 @@ async def test_a_missing_data_directory_is_made_by_serve_not_a_failure(tmp_path,
     assert code == 1 and "is in the way of its directory" in err
 
 
+async def test_a_dangling_link_as_the_sqlite_file_is_judged_where_it_points(
+    tmp_path, listening, capfd
+):
+    """`serve` opens through the link: SQLite creates the file where it points,
+    and fails when that directory does not exist (this said "serve creates it")."""
+    path = config(tmp_path, "sqlite:///data/s.db", pay=f"http://127.0.0.1:{listening}/")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "s.db").symlink_to(tmp_path / "missing" / "x.db")
+    code, _, err = await check(path, capfd)
+    assert code == 1 and f"a link to {tmp_path / 'missing' / 'x.db'}" in err
+    (tmp_path / "missing").mkdir()
+    code, out, err = await check(path, capfd)
+    assert code == 0, err
+    assert "file missing: serve creates it with the schema" in out
+
+
+async def test_a_postgres_url_asyncpg_cannot_read_is_a_probe_failure_without_its_password():
+    with pytest.raises(ProbeFailed) as info:
+        await store_status("postgresql://postgres:pw-secret@[::1/db")
+    assert "cannot read the URL (Invalid IPv6 URL)" in str(info.value)
+    assert "pw-secret" not in str(info.value)
+
+
 async def test_an_unreachable_upstream_exits_1_naming_it(tmp_path, capfd):
     port = closed_port()
     path = config(tmp_path, "sqlite:///data.db", pay=f"http://127.0.0.1:{port}/")
