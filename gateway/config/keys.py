@@ -190,16 +190,23 @@ _OPERATOR_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 def operators(t: Table, name: str) -> tuple[tuple[str, str], ...]:
     """`[admin.operators]`: name = the variable holding that person's token ->
-    ((name, token), ...). Names 1-64 of `[A-Za-z0-9._-]`; a variable unset or
-    empty, or two operators with one token, is an error (a token must say who)."""
+    ((name, token), ...). Names 1-64 of `[A-Za-z0-9._-]`, unique whatever their
+    case; a variable unset or empty, or two operators with one token, is an
+    error (a token must say who)."""
     table = t.table(name, None)
     found: dict[str, str] = {}  # token -> name
+    spelled: dict[str, str] = {}  # name lower-cased -> name
     for person in table.data:  # every operator's error is said, not only the first
         try:
             token = _operator_token(table, person, t.env)
         except ConfigError as exc:
             table.problems.append(exc)
             continue
+        if person.lower() in spelled:  # `Alice` beside `alice` in the audit log: who?
+            error = table.error(person, f"is operator {spelled[person.lower()]!r} in other case")
+            table.problems.append(error)
+            continue
+        spelled[person.lower()] = person
         if token in found:
             error = table.environment_error(
                 person, f"has the same token as operator {found[token]!r}"

@@ -47,6 +47,8 @@ def test_audit_ttl_is_read(tmp_path: Path) -> None:
         ('alice = "TOKEN_ALICE"\nbob = "TOKEN_BOB"', {"TOKEN_ALICE": LONG, "TOKEN_BOB": LONG},
          "admin.operators.bob: has the same token as operator 'alice'"),
         ('alice = 3', ENV, "expected a string"),
+        ('alice = "TOKEN_ALICE"\nAlice = "TOKEN_BOB"', ENV,
+         "admin.operators.Alice: is operator 'alice' in other case"),
     ],
 )  # fmt: skip
 def test_operator_errors_name_the_key(tmp_path: Path, operators: str, env, message: str) -> None:
