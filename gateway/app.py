@@ -35,6 +35,7 @@ from gateway.supervisor import (
     RELOADS,
     Slot,
     announce_reload,
+    bind_error,
     take_reloads,
 )
 from gateway.telemetry import traces
@@ -368,7 +369,7 @@ async def _start_listeners(
     shared = slot is not None
     listen = slot.listen if slot else config.listen
     admin_listen = slot.admin_listen if slot else config.admin_listen
-    await web.TCPSite(runner, *listen, ssl_context=tls, reuse_port=shared).start()
+    await _start_site(runner, listen, tls, shared, "listen")
     admin_app = create_admin_app(
         app[STORE], app[METRICS], token=config.admin_token, operators=config.admin_operators
     )
@@ -376,10 +377,25 @@ async def _start_listeners(
     admin_app.router.add_post("/admin/reload", reload)
     admin_runner = GatewayRunner(admin_app, access_log=None, **SERVER_LIMITS)
     await admin_runner.setup()
-    await web.TCPSite(admin_runner, *admin_listen, ssl_context=tls, reuse_port=shared).start()
+    await _start_site(admin_runner, admin_listen, tls, shared, "admin_listen")
     host, port = admin_runner.addresses[0][:2]
     app[ADMIN_BOUND][:] = [(str(host), int(port))]
     return admin_runner
+
+
+async def _start_site(
+    runner: web.BaseRunner,
+    address: tuple[str, int],
+    tls: ssl.SSLContext | None,
+    shared: bool,
+    key: str,
+) -> None:
+    """Listen on `address`; a bind that fails names the `[server]` key and what to do."""
+    site = web.TCPSite(runner, *address, ssl_context=tls, reuse_port=shared)
+    try:
+        await site.start()
+    except OSError as exc:
+        raise bind_error(exc, *address, f"[server] {key}") from None
 
 
 def _listeners(

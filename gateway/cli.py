@@ -231,8 +231,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _run_gateway(config)
     try:
         _app().refuse_open_admin(config)
-        listen = reserve(*config.listen)
-        admin_listen = reserve(*config.admin_listen)
+        listen = reserve(*config.listen, "[server] listen")
+        admin_listen = reserve(*config.admin_listen, "[server] admin_listen")
     except OSError as exc:  # address in use, or not one of this host's
         _error(str(exc))
         return 1

@@ -34,6 +34,7 @@ returns 1, as one process would.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -93,7 +94,21 @@ def announce_reload() -> None:
     os.kill(os.getppid(), RELOAD_ALL)
 
 
-def reserve(host: str, port: int) -> socket.socket:
+def bind_error(exc: OSError, host: str, port: int, key: str) -> OSError:
+    """`exc` from binding (host, port), the address of config key `key`, in words
+    that say which key and what to do."""
+    hint = (
+        f": another process listens there; stop it, or set another address in {key}"
+        if exc.errno == errno.EADDRINUSE
+        else f" (check {key})"
+    )
+    shown = f"[{host}]" if ":" in host else host
+    # The system's words: asyncio's strerror repeats the address in its own.
+    words = os.strerror(exc.errno) if exc.errno else exc.strerror
+    return OSError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
+
+
+def reserve(host: str, port: int, key: str) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT that never listens: it holds
     the port (resolving 0) for the workers' listening sockets. A first bind without
     SO_REUSEPORT makes sure no one listens there yet: another `serve --workers` on
@@ -102,11 +117,11 @@ def reserve(host: str, port: int) -> socket.socket:
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     with _socket(family, kind, proto, reuse_port=False) as probe:
-        _bind(probe, address, host, port)
+        _bind(probe, address, host, port, key)
         address = (address[0], probe.getsockname()[1], *address[2:])
     sock = _socket(family, kind, proto, reuse_port=True)
     try:
-        _bind(sock, address, host, port)
+        _bind(sock, address, host, port, key)
     except OSError:
         sock.close()
         raise
@@ -123,11 +138,11 @@ def _socket(family: int, kind: int, proto: int, *, reuse_port: bool) -> socket.s
     return sock
 
 
-def _bind(sock: socket.socket, address: tuple[object, ...], host: str, port: int) -> None:
+def _bind(sock: socket.socket, address: tuple[object, ...], host: str, port: int, key: str) -> None:
     try:
         sock.bind(address)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise bind_error(exc, host, port, key) from None
 
 
 @dataclass(slots=True)

@@ -404,10 +404,11 @@ async def exit_of(process: asyncio.subprocess.Process) -> str:
     return err.decode()
 
 
-async def serve_to_exit(config: Path) -> tuple[asyncio.subprocess.Process, str]:
-    """`serve --workers 2` on `config`, to its exit: the process and its stderr."""
+async def serve_to_exit(config: Path, workers: int = 2) -> tuple[asyncio.subprocess.Process, str]:
+    """`serve --workers N` on `config`, to its exit: the process and its stderr."""
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"),
+        *(sys.executable, "-m", "gateway", "serve", "--config", str(config)),
+        *("--workers", str(workers)),
         cwd=REPO,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
@@ -436,7 +437,13 @@ async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gatewa
     )
     process, err = await serve_to_exit(config)
     assert process.returncode == 1
-    assert f"cannot listen on {taken}: Address already in use" in err, err
+    assert f"cannot listen on {taken}: Address already in use: another process" in err, err
+    assert "set another address in [server] listen" in err
+    # One process says the same, where aiohttp's own words named no key.
+    process, err = await serve_to_exit(config, workers=1)
+    assert process.returncode == 1
+    assert f"cannot listen on {taken}: Address already in use: another process" in err, err
+    assert "set another address in [server] listen" in err
 
 
 def sample(exposition: bytes, name: str, **labels: str) -> float | None:
