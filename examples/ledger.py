@@ -4,7 +4,8 @@
 
 `POST /entries` applies an entry (its JSON body) and answers 201 with it; each
 applied entry is one line of the record file, with the fencing headers the
-gateway forwarded. `GET /entries` lists them. Nothing here deduplicates: the
+gateway forwarded. `GET /entries` lists them, those of earlier runs recorded in
+the same file too. Nothing here deduplicates: the
 record shows every effect that reached the destination.
 """
 
@@ -21,8 +22,9 @@ from aiohttp import web
 
 
 def make_app(record: Path) -> web.Application:
-    """The ledger's app, appending applied entries to `record`."""
-    entries: list[dict[str, Any]] = []
+    """The ledger's app, appending applied entries to `record`; the entries a
+    run before this one recorded there are its first ones (numbered on)."""
+    entries: list[dict[str, Any]] = _recorded(record)
 
     async def apply(request: web.Request) -> web.Response:
         try:
@@ -48,6 +50,14 @@ def make_app(record: Path) -> web.Application:
     app.router.add_post("/entries", apply)
     app.router.add_get("/entries", listing)
     return app
+
+
+def _recorded(record: Path) -> list[dict[str, Any]]:
+    try:
+        lines = record.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 async def serve(port: int, record: Path) -> None:
