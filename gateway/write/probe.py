@@ -21,6 +21,34 @@ class UpstreamUnreachable(GatewayError):
     """No connection to the upstream; the message says what to check."""
 
 
+class _HandshakeTimeout(TimeoutError):
+    """The TCP connection was made; the TLS handshake did not finish in time."""
+
+
+async def _connect(
+    host: str, port: int, context: ssl.SSLContext | None, within: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """TCP, then TLS when `context` is given, both within `within` seconds; the two
+    apart, so that a server that takes the connection and never answers the
+    ClientHello is told from one that cannot be reached."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection(host, port)
+            if context is not None:
+                await writer.start_tls(context, server_hostname=host)
+    except TimeoutError:
+        if writer is None:
+            raise
+        writer.close()
+        raise _HandshakeTimeout from None
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    return reader, writer
+
+
 async def upstream_status(dest: DestinationConfig) -> str:
     """`connected (TCP)` or `connected (TLS, certificate verified)`; raises
     `UpstreamUnreachable` saying what failed and what to check."""
@@ -32,10 +60,7 @@ async def upstream_status(dest: DestinationConfig) -> str:
     if tls and context is None:
         context = ssl.create_default_context()
     try:
-        async with asyncio.timeout(dest.connect_timeout):
-            reader, writer = await asyncio.open_connection(
-                host, port, ssl=context, server_hostname=host if tls else None
-            )
+        reader, writer = await _connect(host, port, context, dest.connect_timeout)
     except ssl.SSLCertVerificationError as exc:
         raise UpstreamUnreachable(
             f"TLS: its certificate was not accepted ({exc.verify_message}): check ca_file "
@@ -45,6 +70,11 @@ async def upstream_status(dest: DestinationConfig) -> str:
         raise UpstreamUnreachable(
             f"TLS handshake failed ({exc.reason or exc}): does it speak HTTPS on port {port}? "
             "A client certificate it wants goes in client_cert and client_key"
+        ) from exc
+    except _HandshakeTimeout as exc:
+        raise UpstreamUnreachable(
+            f"connected to {host}:{port}, but the TLS handshake did not finish within "
+            f"connect_timeout: does it speak HTTPS on port {port}?"
         ) from exc
     except TimeoutError as exc:
         raise UpstreamUnreachable(
