@@ -56,11 +56,14 @@ def fenced_task(
     """Register `fn(run, *args, **kwargs)` as a Celery task run under a lease.
 
     `job_id(*args, **kwargs)` names the job from the task's arguments (default:
-    `task_job_id`, per message). `options` go to `app.task`; `acks_late` defaults
-    to True, so a worker that dies mid-run leaves the message to be redelivered and
-    the lease decides which run may write.
+    `task_job_id`, per message). `options` go to `app.task`; `acks_late` and
+    `reject_on_worker_lost` default to True, so a worker that dies mid-run leaves
+    the message to be redelivered and the lease decides which run may write.
+    (With `acks_late` alone, Celery acknowledges the message of a pool process
+    that died, killed or out of memory, and the job is never run again.)
     """
     options.setdefault("acks_late", True)
+    options.setdefault("reject_on_worker_lost", True)
 
     def decorate(fn: Callable[..., Any]) -> Task:
         @functools.wraps(fn)

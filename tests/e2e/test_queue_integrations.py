@@ -204,6 +204,9 @@ async def test_celery_maps_completed_held_and_superseded_runs(gw: Any) -> None:
             taken_over(run.job_id)
         return run.writer.post("ledger", "/entries", json={"o": order}, step="charge").status
 
+    # A message whose worker died mid-run is redelivered, a killed pool process's
+    # too (Celery acknowledges that one under acks_late alone): the lease decides.
+    assert (charge.acks_late, charge.reject_on_worker_lost) == (True, True)
     first = await asyncio.to_thread(lambda: charge.apply(args=(1,)))
     again = await asyncio.to_thread(lambda: charge.apply(args=(1,)))
     assert (first.state, first.result) == ("SUCCESS", 201)
