@@ -7,6 +7,7 @@ It is opened on first use, so building an app never does I/O.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,18 @@ class FenceDatabase:
         conn = await self._open()
         if self._path is not None:
             async with self._serial:
-                await conn.execute_fetchall("BEGIN IMMEDIATE")
                 try:
+                    # Inside the try: a request cancelled while BEGIN waits for the
+                    # write lock still opens the transaction in aiosqlite's thread,
+                    # and left so, it held SQLite's write lock for good (every later
+                    # check 503, the user's other writers locked out).
+                    await conn.execute_fetchall("BEGIN IMMEDIATE")
                     await self.fence.check(conn, job_id, token)
                 except BaseException:
-                    await conn.execute_fetchall("ROLLBACK")
+                    # Queued behind what was sent, so it runs even if this task is
+                    # cancelled again; with no transaction open it fails harmlessly.
+                    with contextlib.suppress(Exception):
+                        await conn.execute_fetchall("ROLLBACK")
                     raise
                 await conn.execute_fetchall("COMMIT")
             return

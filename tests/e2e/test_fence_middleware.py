@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -157,6 +158,35 @@ async def test_aiohttp_an_unusable_database_fails_closed_with_503(tmp_path: Path
         problem(status, headers, body, "store_unavailable")
         assert (await send(None, job=None))[0] == 201  # unfenced requests still served
         assert ledger.effects == [(None, None)]
+
+
+async def test_a_check_cancelled_while_it_begins_leaves_no_transaction_open(
+    tmp_path: Path,
+) -> None:
+    """A request cancelled (its client gone, a server timeout) while its check's
+    BEGIN IMMEDIATE waited: the statement still ran in aiosqlite's thread and the
+    transaction stayed open, so every later check was 503 and SQLite's write lock
+    was held from the user's other processes for good."""
+    path = tmp_path / "fence.db"
+    gate = fence_gate.FenceGate(Fence(), f"sqlite:///{path}")
+    try:
+        async with gate.admit("job-0", 1) as refusal:  # opens the database
+            assert refusal is None
+        check = asyncio.create_task(gate.database.check("job-1", 6))
+        await asyncio.sleep(0)  # it has sent BEGIN and waits for it
+        check.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await check
+        async with gate.admit("job-1", 7) as refusal:
+            assert refusal is None
+        other = sqlite3.connect(path, timeout=1.0, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # the write lock is free
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+    finally:
+        await gate.close()
 
 
 async def test_a_missing_directory_for_the_fence_database_is_made(tmp_path: Path) -> None:
