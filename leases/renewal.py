@@ -65,6 +65,10 @@ class RenewalSchedule:
 
     def __post_init__(self) -> None:
         validate_ttl(self.ttl)
+        for name in ("renew_fraction", "safety_margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, not {type(value).__name__}")
         if not 0 < self.renew_fraction < 1:
             raise ValueError("renew_fraction must be between 0 and 1")
         if not 0 <= self.safety_margin < self.renew_fraction:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json as jsonlib
+import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -143,9 +144,11 @@ class FencedWriter:
             raise ValueError(f"lease must be a Lease or a Hold, not {type(lease).__name__}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError("max_retries must be an integer >= 0")
-        for name, value in (("max_retry_wait", max_retry_wait), ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0")
+        if isinstance(max_retry_wait, bool) or not _seconds(max_retry_wait) >= 0:
+            raise ValueError("max_retry_wait must be a number of seconds >= 0")
+        # Finite and above 0: aiohttp reads 0 as no timeout at all, and inf overflows.
+        if isinstance(timeout, bool) or not 0 < _seconds(timeout) < math.inf:
+            raise ValueError("timeout must be a positive number of seconds")
         if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
             raise ValueError("wait must be a whole number of seconds >= 0")
         if token is not None and not (isinstance(token, str) and VISIBLE.fullmatch(token)):
@@ -349,6 +352,16 @@ def _prefer(given: list[str], wait: str | None) -> str | None:
     if wait is not None:
         preferences_given.append(wait)
     return ", ".join(preferences_given) or None
+
+
+def _seconds(value: object) -> float:
+    """`value` as seconds; NaN (which no comparison admits) for anything but a number."""
+    if not isinstance(value, int | float):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int past the floats' range
+        return math.inf
 
 
 def _stored_fence_refusal(status: int, body: bytes) -> bool:

@@ -633,6 +633,12 @@ async def test_an_unreachable_gateway_is_gateway_unavailable() -> None:
         ("http://gw", LEASE, {"max_retries": -1}),
         ("http://gw", LEASE, {"max_retries": True}),
         ("http://gw", LEASE, {"max_retry_wait": -1}),
+        ("http://gw", LEASE, {"max_retry_wait": "5"}),
+        # aiohttp read 0 as no timeout at all, and inf overflowed at every write
+        ("http://gw", LEASE, {"timeout": 0}),
+        ("http://gw", LEASE, {"timeout": float("inf")}),
+        ("http://gw", LEASE, {"timeout": float("nan")}),
+        ("http://gw", LEASE, {"timeout": 10**400}),
         ("http://gw", LEASE, {"wait": -1}),
         ("http://gw", LEASE, {"wait": 1.5}),
         ("http://gw", LEASE, {"token": "has space"}),

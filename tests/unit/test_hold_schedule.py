@@ -125,6 +125,13 @@ def test_a_schedule_that_could_not_renew_in_time_is_refused(fraction: float, mar
         RenewalSchedule(30.0, renew_fraction=fraction, safety_margin=margin)
 
 
+@pytest.mark.parametrize("options", [{"renew_fraction": "x"}, {"safety_margin": None}])
+def test_a_fraction_that_is_not_a_number_is_a_value_error(options: dict[str, object]) -> None:
+    # a TypeError from the comparison before
+    with pytest.raises(ValueError, match="must be a number"):
+        RenewalSchedule(30.0, **options)  # type: ignore[arg-type]
+
+
 # --- the watchdog on virtual time --------------------------------------------------------------
 
 
