@@ -25,7 +25,7 @@ from yarl import URL
 
 from ..errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from ..hold import HeldLease, hold
-from ..model import IDENT, default_owner
+from ..model import IDENT, VISIBLE, default_owner, validate_ident, validate_ttl
 from ..reasons import Reason
 from ..store import LeaseStore, open_store
 from ..writer import FencedWriter, StaleWrite, derive_key
@@ -119,8 +119,19 @@ class TaskGate:
         url = URL(self.gateway) if isinstance(self.gateway, str) else None
         if url is None or url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"gateway must be http(s)://host[:port], not {self.gateway!r}")
-        if not (isinstance(self.ttl, int | float) and math.isfinite(self.ttl) and self.ttl > 0):
-            raise ValueError("ttl must be a positive number of seconds")
+        # Refused here, not at every task's run (where the queue's wrappers would
+        # fail each task with it).
+        validate_ttl(self.ttl)
+        if self.owner is not None:
+            validate_ident(self.owner, "owner")
+        for name in ("token", "lease_token"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and VISIBLE.fullmatch(value)):
+                raise ValueError(f"{name} must be visible ASCII")
+        delay = self.retry_delay
+        number = isinstance(delay, int | float) and not isinstance(delay, bool)
+        if not (number and 0 <= delay < math.inf):
+            raise ValueError("retry_delay must be a number of seconds >= 0")
 
     @asynccontextmanager
     async def run(self, job_id: str) -> AsyncIterator[TaskRun]:
@@ -160,9 +171,12 @@ class TaskGate:
     async def close(self) -> None:
         """Close the store and session this event loop opened."""
         task = self._clients.pop(asyncio.get_running_loop(), None)
-        if task is None:
+        if task is None or task.cancelled():
             return
-        clients = await task
+        try:
+            clients = await task
+        except Exception:
+            return  # the opening failed and opened nothing (its session is closed)
         await clients.store.close()
         await clients.session.close()
 

@@ -284,3 +284,33 @@ async def test_an_unreachable_gateway_is_a_retry() -> None:
     found = await gate.verdict(raised.value, "order-9")
     assert found is not None and (found.action, found.reason) == ("retry", "store_unavailable")
     await gate.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"ttl": True},
+        {"ttl": 0.01},
+        {"ttl": 10**6},
+        {"owner": "bad owner"},
+        {"token": "a b"},
+        {"lease_token": "\u00e9"},
+        {"retry_delay": "1"},
+        {"retry_delay": -5},
+        {"retry_delay": float("nan")},
+    ],
+)
+def test_a_gates_bad_arguments_are_refused_where_it_is_made(options: dict[str, Any]) -> None:
+    """Not at each task's run, where the queue's wrappers would fail every task."""
+    with pytest.raises(ValueError):
+        TaskGate("http://127.0.0.1:8480", **options)
+
+
+@pytest.mark.parametrize("store", ["postgresql://postgres@127.0.0.1:{port}/nope", "ftp://x"])
+async def test_closing_a_gate_whose_store_never_opened_does_not_raise(store: str) -> None:
+    """The worker's shutdown hook raised the opening's error again."""
+    gate = TaskGate("http://127.0.0.1:8480", store=store.format(port=free_port()), ttl=5)
+    with pytest.raises((StoreUnavailable, ValueError)):
+        async with gate.run("order-1"):
+            pytest.fail("the body ran without a lease")
+    await gate.on_shutdown({})
