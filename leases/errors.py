@@ -84,9 +84,18 @@ def refused(job_id: str, generation: int, reason: str, current_generation: int |
 
 class StoreUnavailable(LeaseError):
     """The store could not be reached or failed; the operation's outcome is unknown
-    only for the caller: the store either applied it whole or not at all."""
+    only for the caller: the store either applied it whole or not at all.
+
+    `status`: the HTTP status of the answer the HTTP lease store could not use (a
+    503, or a 401/403 for a wrong lease token: the configuration, not an outage);
+    None when nothing answered, and for the database stores."""
 
     reason = Reason.STORE_UNAVAILABLE
+    status: int | None = None
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class SchemaTooNew(LeaseError):

@@ -178,14 +178,15 @@ class HTTPLeaseStore(Closing):
         except (aiohttp.ClientError, OSError) as exc:
             raise StoreUnavailable(f"lease API {method} {path} failed: {exc!r}") from exc
         if status >= 500:
-            raise StoreUnavailable(f"lease API {method} {path} answered {status}")
+            raise StoreUnavailable(f"lease API {method} {path} answered {status}", status=status)
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError):
             doc = None
         if not isinstance(doc, dict):
             raise StoreUnavailable(
-                f"lease API {method} {path} answered {status} without a JSON object"
+                f"lease API {method} {path} answered {status} without a JSON object",
+                status=status,
             )
         return status, doc
 
@@ -219,8 +220,10 @@ def _unexpected(status: int, doc: dict[str, Any]) -> Exception:
         # The gateway validated what this client already should have: same as locally.
         return ValueError(str(detail or "invalid request"))
     if reason == Reason.STORE_UNAVAILABLE:
-        return StoreUnavailable(f"the gateway's store is unavailable: {detail}")
-    return StoreUnavailable(f"unexpected lease API answer {status} {reason or ''}: {detail}")
+        return StoreUnavailable(f"the gateway's store is unavailable: {detail}", status=status)
+    return StoreUnavailable(
+        f"unexpected lease API answer {status} {reason or ''}: {detail}", status=status
+    )
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -250,7 +253,8 @@ def _lease(doc: dict[str, Any]) -> Lease:
         if not _is_number(expires_in) or not math.isfinite(expires_in) or expires_in < 0:
             raise ValueError("expires_in must be a non-negative number")
     except ValueError as exc:
-        raise StoreUnavailable(f"malformed lease from the lease API: {exc}") from exc
+        # (only a 200 carries a lease)
+        raise StoreUnavailable(f"malformed lease from the lease API: {exc}", status=200) from exc
     return Lease(
         job_id=job_id,
         owner=owner,

@@ -293,10 +293,12 @@ async def test_answers_it_cannot_use_are_store_unavailable(
     srv, state = odd_server
     state.update(status=status, body=body, ctype=ctype)
     async with await HTTPLeaseStore.open(str(srv.make_url("/"))) as store:
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable) as claimed:
             await store.claim("j", owner="a", ttl=10)
         with pytest.raises(StoreUnavailable):
             await store.renew(_lease("j", "a", 1))
+    # the status of the answer it could not use: a 401 is the token, not an outage
+    assert claimed.value.status == status
 
 
 async def test_gateway_store_closed_underneath_is_store_unavailable(
