@@ -28,7 +28,7 @@ from gateway.config.reader import (
     secret,
     show,
 )
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, unreadable_url
 from gateway.policy.decision import Fencing
 from leases.model import VISIBLE
 
@@ -258,8 +258,8 @@ def store_url(t: Table, name: str) -> str:
         # asyncpg would fail on these only at start-up, with a traceback
         try:
             urlsplit(url)  # asyncpg reads it so: `[::1` or `[zz]` fails there
-        except ValueError as exc:  # the message names the host at most
-            raise t.error(name, f"the URL cannot be read: {exc}") from None
+        except ValueError as exc:  # never urllib's words: they may quote the password
+            raise t.error(name, f"the URL cannot be read: {unreadable_url(exc)}") from None
         hosts = _postgres_hosts(url)
         if not all(_port_ok(port) for _, port in hosts):
             raise t.error(name, "a port in the URL is not a number from 1 to 65535")

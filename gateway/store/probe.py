@@ -16,7 +16,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.errors import GatewayError, os_error_words
+from gateway.errors import GatewayError, os_error_words, unreadable_url
 from gateway.store import sqlite_schema
 from leases import sqlite as lease_sqlite
 
@@ -167,8 +167,8 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
             f"cannot connect to {where} ({os_error_words(exc)}): is PostgreSQL running there, "
             "and is the URL's port its port?"
         )
-    if type(exc) is ValueError:  # urllib's words name the host at most, never the password
-        return f"cannot read the URL ({exc}): check its host and port"
+    if type(exc) is ValueError:  # never urllib's words: they may quote the password
+        return f"cannot read the URL: {unreadable_url(exc)}"
     return f"{where}: {type(exc).__name__}: {exc}"
 
 

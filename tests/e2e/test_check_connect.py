@@ -131,10 +131,20 @@ async def test_a_dangling_link_as_the_sqlite_file_is_judged_where_it_points(
     assert "file missing: serve creates it with the schema" in out
 
 
-async def test_a_postgres_url_asyncpg_cannot_read_is_a_probe_failure_without_its_password():
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("postgresql://postgres:pw-secret@[::1/db", "a host in [ ] is not an IPv6 address"),
+        # urllib's own message quotes the user and password here
+        ("postgresql://u:pw-secret\uff03x@db.internal/x", "a character in it reads as a URL"),
+    ],
+)
+async def test_a_postgres_url_asyncpg_cannot_read_is_a_probe_failure_without_its_password(
+    url: str, words: str
+) -> None:
     with pytest.raises(ProbeFailed) as info:
-        await store_status("postgresql://postgres:pw-secret@[::1/db")
-    assert "cannot read the URL (Invalid IPv6 URL)" in str(info.value)
+        await store_status(url)
+    assert f"cannot read the URL: {words}" in str(info.value)
     assert "pw-secret" not in str(info.value)
 
 

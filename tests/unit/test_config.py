@@ -486,11 +486,15 @@ def test_parse_upstream_refuses(text: str) -> None:
         ),
         (  # asyncpg reads it with urllib: a ValueError traceback in check-config --connect
             '[store]\nurl = "postgresql://postgres:pw@[::1/db"\n',
-            "store.url: the URL cannot be read: Invalid IPv6 URL",
+            "store.url: the URL cannot be read: a host in [ ] is not an IPv6 address",
         ),
         (
             '[store]\nurl = "postgresql://postgres:pw@[zz]/db"\n',
-            "store.url: the URL cannot be read: 'zz' does not appear to be an IPv4 or IPv6",
+            "store.url: the URL cannot be read: a host in [ ] is not an IPv6 address",
+        ),
+        (  # urllib's own words quote the password: never shown
+            '[store]\nurl = "postgresql://u:s3cret\uff03x@db.internal/x"\n',
+            "store.url: the URL cannot be read: a character in it reads as a URL delimiter",
         ),
         (  # the resolver refuses it: asyncpg would fail with a UnicodeError traceback
             '[store]\nurl = "postgresql://postgres:pw@a..b:5432/x"\n',
@@ -529,7 +533,9 @@ def test_parse_upstream_refuses(text: str) -> None:
 )
 def test_gateway_file_errors_name_file_and_key(tmp_path: Path, gateway: str, message: str) -> None:
     message = "gateway.toml: " + message
-    assert config_error(write_config(tmp_path, gateway)).startswith(message)
+    error = config_error(write_config(tmp_path, gateway))
+    assert error.startswith(message)
+    assert "s3cret" not in error  # a password in a URL is never echoed
 
 
 def test_a_destinations_dir_that_cannot_be_listed_is_an_error_not_empty(
