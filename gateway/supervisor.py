@@ -97,14 +97,18 @@ def announce_reload() -> None:
 def bind_error(exc: OSError, host: str, port: int, key: str) -> OSError:
     """`exc` from binding (host, port), the address of config key `key`, in words
     that say which key and what to do."""
+    shown = f"[{host}]" if ":" in host else host
+    if isinstance(exc, socket.gaierror):  # its errno is the resolver's, not the system's
+        words = exc.strerror or str(exc)
+        hint = f" (check the host in {key})"
+        return OSError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
     hint = (
         f": another process listens there; stop it, or set another address in {key}"
         if exc.errno == errno.EADDRINUSE
         else f" (check {key})"
     )
-    shown = f"[{host}]" if ":" in host else host
     # The system's words: asyncio's strerror repeats the address in its own.
-    words = os.strerror(exc.errno) if exc.errno else exc.strerror
+    words = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
     return OSError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
 
 
@@ -113,9 +117,12 @@ def reserve(host: str, port: int, key: str) -> socket.socket:
     the port (resolving 0) for the workers' listening sockets. A first bind without
     SO_REUSEPORT makes sure no one listens there yet: another `serve --workers` on
     the same port would otherwise join the same group silently."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as exc:
+        raise bind_error(exc, host, port, key) from None
     with _socket(family, kind, proto, reuse_port=False) as probe:
         _bind(probe, address, host, port, key)
         address = (address[0], probe.getsockname()[1], *address[2:])

@@ -446,6 +446,22 @@ async def test_a_second_serve_on_the_same_port_is_refused(sqlite_gateway: Gatewa
     assert "set another address in [server] listen" in err
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_listen_host_that_does_not_resolve_is_named_with_the_resolvers_words(
+    tmp_path: Path, workers: int
+) -> None:
+    """bind_error read the resolver's errno as the system's: 'Unknown error -2'."""
+    config, _ = write_serve_config(
+        tmp_path, f"sqlite:///{tmp_path / 'g.db'}", "http://127.0.0.1:9",
+        listen="nosuchhost.invalid:18480",
+    )  # fmt: skip
+    process, err = await serve_to_exit(config, workers=workers)
+    assert process.returncode == 1
+    assert "cannot listen on nosuchhost.invalid:18480: " in err, err
+    assert "(check the host in [server] listen)" in err
+    assert "Unknown error" not in err
+
+
 def sample(exposition: bytes, name: str, **labels: str) -> float | None:
     """The value of one sample of a Prometheus text exposition, if present."""
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
