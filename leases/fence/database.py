@@ -114,13 +114,15 @@ class FenceDatabase:
                     # check 503, the user's other writers locked out).
                     await conn.execute_fetchall("BEGIN IMMEDIATE")
                     await self.fence.check(conn, job_id, token)
+                    # Inside too: a COMMIT that fails (SQLITE_BUSY once busy_timeout
+                    # has run out, in rollback-journal mode) leaves the transaction open.
+                    await conn.execute_fetchall("COMMIT")
                 except BaseException:
                     # Queued behind what was sent, so it runs even if this task is
                     # cancelled again; with no transaction open it fails harmlessly.
                     with contextlib.suppress(Exception):
                         await conn.execute_fetchall("ROLLBACK")
                     raise
-                await conn.execute_fetchall("COMMIT")
             return
         from ..postgres import ACQUIRE_TIMEOUT_S, transaction
 

@@ -189,6 +189,36 @@ async def test_a_check_cancelled_while_it_begins_leaves_no_transaction_open(
         await gate.close()
 
 
+async def test_a_commit_that_fails_leaves_no_transaction_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """COMMIT can fail (SQLITE_BUSY once busy_timeout has run out): left open, the
+    transaction failed every later check and held SQLite's write lock."""
+    gate = fence_gate.FenceGate(Fence(), f"sqlite:///{tmp_path / 'fence.db'}")
+    try:
+        async with gate.admit("job-0", 1) as refusal:  # opens the database
+            assert refusal is None
+        conn = gate.database._conn
+        real = conn.execute_fetchall
+        refused: list[str] = []
+
+        async def busy_once(sql: str, *args: Any) -> Any:  # its next COMMIT refused
+            if sql == "COMMIT" and not refused:
+                refused.append(sql)
+                raise sqlite3.OperationalError("database is locked")
+            return await real(sql, *args)
+
+        monkeypatch.setattr(conn, "execute_fetchall", busy_once)
+        async with gate.admit("job-1", 6) as refusal:
+            assert refusal is not None and refusal.status == 503
+        async with gate.admit("job-1", 6) as refusal:  # not stuck: admitted, not 503
+            assert refusal is None
+        assert refused == ["COMMIT"]
+    finally:
+        monkeypatch.undo()
+        await gate.close()
+
+
 async def test_a_missing_directory_for_the_fence_database_is_made(tmp_path: Path) -> None:
     """As the gateway's store does: not a 503 on every fenced request."""
     path = tmp_path / "no" / "such" / "fence.db"
