@@ -60,7 +60,9 @@ def fenced_task(
     `reject_on_worker_lost` default to True, so a worker that dies mid-run leaves
     the message to be redelivered and the lease decides which run may write.
     (With `acks_late` alone, Celery acknowledges the message of a pool process
-    that died, killed or out of memory, and the job is never run again.)
+    that died, killed or out of memory, and the job is never run again. The
+    price: a task that kills its process every time is redelivered every time;
+    docs/queues.md says how to bound it, or pass `reject_on_worker_lost=False`.)
     """
     options.setdefault("acks_late", True)
     options.setdefault("reject_on_worker_lost", True)
