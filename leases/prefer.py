@@ -43,18 +43,20 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
 
 def without(values: Iterable[str], name: str) -> list[str]:
     """The header `values` with every element named `name` (lower-case) taken
-    out, the others kept as written; a value that is not wholly a preference
-    list, or is longer than `MAX_VALUE`, is kept as it is (where its elements
-    end cannot be told). Values left empty are dropped."""
+    out, the others kept as written. Where a value stops being a preference
+    list, the rest of it is kept as it is (where its elements end cannot be
+    told). Values left empty are dropped. Unlike `preferences`, any length is
+    read: these are answer headers, bounded by the HTTP client's own limits."""
     kept = []
     for value in values:
-        if len(value) > MAX_VALUE or name not in value.lower():
+        if name not in value.lower():
             kept.append(value)
             continue
         elements = list(_elements(value))
-        if elements and elements[-1][1] == len(value):
-            others = [m.group().strip(" \t,") for m, _ in elements if m["name"].lower() != name]
-            value = ", ".join(others)
+        read = elements[-1][1] if elements else 0
+        others = [m.group().strip(" \t,") for m, _ in elements if m["name"].lower() != name]
+        rest = value[read:].strip(" \t")
+        value = ", ".join([*others, *([rest] if rest else [])])
         if value:
             kept.append(value)
     return kept

@@ -86,10 +86,14 @@ def test_applied_wait(preference: int | None, max_wait: float, expected: int) ->
         (['foo="a,wait=1", wait=3'], ['foo="a,wait=1"']),
         (['foo="a, wait=1"'], ['foo="a, wait=1"']),
         (["waiting=2, wait=1"], ["waiting=2"]),
-        # Not wholly a preference list (an unbalanced quote): kept as it is.
+        # Where a value stops being a preference list, the rest is kept as it is
+        # (an unbalanced quote: its `wait` is inside it), the part read before it
+        # loses its `wait` all the same: one `wait` in the answer, the gateway's.
         (['foo="a, wait=1'], ['foo="a, wait=1']),
-        (["wait=1, (x)"], ["wait=1, (x)"]),
-        (["wait=1, " + "x" * MAX_VALUE], ["wait=1, " + "x" * MAX_VALUE]),
+        (["wait=1, (x)"], ["(x)"]),
+        (["a=1, wait=1,  (x) wait=2"], ["a=1, (x) wait=2"]),
+        # any length: an answer's header, not a worker's Prefer
+        (["wait=1, " + "x" * MAX_VALUE], ["x" * MAX_VALUE]),
     ],
 )
 def test_preference_without(values: list[str], expected: list[str]) -> None:
