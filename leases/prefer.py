@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-__all__ = ["MAX_VALUE", "preferences", "without"]
+__all__ = ["MAX_VALUE", "preferences", "whole", "without"]
 
 # One preference: its name, then an optional `= value` (token or quoted string),
 # then anything up to the next comma outside quotes (its parameters).
@@ -39,6 +39,19 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
         for match, _ in _elements(value):
             given = match["quoted"] if match["quoted"] is not None else match["token"]
             yield match["name"].lower(), given
+
+
+def whole(value: str) -> bool:
+    """Whether `value` is read to its end: a preference list (or only empty
+    elements) no longer than `MAX_VALUE`."""
+    if len(value) > MAX_VALUE:
+        return False
+    elements = list(_elements(value))
+    if elements:
+        return elements[-1][1] == len(value)
+    empty = _EMPTY.match(value)
+    assert empty is not None  # it matches the empty string too
+    return empty.end() == len(value)
 
 
 def without(values: Iterable[str], name: str) -> list[str]:

@@ -31,7 +31,7 @@ from yarl import URL
 from . import model, tracing
 from .hold import HeldLease, Hold
 from .model import MAX_KEY_LENGTH, VISIBLE, Lease
-from .prefer import preferences
+from .prefer import MAX_VALUE, preferences, whole
 from .reasons import Reason
 from .rejections import (
     GATEWAY_TIMEOUT,
@@ -61,7 +61,8 @@ _RETRIED = frozenset({Reason.OLDER_GENERATION_IN_FLIGHT, Reason.REQUEST_IN_PROGR
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Header names and values a request can carry (as the TypeScript writer checks them).
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_UNSENDABLE = re.compile(r"[\r\n\x00]")
+# What RFC 9110 5.5 leaves out of a field value: the control characters but HTAB.
+_UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
@@ -247,7 +248,9 @@ class FencedWriter:
             if not _TOKEN.fullmatch(name):
                 raise ValueError(f"header name {name!r} is not an HTTP token")
             if not isinstance(value, str) or _UNSENDABLE.search(value):
-                raise ValueError(f"header {name}: a value is a string without CR, LF or NUL")
+                raise ValueError(
+                    f"header {name}: a value is a string without control characters (tabs aside)"
+                )
         clash = sorted(name for name in sent if name.lower() in _OWN_HEADERS)
         if clash:
             raise ValueError(f"the writer sets {clash[0]} itself; pass it as an argument")
@@ -342,16 +345,31 @@ class FencedWriter:
 def _prefer(given: list[str], wait: str | None) -> str | None:
     """One `Prefer` value: the caller's preferences first, then the writer's
     `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
-    option says it, and the gateway reads only the first `wait` it finds."""
+    option says it, and the gateway reads only the first `wait` it finds. So is,
+    under a wait of the writer's, a value the gateway would not read to its end
+    (not a preference list, or the whole longer than it reads): the writer's
+    `wait` after it would never be seen."""
     if any(name == "wait" for name, _ in preferences(given)):
         raise ValueError(
             f"Prefer {', '.join(given)!r}: the writer sets the wait preference itself; "
             "pass wait= to FencedWriter"
         )
     preferences_given = [value.strip() for value in given if value.strip()]
-    if wait is not None:
-        preferences_given.append(wait)
-    return ", ".join(preferences_given) or None
+    if wait is None:
+        return ", ".join(preferences_given) or None
+    for value in preferences_given:
+        if not whole(value):
+            raise ValueError(
+                f"Prefer {value[:80]!r} is not a list of preferences (RFC 7240): the gateway "
+                "would stop reading it there and never see the writer's wait"
+            )
+    merged = ", ".join([*preferences_given, wait])
+    if len(merged) > MAX_VALUE:
+        raise ValueError(
+            f"Prefer: with the writer's {wait} it is {len(merged)} characters, and the "
+            f"gateway reads at most {MAX_VALUE}"
+        )
+    return merged
 
 
 def _seconds(value: object) -> float:

@@ -219,12 +219,19 @@ async def test_params_that_cannot_be_spelled_raise_before_sending(
     assert fake.seen == []
 
 
+async def test_a_tab_in_a_header_value_is_sent(fake: FakeGateway, writer: FencedWriter) -> None:
+    await writer.post("d", "/x", step="s", headers={"X-A": "a\tb"})
+    assert [s.headers.get("X-A") for s in fake.seen] == ["a\tb"]
+
+
 @pytest.mark.parametrize(
     "headers",
     [
         {"X-A": "a\nb"},
         {"X-A": "a\rb"},
         {"X-A": "a\x00"},
+        {"X-A": "\x1fa"},  # any control character but HTAB: the gateway refuses it (400)
+        {"X-A": "a\x7f"},
         {"X A": "1"},
         {"X-A": 1},
         {"Content-Length": "3"},
@@ -452,6 +459,22 @@ async def test_a_callers_wait_preference_is_a_bad_argument(fake: FakeGateway, pr
             with pytest.raises(ValueError, match="wait"):
                 await w.post("d", "/x", step="s", headers={"Prefer": prefer})
     assert fake.seen == []
+
+
+@pytest.mark.parametrize("prefer", ["a, =b", 'note="unterminated', "(x)", "r=" + "x" * 1020])
+async def test_a_prefer_the_gateway_would_not_read_to_its_end_is_refused_under_a_wait(
+    fake: FakeGateway, prefer: str
+) -> None:
+    """The gateway stops reading a value where it stops being a preference list
+    (or does not read one over 1,024 characters): the writer's wait after it was
+    sent and never seen. Without a wait of the writer's, nothing is lost."""
+    async with FencedWriter(fake.url, LEASE, wait=5) as w:
+        with pytest.raises(ValueError, match="Prefer"):
+            await w.post("d", "/x", step="s", headers={"Prefer": prefer})
+    assert fake.seen == []
+    async with FencedWriter(fake.url, LEASE, wait=0) as w:
+        await w.post("d", "/x", step="s", headers={"Prefer": prefer})
+    assert [s.headers.get("Prefer") for s in fake.seen] == [prefer]
 
 
 async def test_a_refusal_after_the_gateways_own_wait_is_retried_at_once(

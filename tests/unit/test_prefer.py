@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.write.prefer import MAX_VALUE, applied_wait, preference_without, wait_preference
-from leases.prefer import preferences
+from leases.prefer import preferences, whole
 
 
 @pytest.mark.parametrize(
@@ -101,10 +101,12 @@ def test_preference_without(values: list[str], expected: list[str]) -> None:
 
 
 # The TypeScript writer's tests read the same table: both writers refuse a
-# caller's `Prefer` with a `wait` in it exactly when the gateway would read one.
+# caller's `Prefer` with a `wait` in it exactly when the gateway would read one,
+# and, under a wait of their own, one the gateway would not read to its end.
 NAMES = json.loads((Path(__file__).parents[1] / "vectors" / "prefer_names.json").read_text())
 
 
 @pytest.mark.parametrize("row", NAMES, ids=[row["value"][:40] for row in NAMES])
 def test_the_shared_table_of_preference_names(row: dict[str, object]) -> None:
     assert [name for name, _ in preferences([str(row["value"])])] == row["names"]
+    assert whole(str(row["value"])) is row["whole"]

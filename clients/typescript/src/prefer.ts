@@ -4,45 +4,55 @@
  * optional `= value` (a token or a quoted string, inside which a comma
  * separates nothing) and `;` parameters; empty elements are skipped. A value
  * that stops being a preference list is read up to there; one longer than
- * `MAX_VALUE` is not read at all.
+ * `MAX_VALUE` characters is not read at all.
  */
 
 export const MAX_VALUE = 1024;
 
+/** What was read of a value: the preferences' names, lower-cased, in order, and
+ * whether the whole value was read (a preference list, at most `MAX_VALUE`). */
+export interface Preferences {
+  readonly names: string[];
+  readonly whole: boolean;
+}
+
 const NAME = /[!#$%&'*+\-.^_`|~0-9A-Za-z]+/y;
-const SPACE = /\s*/y;
+// Python's `\s` (what `str.isspace` calls space), not JavaScript's: U+001C-U+001F
+// and U+0085 are space to Python, U+FEFF is not.
+const PY_SPACE = "\\t\\n\\v\\f\\r \\x1c-\\x1f\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000";
+const SPACE = new RegExp(`[${PY_SPACE}]*`, "y");
+const ENDS = new RegExp(`^[${PY_SPACE}]+|[${PY_SPACE}]+$`, "g");
 const EMPTY = /[ \t,]*/y;
 
-/** The names of the preferences in `value`, lower-cased, in order. */
-export function preferenceNames(value: string): string[] {
+/** `value` without the space at its ends, as Python's `str.strip()` takes it. */
+export function strip(value: string): string {
+  return value.replace(ENDS, "");
+}
+
+export function readPreferences(value: string): Preferences {
   const names: string[] = [];
-  if (value.length > MAX_VALUE) return names;
+  if (value.length > MAX_VALUE && [...value].length > MAX_VALUE) return { names, whole: false };
   let at = skip(EMPTY, value, 0);
   while (at < value.length) {
     const start = skip(SPACE, value, at);
     NAME.lastIndex = start;
     const name = NAME.exec(value);
-    if (name === null) break; // not a preference list from here on
+    if (name === null) return { names, whole: false }; // not a preference list from here on
     at = skip(SPACE, value, start + name[0].length);
     // The rest of the element: its value and parameters, a quoted string whole.
-    let complete = true;
     while (at < value.length && value[at] !== ",") {
       if (value[at] === '"') {
         const end = closingQuote(value, at + 1);
-        if (end < 0) {
-          complete = false; // an unterminated quote: the element is not one
-          break;
-        }
+        if (end < 0) return { names, whole: false }; // an unterminated quote: no element
         at = end + 1;
       } else {
         at += 1;
       }
     }
-    if (!complete) break;
     names.push(name[0].toLowerCase());
     at = skip(EMPTY, value, at);
   }
-  return names;
+  return { names, whole: true };
 }
 
 function skip(pattern: RegExp, value: string, at: number): number {
@@ -51,11 +61,16 @@ function skip(pattern: RegExp, value: string, at: number): number {
   return pattern.lastIndex;
 }
 
-/** Where the quoted string opened before `at` closes (a backslash escapes the next character), or -1. */
+/** Where the quoted string opened before `at` closes, or -1. A backslash escapes
+ * the next character, but not a line feed nor the end (Python's `\\.`). */
 function closingQuote(value: string, at: number): number {
   for (let i = at; i < value.length; i++) {
-    if (value[i] === "\\") i += 1;
-    else if (value[i] === '"') return i;
+    if (value[i] === "\\") {
+      if (i + 1 >= value.length || value[i + 1] === "\n") return -1;
+      i += 1;
+    } else if (value[i] === '"') {
+      return i;
+    }
   }
   return -1;
 }

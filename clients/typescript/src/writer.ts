@@ -15,7 +15,7 @@ import { GatewayUnavailable, parseObject, rejectionFromResponse } from "./errors
 import type { HeldLease } from "./hold.js";
 import { canonicalJson } from "./json.js";
 import { deriveKey, validateKey } from "./key.js";
-import { preferenceNames } from "./prefer.js";
+import { MAX_VALUE, readPreferences, strip } from "./prefer.js";
 import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
 import { entries, type Query, writeTarget } from "./target.js";
 import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
@@ -81,7 +81,7 @@ const CONTROL = /[\x00-\x1f\x7f]/;
 // Latin-1 bytes, which the gateway refuses: ASCII only).
 const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 // biome-ignore lint/suspicious/noControlCharactersInRegex: what a header value cannot carry
-const UNSENDABLE = /[\r\n\0]|[^\x00-\x7f]/;
+const UNSENDABLE = /[\x00-\x08\x0a-\x1f\x7f]|[^\x00-\x7f]/;
 
 export class FencedWriter {
   readonly #base: string;
@@ -197,7 +197,7 @@ export class FencedWriter {
       }
       if (typeof value !== "string") throw new TypeError(`header ${name} must be a string, not ${typeName(value)}`);
       if (UNSENDABLE.test(value)) {
-        throw new RangeError(`header ${name}: a value is ASCII without CR, LF or NUL`);
+        throw new RangeError(`header ${name}: a value is ASCII without control characters (tabs aside)`);
       }
       if (OWN_HEADERS.has(name.toLowerCase()))
         throw new TypeError(`the writer sets ${name} itself; pass it as an option`);
@@ -268,20 +268,37 @@ export class FencedWriter {
 
 /** One `Prefer` value: the caller's preferences first, then the writer's
  * `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
- * option says it, and the gateway reads only the first `wait` it finds. */
+ * option says it, and the gateway reads only the first `wait` it finds. So is,
+ * under a wait of the writer's, a value the gateway would not read to its end
+ * (not a preference list, or the whole longer than it reads): the writer's
+ * `wait` after it would never be seen. As the Python writer's `_prefer`. */
 function mergePrefer(given: readonly string[], wait: string | undefined): string | undefined {
   for (const value of given) {
     if (typeof value !== "string") throw new TypeError(`Prefer must be a string, not ${typeName(value)}`);
     // Read as the gateway reads it: a `wait` inside a quoted value is none.
-    if (preferenceNames(value).includes("wait")) {
+    if (readPreferences(value).names.includes("wait")) {
       throw new RangeError(
         `Prefer ${JSON.stringify(value)}: the writer sets the wait preference itself; pass the wait option`,
       );
     }
   }
-  const preferences = given.map((value) => value.trim()).filter((value) => value !== "");
-  if (wait !== undefined) preferences.push(wait);
-  return preferences.length > 0 ? preferences.join(", ") : undefined;
+  const preferences = given.map(strip).filter((value) => value !== "");
+  if (wait === undefined) return preferences.length > 0 ? preferences.join(", ") : undefined;
+  for (const value of preferences) {
+    if (!readPreferences(value).whole) {
+      throw new RangeError(
+        `Prefer ${JSON.stringify(value.slice(0, 80))} is not a list of preferences (RFC 7240): ` +
+          "the gateway would stop reading it there and never see the writer's wait",
+      );
+    }
+  }
+  const merged = [...preferences, wait].join(", ");
+  if ([...merged].length > MAX_VALUE) {
+    throw new RangeError(
+      `Prefer: with the writer's ${wait} it is ${merged.length} characters, and the gateway reads at most ${MAX_VALUE}`,
+    );
+  }
+  return merged;
 }
 
 function result(status: number, headers: Headers, body: Uint8Array, replayed: boolean): WriteResult {
