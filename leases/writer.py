@@ -161,7 +161,7 @@ class FencedWriter:
         self._token = token
         self._prefer = f"wait={wait}" if wait > 0 else None
         self.max_retries = max_retries
-        self.max_retry_wait = float(max_retry_wait)
+        self.max_retry_wait = _seconds(max_retry_wait)  # an int past the floats: inf
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._sleep = sleep
 

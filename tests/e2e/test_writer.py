@@ -9,6 +9,7 @@ to a real recording upstream.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -384,6 +385,10 @@ async def test_in_flight_rejections_are_retried_honouring_retry_after(
     assert sleeps.waits == [1.0, 2.0]
     assert len(fake.seen) == 3
     assert len({(s.headers["Idempotency-Key"], s.body) for s in fake.seen}) == 1
+
+
+def test_a_max_retry_wait_past_the_floats_range_is_no_cap() -> None:
+    assert FencedWriter("http://gw", LEASE, max_retry_wait=10**400).max_retry_wait == math.inf
 
 
 async def test_retry_wait_is_capped_by_max_retry_wait(fake: FakeGateway) -> None:
