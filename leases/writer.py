@@ -344,26 +344,27 @@ class FencedWriter:
 
 def _prefer(given: list[str], wait: str | None) -> str | None:
     """One `Prefer` value: the caller's preferences first, then the writer's
-    `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
-    option says it, and the gateway reads only the first `wait` it finds. So is,
-    under a wait of the writer's, a value the gateway would not read to its end
-    (not a preference list, or the whole longer than it reads): the writer's
-    `wait` after it would never be seen."""
-    if any(name == "wait" for name, _ in preferences(given)):
+    `wait=N`. Checked as the gateway will read what is sent (the values stripped
+    and joined): a `wait` of the caller's is a bad argument (the writer's `wait`
+    option says it, and the gateway reads only the first `wait` it finds); so
+    is, under a wait of the writer's, a value the gateway would not read to its
+    end (not a preference list, or the whole longer than it reads): the
+    writer's `wait` after it would never be seen."""
+    stripped = [value.strip() for value in given if value.strip()]
+    callers = ", ".join(stripped)
+    if any(name == "wait" for name, _ in preferences([callers])):
         raise ValueError(
-            f"Prefer {', '.join(given)!r}: the writer sets the wait preference itself; "
+            f"Prefer {callers[:80]!r}: the writer sets the wait preference itself; "
             "pass wait= to FencedWriter"
         )
-    preferences_given = [value.strip() for value in given if value.strip()]
     if wait is None:
-        return ", ".join(preferences_given) or None
-    for value in preferences_given:
-        if not whole(value):
-            raise ValueError(
-                f"Prefer {value[:80]!r} is not a list of preferences (RFC 7240): the gateway "
-                "would stop reading it there and never see the writer's wait"
-            )
-    merged = ", ".join([*preferences_given, wait])
+        return callers or None
+    if not whole(callers):
+        raise ValueError(
+            f"Prefer {callers[:80]!r} is not a list of preferences (RFC 7240): the gateway "
+            "would stop reading it there and never see the writer's wait"
+        )
+    merged = ", ".join([*stripped, wait])
     if len(merged) > MAX_VALUE:
         raise ValueError(
             f"Prefer: with the writer's {wait} it is {len(merged)} characters, and the "

@@ -267,35 +267,34 @@ export class FencedWriter {
 }
 
 /** One `Prefer` value: the caller's preferences first, then the writer's
- * `wait=N`. A `wait` of the caller's is a bad argument: the writer's `wait`
- * option says it, and the gateway reads only the first `wait` it finds. So is,
+ * `wait=N`. Checked as the gateway will read what is sent (the values stripped
+ * and joined): a `wait` of the caller's is a bad argument (the writer's `wait`
+ * option says it, and the gateway reads only the first `wait` it finds); so is,
  * under a wait of the writer's, a value the gateway would not read to its end
  * (not a preference list, or the whole longer than it reads): the writer's
  * `wait` after it would never be seen. As the Python writer's `_prefer`. */
 function mergePrefer(given: readonly string[], wait: string | undefined): string | undefined {
   for (const value of given) {
     if (typeof value !== "string") throw new TypeError(`Prefer must be a string, not ${typeName(value)}`);
-    // Read as the gateway reads it: a `wait` inside a quoted value is none.
-    if (readPreferences(value).names.includes("wait")) {
-      throw new RangeError(
-        `Prefer ${JSON.stringify(value)}: the writer sets the wait preference itself; pass the wait option`,
-      );
-    }
   }
-  const preferences = given.map(strip).filter((value) => value !== "");
-  if (wait === undefined) return preferences.length > 0 ? preferences.join(", ") : undefined;
-  for (const value of preferences) {
-    if (!readPreferences(value).whole) {
-      throw new RangeError(
-        `Prefer ${JSON.stringify(value.slice(0, 80))} is not a list of preferences (RFC 7240): ` +
-          "the gateway would stop reading it there and never see the writer's wait",
-      );
-    }
+  const stripped = given.map(strip).filter((value) => value !== "");
+  const callers = stripped.join(", ");
+  const shown = JSON.stringify(callers.slice(0, 80));
+  if (readPreferences(callers).names.includes("wait")) {
+    throw new RangeError(`Prefer ${shown}: the writer sets the wait preference itself; pass the wait option`);
   }
-  const merged = [...preferences, wait].join(", ");
-  if ([...merged].length > MAX_VALUE) {
+  if (wait === undefined) return callers === "" ? undefined : callers;
+  if (!readPreferences(callers).whole) {
     throw new RangeError(
-      `Prefer: with the writer's ${wait} it is ${merged.length} characters, and the gateway reads at most ${MAX_VALUE}`,
+      `Prefer ${shown} is not a list of preferences (RFC 7240): ` +
+        "the gateway would stop reading it there and never see the writer's wait",
+    );
+  }
+  const merged = [...stripped, wait].join(", ");
+  const length = [...merged].length;
+  if (length > MAX_VALUE) {
+    throw new RangeError(
+      `Prefer: with the writer's ${wait} it is ${length} characters, and the gateway reads at most ${MAX_VALUE}`,
     );
   }
   return merged;
