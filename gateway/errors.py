@@ -99,17 +99,3 @@ def os_error_words(exc: OSError) -> str:
     if exc.errno:
         return os.strerror(exc.errno)
     return str(exc) or type(exc).__name__
-
-
-def unreadable_url(exc: ValueError) -> str:
-    """Why urllib cannot read a URL, in words that quote nothing of it: its own
-    message may hold the user and password (`netloc 'u:pw@h' contains ...`)."""
-    text = str(exc)
-    if "NFKC" in text:
-        return (
-            "a character in it reads as a URL delimiter once normalised (a full-width "
-            "number sign, solidus, question mark or at sign, say): percent-encode it"
-        )
-    if "IPv6" in text:
-        return "a host in [ ] is not an IPv6 address, or its ] is missing or misplaced"
-    return "its user, password or host part is malformed"

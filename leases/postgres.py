@@ -53,6 +53,7 @@ from . import model
 from .base import Closing
 from .errors import JobCompleted, LeaseHeld, SchemaTooNew, StoreUnavailable, refused
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
+from .urls import check_readable, shown_scheme
 
 T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
@@ -479,7 +480,10 @@ def _validate_open(
     url: object, clock_offset: object, min_size: object, max_size: object, cache: object
 ) -> None:
     if not isinstance(url, str) or url.split(":", 1)[0].lower() not in ("postgresql", "postgres"):
-        raise ValueError(f"not a PostgreSQL URL: {url!r} (expected postgresql://...)")
+        # Never the URL itself: it may carry a password.
+        shown = shown_scheme(url) if isinstance(url, str) else type(url).__name__
+        raise ValueError(f"not a PostgreSQL URL: {shown} (expected postgresql://...)")
+    check_readable(url)  # asyncpg would raise urllib's words, which may quote the password
     if isinstance(clock_offset, bool) or not isinstance(clock_offset, int | float):
         raise ValueError("clock_offset must be a finite number of seconds")
     if not math.isfinite(clock_offset):

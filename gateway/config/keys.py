@@ -28,9 +28,10 @@ from gateway.config.reader import (
     secret,
     show,
 )
-from gateway.errors import ConfigError, unreadable_url
+from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
 from leases.model import VISIBLE
+from leases.urls import unreadable_url
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

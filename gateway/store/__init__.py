@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.store.protocol import Store
 from gateway.store.records import Clock
+from leases.urls import shown_scheme
 
 __all__ = ["Store", "open_store"]
 
@@ -34,4 +35,7 @@ async def open_store(
         if pool_size is not None:
             options.setdefault("max_size", pool_size)
         return await PostgresStore.open(url, **options)
-    raise ValueError(f"unsupported store URL {url!r} (sqlite:///path or postgresql://...)")
+    # Never the URL itself: it may carry a password.
+    raise ValueError(
+        f"unsupported store URL: {shown_scheme(url)} (sqlite:///path or postgresql://...)"
+    )

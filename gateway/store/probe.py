@@ -16,9 +16,10 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.errors import GatewayError, os_error_words, unreadable_url
+from gateway.errors import GatewayError, os_error_words
 from gateway.store import sqlite_schema
 from leases import sqlite as lease_sqlite
+from leases.urls import unreadable_url
 
 CONNECT_TIMEOUT_S = 5.0
 # Both components' versions: `serve` refuses a database either is newer in.

@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from ..urls import check_readable
 from .core import Fence
 
 CONNECT_TIMEOUT_S = 10.0
@@ -35,6 +36,7 @@ class FenceDatabase:
 
             self._path: str | None = sqlite_path(url)
         elif scheme in ("postgresql", "postgres"):
+            check_readable(url)  # asyncpg's error for it may quote the password
             self._path = None
         else:
             # The scheme only: a URL may carry a password.
