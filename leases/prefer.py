@@ -41,10 +41,10 @@ def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
             yield match["name"].lower(), given
 
 
-def whole(value: str) -> bool:
+def whole(value: str, longest: int | None = MAX_VALUE) -> bool:
     """Whether `value` is read to its end: a preference list (or only empty
-    elements) no longer than `MAX_VALUE`."""
-    if len(value) > MAX_VALUE:
+    elements) no longer than `longest` (None: any length)."""
+    if longest is not None and len(value) > longest:
         return False
     elements = list(_elements(value))
     if elements:

@@ -13,9 +13,16 @@ import re
 from collections.abc import Iterable
 
 from leases.prefer import MAX_VALUE, preferences
+from leases.prefer import whole as whole_preferences
 from leases.prefer import without as preference_without
 
-__all__ = ["MAX_VALUE", "applied_wait", "preference_without", "wait_preference"]
+__all__ = [
+    "MAX_VALUE",
+    "applied_wait",
+    "preference_without",
+    "wait_preference",
+    "whole_preferences",
+]
 
 _SECONDS = re.compile(r"[0-9]+")
 # Longer than any `max_wait` (100 years): a larger N is read as this, and capped

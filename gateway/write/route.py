@@ -32,7 +32,12 @@ from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
 from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
-from gateway.write.prefer import applied_wait, preference_without, wait_preference
+from gateway.write.prefer import (
+    applied_wait,
+    preference_without,
+    wait_preference,
+    whole_preferences,
+)
 from gateway.write.relay import close_stream as _close_stream
 from gateway.write.relay import relay
 from gateway.write.request import (
@@ -599,9 +604,14 @@ def _add_applied(headers: CIMultiDict[str], cap: int) -> None:
     """The gateway's `wait=M` after the answer's own applied preferences, in place
     of a `wait` the upstream applied (it is sent `Prefer` as it came): one `wait`,
     the one this answer's worker waited by. A quoted value is one element, commas
-    and all (`foo="a,wait=1"` is kept whole)."""
+    and all (`foo="a,wait=1"` is kept whole). Where theirs stops being a
+    preference list, ours goes first: after it, no reader would find it."""
     theirs = preference_without(headers.getall("Preference-Applied", []), "wait")
-    headers["Preference-Applied"] = ", ".join([*theirs, f"wait={cap}"])
+    ours = f"wait={cap}"
+    if all(whole_preferences(value, None) for value in theirs):
+        headers["Preference-Applied"] = ", ".join([*theirs, ours])
+    else:
+        headers["Preference-Applied"] = ", ".join([ours, *theirs])
 
 
 def _overloaded(destination: DestinationConfig, detail: str) -> Rejection:

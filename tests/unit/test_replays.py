@@ -60,3 +60,13 @@ def test_the_records_own_wait_gives_way_but_a_quoted_comma_is_one_element() -> N
     )
     response = Replays().response(Replay(record), 30)
     assert response.headers["Preference-Applied"] == 'foo="a,wait=1", respond-async, wait=30'
+
+
+def test_the_gateways_wait_goes_first_where_the_records_own_cannot_be_read_past() -> None:
+    """After `(x)` no reader of RFC 7240 reaches a `wait`: the answer named none."""
+    from leases.prefer import preferences
+
+    for applied in ("wait=1, (x)", 'foo="a, wait=1'):
+        record = dataclasses.replace(RECORD, headers=(("Preference-Applied", applied),))
+        value = Replays().response(Replay(record), 30).headers["Preference-Applied"]
+        assert [p for p in preferences([value]) if p[0] == "wait"] == [("wait", "30")], value
