@@ -16,12 +16,19 @@ import { fencedProcessor } from "@sinkgate/leases/bullmq";
 export const QUEUE = "sinkgate-orders";
 // EXAMPLE_BROKER as the Celery and arq examples read it: redis[s]://[user:password@]host:port/db.
 const broker = new URL(process.env.EXAMPLE_BROKER ?? "redis://127.0.0.1:6379/0");
+const decoded = (part, what) => {
+  try {
+    return decodeURIComponent(part);
+  } catch {
+    throw new Error(`EXAMPLE_BROKER: the ${what} has a malformed %-escape`);
+  }
+};
 export const connection = {
   host: broker.hostname.replace(/^\[(.*)\]$/, "$1"),
   port: Number(broker.port || 6379),
   db: Number(broker.pathname.slice(1) || 0),
-  ...(broker.username ? { username: decodeURIComponent(broker.username) } : {}),
-  ...(broker.password ? { password: decodeURIComponent(broker.password) } : {}),
+  ...(broker.username ? { username: decoded(broker.username, "user") } : {}),
+  ...(broker.password ? { password: decoded(broker.password, "password") } : {}),
   ...(broker.protocol === "rediss:" ? { tls: {} } : {}),
 };
 const GATEWAY = process.env.EXAMPLE_GATEWAY ?? "http://127.0.0.1:8480";
