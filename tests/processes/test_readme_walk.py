@@ -263,6 +263,15 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "clients/typescript/test/package.test.ts",
         '["pack", "--json", "--ignore-scripts", "--pack-destination", project]',
     ),
+    # deploying.md, PostgreSQL the first time: a fresh database, checked, then served
+    "sinkgate check-config --connect": (
+        "tests/e2e/test_check_connect.py",
+        'assert "schema missing: serve creates it" in out',
+    ),
+    "sinkgate serve": (
+        "tests/processes/test_replicas.py",
+        "start at once against the empty database",
+    ),
     "cd your-worker && npm install "
     "/path/to/sinkgate/clients/typescript/sinkgate-leases-0.1.0.tgz": (
         "clients/typescript/test/package.test.ts",
@@ -276,6 +285,9 @@ NOT_RUN: dict[str, str] = {
     "python3 -m bench.latency": "minutes of fixed-rate load against every target; run by hand",
     "pip install '.[otel]'": "needs the index for OpenTelemetry; the extra is only listed",
     "createdb -h 127.0.0.1 -U postgres chaos": "creates a database on the shared server",
+    "createdb -h db.internal -U postgres -O sinkgate sinkgate": (
+        "another server; the tests create theirs with CREATE DATABASE (tests/pg.py)"
+    ),
     "python3 -m pip install -e '.[dev]'": "installs the contributor tools",
     "SINKGATE_TEST_PG=postgresql://user@host:5432/db python3 -m pytest -q": "another server",
     "ruff check . && ruff format --check .": "a contributor's check, not in the test extra",
