@@ -22,6 +22,7 @@ from .base import Closing
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease, LeaseRef
 from .reasons import Reason
+from .urls import redact_url
 
 _LOST_REASONS = frozenset(model.LOST_REASONS)
 
@@ -191,7 +192,7 @@ class HTTPLeaseStore(Closing):
         return status, doc
 
     def __repr__(self) -> str:
-        return f"HTTPLeaseStore({self._base!r})"
+        return f"HTTPLeaseStore({redact_url(self._base)!r})"
 
 
 def _base_url(url: object) -> str:
@@ -199,12 +200,14 @@ def _base_url(url: object) -> str:
         raise ValueError(f"store URL must be a string, not {type(url).__name__}")
     try:
         parsed = URL(url)
-    except ValueError as exc:
-        raise ValueError(f"invalid lease API URL {url!r}: {exc}") from None
+    except ValueError:
+        raise ValueError(f"invalid lease API URL {redact_url(url)!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"lease API URL must be http(s)://host[:port][/prefix], not {url!r}")
+        raise ValueError(
+            f"lease API URL must be http(s)://host[:port][/prefix], not {redact_url(url)!r}"
+        )
     if parsed.query_string or parsed.fragment:
-        raise ValueError(f"lease API URL must not carry a query or fragment: {url!r}")
+        raise ValueError(f"lease API URL must not carry a query or fragment: {redact_url(url)!r}")
     return str(parsed).rstrip("/")
 
 

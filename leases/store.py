@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from .model import Lease, LeaseRef
+from .urls import shown_scheme
 
 
 @runtime_checkable
@@ -48,7 +49,8 @@ async def open_store(url: str, **options: object) -> LeaseStore:
 
         _no_options(_unknown(HTTPLeaseStore.open, options))
         return await HTTPLeaseStore.open(url, **options)  # type: ignore[arg-type]
-    raise ValueError(f"unsupported store URL scheme {scheme!r} (sqlite, postgresql, http)")
+    # Never the URL itself, nor what precedes its first `:`: it may carry a password.
+    raise ValueError(f"unsupported store URL: {shown_scheme(url)} (sqlite, postgresql, http)")
 
 
 def _unknown(open_fn: Callable[..., object], options: dict[str, object]) -> dict[str, object]:

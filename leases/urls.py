@@ -7,9 +7,12 @@ normalization`), and asyncpg passes it on as it is.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import re
+from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["check_readable", "shown_scheme", "unreadable_url"]
+__all__ = ["check_readable", "redact_url", "shown_scheme", "unreadable_url", "url_problem"]
+
+_PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
 
 
 def unreadable_url(exc: ValueError) -> str:
@@ -25,13 +28,45 @@ def unreadable_url(exc: ValueError) -> str:
     return "its user, password or host part is malformed"
 
 
-def check_readable(url: str) -> None:
-    """`ValueError`, quoting nothing of `url`, when urllib (and so asyncpg)
-    cannot read it."""
+def url_problem(url: str) -> str | None:
+    """Why the PostgreSQL driver could not read `url` (None: it can), in words
+    that quote nothing of it. asyncpg reads it with urllib, then takes the user
+    and password up to the *first* `@` and parses the query strictly; its own
+    errors for either quote what follows (a piece of the password)."""
     try:
-        urlsplit(url)
+        parts = urlsplit(url)
     except ValueError as exc:
-        raise ValueError(f"the store URL cannot be read: {unreadable_url(exc)}") from None
+        return unreadable_url(exc)
+    if parts.netloc.count("@") > 1:
+        return "an @ in its user or password must be percent-encoded (%40)"
+    if parts.query:
+        try:
+            parse_qs(parts.query, strict_parsing=True)
+        except ValueError:
+            return "its query is not name=value pairs joined by &"
+    return None
+
+
+def check_readable(url: str) -> None:
+    """`ValueError`, quoting nothing of `url`, when the driver cannot read it."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise ValueError(f"the store URL cannot be read: {problem}")
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***`, for summaries and logs: the
+    userinfo's and a `password=` query parameter's. Read as text, not parsed: a
+    URL a parser refuses (a raw `[`, `#` or `/` in the password) is shown all
+    the same, and rather too much is hidden than too little."""
+    scheme, separator, rest = url.partition("://")
+    if separator:
+        userinfo, at, host = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if at and colon:
+            rest = f"{user}:***@{host}"
+        url = f"{scheme}://{rest}"
+    return _PASSWORD_PARAMETER.sub(r"\1***", url)
 
 
 def shown_scheme(url: str) -> str:

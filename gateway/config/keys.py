@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from gateway.config.reader import (
     MiB,
@@ -31,7 +31,7 @@ from gateway.config.reader import (
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
 from leases.model import VISIBLE
-from leases.urls import unreadable_url
+from leases.urls import shown_scheme, url_problem
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -257,10 +257,9 @@ def store_url(t: Table, name: str) -> str:
     scheme = written.lower() if has_scheme else ""
     if scheme in ("postgresql", "postgres"):
         # asyncpg would fail on these only at start-up, with a traceback
-        try:
-            urlsplit(url)  # asyncpg reads it so: `[::1` or `[zz]` fails there
-        except ValueError as exc:  # never urllib's words: they may quote the password
-            raise t.error(name, f"the URL cannot be read: {unreadable_url(exc)}") from None
+        problem = url_problem(url)  # as asyncpg reads it: its errors quote the password
+        if problem is not None:
+            raise t.error(name, f"the URL cannot be read: {problem}")
         hosts = _postgres_hosts(url)
         if not all(_port_ok(port) for _, port in hosts):
             raise t.error(name, "a port in the URL is not a number from 1 to 65535")
@@ -278,9 +277,8 @@ def store_url(t: Table, name: str) -> str:
     if url[: len("sqlite:///")].lower() == "sqlite:///":
         url = "sqlite:///" + url[len("sqlite:///") :]  # the scheme in any case, as RFC 3986
     if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
-        raise t.error(
-            name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {show(url)}"
-        )
+        got = show(url) if "@" not in url else shown_scheme(url)  # never a password
+        raise t.error(name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {got}")
     if url == "sqlite:///:memory:":
         # Each connection would have a database of its own (the reads would find
         # no tables), each process too, and nothing would outlive a restart.

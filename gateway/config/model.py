@@ -47,12 +47,12 @@ from gateway.config.reader import (
     parse_size,
     parse_upstream,
     read_toml,
-    redact_url,
     show,
 )
 from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
 from gateway.errors import ConfigError, EnvironmentConfigError
 from gateway.policy.decision import Fencing
+from leases.urls import redact_url
 
 __all__ = [
     "CONFIG_ENV",

@@ -176,24 +176,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-_PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`, for summaries and logs: the
-    userinfo's and a `password=` query parameter's. Read as text, not parsed: a
-    URL a parser refuses (a raw `[`, `#` or `/` in the password) is shown all
-    the same, and rather too much is hidden than too little."""
-    scheme, separator, rest = url.partition("://")
-    if separator:
-        userinfo, at, host = rest.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        if at and colon:
-            rest = f"{user}:***@{host}"
-        url = f"{scheme}://{rest}"
-    return _PASSWORD_PARAMETER.sub(r"\1***", url)
-
-
 def show(value: object) -> str:
     """A value as it would be written in TOML, for error messages."""
     if isinstance(value, str):

@@ -11,7 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from ..urls import check_readable
+from ..urls import check_readable, shown_scheme
 from .core import Fence
 
 CONNECT_TIMEOUT_S = 10.0
@@ -41,7 +41,7 @@ class FenceDatabase:
         else:
             # The scheme only: a URL may carry a password.
             raise ValueError(
-                f"database_url must be sqlite:///path or postgresql://..., not {scheme}://..."
+                f"database_url must be sqlite:///path or postgresql://..., not {shown_scheme(url)}"
             )
         self.fence = fence
         self.url = url

@@ -190,6 +190,11 @@ def _configs(workdir: Path) -> str:
         (["--gateways", "1.5"], "expected an integer, got '1.5'"),
         (["--store", "data/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),
         (["--store", "sqlite://x.db"], "--store: expected sqlite:///path"),
+        # urllib's words for it quote the password (a traceback, before)
+        (
+            ["--store", "postgresql://u:s3cret\uff03x@db.internal/x", "--store-faults", "0.1"],
+            "--store: the URL cannot be read: a character in it reads as a URL delimiter",
+        ),
         (["--ports", "20000"], "expected LOW-HIGH within 1-65535, got '20000'"),
         (["--ports", "20010-20000"], "expected LOW-HIGH within 1-65535"),
         (["--ports", "65000-65536"], "expected LOW-HIGH within 1-65535"),
@@ -209,6 +214,7 @@ def test_settings_that_could_only_fail_mid_run_are_refused_up_front(
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert "s3cret" not in err  # a store URL's password is never shown
 
 
 def test_store_faults_on_a_database_that_cannot_be_used_is_one_line_and_exit_2(

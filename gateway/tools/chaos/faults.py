@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from gateway.config.reader import redact_url
 from gateway.tools.chaos.processes import GatewayProcess, ProcessFailed, death_signal
 from leases.sqlite import BUSY_TIMEOUT_S
+from leases.urls import redact_url
 
 PG_KINDS = ("terminate_backends", "refuse_connections", "lock_delay")
 SQLITE_KINDS = ("write_lock", "writes_failing")

@@ -11,6 +11,7 @@ from typing import Any
 from gateway.config.keys import MAX_WORKERS
 from gateway.tools.chaos import late as late_mode
 from leases.model import validate_ttl
+from leases.urls import url_problem
 
 
 def _positive(kind: type[int] | type[float]) -> Any:
@@ -164,6 +165,9 @@ def settings_problem(args: argparse.Namespace) -> str | None:
     if args.store is not None and not _store_url_shape(args.store):
         # found only once a gateway reads its config, after the destination started
         return "--store: expected sqlite:///path or postgresql://..."
+    if args.store is not None and (problem := url_problem(args.store)) is not None:
+        # urllib's and asyncpg's words for it may quote the password
+        return f"--store: the URL cannot be read: {problem}"
     if args.ports is not None and len(args.ports) < ports_needed(args):
         first, last = args.ports.start, args.ports.stop - 1
         return f"--ports {first}-{last}: the run needs {ports_needed(args)} ports"

@@ -7,10 +7,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gateway.config.reader import redact_url
 from gateway.tools.chaos import late as late_mode
 from gateway.tools.chaos.context import RunContext, Tally, job_keys
 from gateway.tools.chaos.judge import INVARIANTS, FinalLease, Findings, judge
+from leases.urls import redact_url
 
 Leases = dict[str, FinalLease | None]  # each job's lease in the store at the end
 
