@@ -41,8 +41,9 @@ _PREFERENCE_APPLIED = {
         "was honoured from the fence check on; absent when it was not (no or a "
         'malformed preference, `max_wait = "0s"`, or `[server] max_waiting` reached).'
     ),
-    # After the upstream's own preferences applied, on a relayed or replayed answer.
-    "schema": {"type": "string", "pattern": "^(.+, )?wait=[1-9][0-9]*$"},
+    # After the upstream's own preferences applied, on a relayed or replayed answer
+    # (before them where those stop being a preference list): one element of the list.
+    "schema": {"type": "string", "pattern": "^(.+, )?wait=[1-9][0-9]*(, .+)?$"},
 }
 _RETRY_AFTER = {
     "description": "seconds to wait before trying again (SPEC 2)",

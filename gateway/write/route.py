@@ -586,8 +586,8 @@ def _preference_applied(
     answer: web.StreamResponse | UpstreamAnswer, decided: Decided | None
 ) -> None:
     """SPEC 2: every answer to a write whose `Prefer: wait` was honoured says so,
-    after whatever preferences the destination said it applied (a relayed or
-    replayed answer may carry its own `Preference-Applied`)."""
+    with whatever preferences the destination said it applied (a relayed or
+    replayed answer may carry its own `Preference-Applied`): see `_add_applied`."""
     cap = None if decided is None else decided.prefer_wait
     if cap is not None and not (isinstance(answer, web.StreamResponse) and answer.prepared):
         _add_applied(answer.headers, cap)
@@ -652,7 +652,7 @@ class Replays:
 
     def response(self, decision: Replay, prefer_wait: int | None) -> web.Response:
         """The replay of `decision`'s record; `prefer_wait`: the wait honoured,
-        said in `Preference-Applied` after the record's own."""
+        said in `Preference-Applied` with the record's own (`_add_applied`)."""
         record = decision.record
         if record is not self._record or prefer_wait != self._cap:
             self._headers = replay_headers(record, prefer_wait)

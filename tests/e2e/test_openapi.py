@@ -136,6 +136,7 @@ def test_the_write_route_documents_prefer_wait_and_preference_applied() -> None:
     )
     # A relayed answer may carry the upstream's own preferences first (`_add_applied`).
     assert pattern.fullmatch("wait=5") and pattern.fullmatch("respond-async, wait=5")
+    assert pattern.fullmatch("wait=5, (x)")  # first, where the upstream's cannot be read past
     assert not pattern.fullmatch("wait=0")
     # The two refusals a wait is about say when to try again.
     assert "Retry-After" in post["responses"]["409"]["headers"]
