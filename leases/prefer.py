@@ -30,11 +30,14 @@ _EMPTY = re.compile(r"[ \t,]*+")  # empty elements, and the space around them
 MAX_VALUE = 1024
 
 
-def preferences(values: Iterable[str]) -> Iterator[tuple[str, str | None]]:
+def preferences(
+    values: Iterable[str], longest: int | None = MAX_VALUE
+) -> Iterator[tuple[str, str | None]]:
     """Each preference of the header `values`, in order: its name lower-cased,
-    and its value (a quoted one unquoted no further) or None when it has none."""
+    and its value (a quoted one unquoted no further) or None when it has none.
+    A value longer than `longest` is not read (None: any length is)."""
     for value in values:
-        if len(value) > MAX_VALUE:
+        if longest is not None and len(value) > longest:
             continue
         for match, _ in _elements(value):
             given = match["quoted"] if match["quoted"] is not None else match["token"]

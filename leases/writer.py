@@ -352,14 +352,16 @@ def _prefer(given: list[str], wait: str | None) -> str | None:
     writer's `wait` after it would never be seen."""
     stripped = [value.strip() for value in given if value.strip()]
     callers = ", ".join(stripped)
-    if any(name == "wait" for name, _ in preferences([callers])):
+    # Any length: a `wait` in a value too long for the gateway to read is refused
+    # all the same, and the length is said by the check on the merged value.
+    if any(name == "wait" for name, _ in preferences([callers], None)):
         raise ValueError(
             f"Prefer {callers[:80]!r}: the writer sets the wait preference itself; "
             "pass wait= to FencedWriter"
         )
     if wait is None:
         return callers or None
-    if not whole(callers):
+    if not whole(callers, None):
         raise ValueError(
             f"Prefer {callers[:80]!r} is not a list of preferences (RFC 7240): the gateway "
             "would stop reading it there and never see the writer's wait"

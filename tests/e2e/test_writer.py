@@ -467,6 +467,8 @@ async def test_a_wait_inside_a_callers_quoted_value_is_no_wait_preference(
         [("Prefer", " " * 1100 + "wait=1")],
         [("Prefer", "\xa0,wait=1")],
         [("Prefer", 'a="x'), ("Prefer", '", wait=3')],
+        # joined past 1,024 characters, which the gateway does not read: refused all the same
+        [("Prefer", "wait=1"), ("Prefer", "x=" + "y" * 1100)],
     ],
 )
 async def test_a_callers_wait_preference_is_a_bad_argument(
@@ -494,6 +496,17 @@ async def test_a_prefer_the_gateway_would_not_read_to_its_end_is_refused_under_a
     async with FencedWriter(fake.url, LEASE, wait=0) as w:
         await w.post("d", "/x", step="s", headers={"Prefer": prefer})
     assert [s.headers.get("Prefer") for s in fake.seen] == [prefer]
+
+
+async def test_a_prefer_too_long_with_the_writers_wait_says_its_length(
+    fake: FakeGateway,
+) -> None:
+    """Two readable preferences of 600 characters: the length is the trouble."""
+    prefer = [("Prefer", "a=" + "x" * 600), ("Prefer", "b=" + "y" * 600)]
+    async with FencedWriter(fake.url, LEASE, wait=5) as w:
+        with pytest.raises(ValueError, match="the gateway reads at most 1024"):
+            await w.post("d", "/x", step="s", headers=prefer)  # type: ignore[arg-type]
+    assert fake.seen == []
 
 
 async def test_a_refusal_after_the_gateways_own_wait_is_retried_at_once(

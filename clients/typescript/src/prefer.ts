@@ -29,9 +29,13 @@ export function strip(value: string): string {
   return value.replace(ENDS, "");
 }
 
-export function readPreferences(value: string): Preferences {
+/** `value` read as `leases.prefer` reads it; one longer than `longest` characters
+ * is not read (`Infinity`: any length is). */
+export function readPreferences(value: string, longest = MAX_VALUE): Preferences {
   const names: string[] = [];
-  if (value.length > MAX_VALUE && [...value].length > MAX_VALUE) return { names, whole: false };
+  if (value.length > longest && [...value].length > longest) {
+    return { names, whole: false };
+  }
   let at = skip(EMPTY, value, 0);
   while (at < value.length) {
     const start = skip(SPACE, value, at);

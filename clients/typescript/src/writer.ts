@@ -280,11 +280,13 @@ function mergePrefer(given: readonly string[], wait: string | undefined): string
   const stripped = given.map(strip).filter((value) => value !== "");
   const callers = stripped.join(", ");
   const shown = JSON.stringify(callers.slice(0, 80));
-  if (readPreferences(callers).names.includes("wait")) {
+  // Any length: a `wait` in a value too long for the gateway to read is refused all
+  // the same, and the length is said by the check on the merged value.
+  if (readPreferences(callers, Number.POSITIVE_INFINITY).names.includes("wait")) {
     throw new RangeError(`Prefer ${shown}: the writer sets the wait preference itself; pass the wait option`);
   }
   if (wait === undefined) return callers === "" ? undefined : callers;
-  if (!readPreferences(callers).whole) {
+  if (!readPreferences(callers, Number.POSITIVE_INFINITY).whole) {
     throw new RangeError(
       `Prefer ${shown} is not a list of preferences (RFC 7240): ` +
         "the gateway would stop reading it there and never see the writer's wait",
