@@ -15,7 +15,14 @@ import { fencedProcessor } from "@sinkgate/leases/bullmq";
 
 export const QUEUE = "sinkgate-orders";
 // EXAMPLE_BROKER as the Celery and arq examples read it: redis[s]://[user:password@]host:port/db.
-const broker = new URL(process.env.EXAMPLE_BROKER ?? "redis://127.0.0.1:6379/0");
+const broker = (() => {
+  try {
+    return new URL(process.env.EXAMPLE_BROKER ?? "redis://127.0.0.1:6379/0");
+  } catch {
+    // not the URL's own error: it quotes the URL, password and all
+    throw new Error("EXAMPLE_BROKER is not a URL: expected redis[s]://[user:password@]host:port/db");
+  }
+})();
 const decoded = (part, what) => {
   try {
     return decodeURIComponent(part);
