@@ -125,6 +125,10 @@ async def _get(request: web.Request) -> web.StreamResponse:
     return await _answer(request, "get", run)
 
 
+OTHER_OP = "(other)"
+_KNOWN_OPS = frozenset({*LEASE_REQUESTS, "get"})
+
+
 async def _post(request: web.Request) -> web.StreamResponse:
     op = request.match_info["op"]
     if op not in LEASE_REQUESTS:
@@ -255,6 +259,10 @@ def _finish(
     result: str,
     facts: dict[str, Any],
 ) -> web.StreamResponse:
+    # An operation no route has (POST /leases/j/anything) is "(other)" in the metric,
+    # the line and the span: the raw path segment would be a series per request, for
+    # anybody (it is refused before the token is checked).
+    op = op if op in _KNOWN_OPS else OTHER_OP
     request.app[METRICS].lease_ops.labels(op=op, result=result).inc()
     ok = result == "ok"
     fields = {

@@ -553,3 +553,10 @@ async def test_lease_ops_are_counted_by_op_and_result(
     assert value(name, {"op": "claim", "result": "ok"}) == 1
     assert value(name, {"op": "claim", "result": "lease_held"}) == 1
     assert value(name, {"op": "claim", "result": "invalid_request"}) == 1
+    # A path naming no operation is one series, whatever it names: the raw segment
+    # was a new series per request, for anybody (refused before the token check).
+    for n in range(3):
+        await api.call("POST", f"/leases/j/steal-{n}", {})
+        await api.call("DELETE", f"/leases/j/drop-{n}")
+    assert value(name, {"op": "(other)", "result": "not_found"}) == 6
+    assert value(name, {"op": "steal-0", "result": "not_found"}) is None
