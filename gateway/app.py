@@ -10,7 +10,7 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -25,6 +25,7 @@ from gateway.http.leases import add_lease_routes
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
 from gateway.openapi.document import Listeners, add_openapi_route
+from gateway.policy.decision import WriteFacts
 from gateway.reload import Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
@@ -250,16 +251,16 @@ async def _stop(runner: GatewayRunner, grace: float) -> None:
 
 
 def _abandon(writes: WriteGateway) -> None:
-    late = [task for task in writes.forwards if not task.done()]
+    late = {task: facts for task, facts in writes.forwards.items() if not task.done()}
     for task in late:
         task.cancel()
     if late:
-        log.warning("forwards_abandoned", count=len(late))
+        _log_abandoned(late.values())
 
 
 async def _drain(writes: WriteGateway, grace: float) -> None:
     """Let forwards already under way reach their upstream answer and record it."""
-    pending = set(writes.forwards)
+    pending = dict(writes.forwards)
     if not pending:
         return
     log.info("draining_forwards", count=len(pending), grace_s=grace)
@@ -268,7 +269,23 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
         task.cancel()
     if late:
         await asyncio.wait(late)
-        log.warning("forwards_abandoned", count=len(late))
+        _log_abandoned(pending[task] for task in late)
+
+
+# The writes a `forwards_abandoned` line names at most (their count is always whole).
+ABANDONED_NAMED = 100
+
+
+def _log_abandoned(abandoned: Iterable[WriteFacts]) -> None:
+    """The forwards cut at shutdown: each may have reached its upstream, and its
+    key reads `unknown` until an operator settles it (`sinkgate keys resolve`),
+    so the line names them, as their decision lines would have."""
+    writes = list(abandoned)
+    named = [
+        {"destination": w.destination, "job_id": w.job_id, "generation": w.generation, "key": w.key}
+        for w in writes[:ABANDONED_NAMED]
+    ]
+    log.warning("forwards_abandoned", count=len(writes), writes=named)
 
 
 def refuse_open_admin(config: Config) -> None:

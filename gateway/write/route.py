@@ -106,7 +106,9 @@ class WriteGateway:
         # Shared between workers, the gauge is counted in their files: `_admit` and
         # `_release` move it. Otherwise it reads `in_flight` when scraped.
         self._shared_gauge = metrics.shared_directory is not None
-        self.forwards: set[asyncio.Task[Any]] = set()
+        # Forwards on the wire, with what they forward: one cut at shutdown is named
+        # in the `forwards_abandoned` line (its key reads `unknown`).
+        self.forwards: dict[asyncio.Task[Any], WriteFacts] = {}
         self.body_budget = BodyBudget(config.max_body_buffer)
         self.replays = Replays()
         for name in config.destinations:
@@ -340,8 +342,8 @@ class WriteGateway:
         attempt = decided.verdict.attempt
         assert attempt is not None
         task = asyncio.ensure_future(self._forward(request, destination, checked, attempt))
-        self.forwards.add(task)
-        task.add_done_callback(self.forwards.discard)
+        self.forwards[task] = checked.facts
+        task.add_done_callback(lambda done: self.forwards.pop(done, None))
         try:
             answer, reason, sent = await asyncio.shield(task)
         except asyncio.CancelledError:
