@@ -94,7 +94,8 @@ class Metrics:
         )
         self.store_latency = Histogram(
             "sinkgate_store_latency_seconds",
-            "Time of store operations (decide, record, lease ops).",
+            "Time of store operations: a write's decision (decide), each lease API "
+            "call (lease_<op>).",
             ["op"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
