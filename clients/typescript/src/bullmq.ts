@@ -11,7 +11,11 @@
  * (nothing redone); a lease held by another live run moves the job to delayed
  * until it would expire (`DelayedError`: not an attempt); a newer generation
  * elsewhere returns `{ sinkgate: <reason>, jobId }` (the newer run answers for
- * the job); a lease that ran out with nobody else on it is delayed and retried.
+ * the job); a lease that ran out with nobody else on it, or a lease store that
+ * cannot be reached, fails the attempt, so the job's `attempts` and `backoff`
+ * decide when it runs again (as Celery's `max_retries` bounds the Python
+ * adapter's retries). BullMQ's own cancellation (`worker.cancelJob`, a worker
+ * closing) aborts the run's signal and gives the lease back.
  */
 
 import { createHash } from "node:crypto";
@@ -20,7 +24,7 @@ import { DelayedError } from "bullmq";
 import { defaultOwner, LeaseClient } from "./client.js";
 import { JobCompleted, LeaseHeld, LeaseLost, StaleWrite, StoreUnavailable } from "./errors.js";
 import { hold } from "./hold.js";
-import { typeName, validateSeconds, validateTtl } from "./validate.js";
+import { baseUrl, typeName, validateIdent, validateSeconds, validateTtl } from "./validate.js";
 import { FencedWriter, type WriterOptions } from "./writer.js";
 
 export interface FencedProcessorOptions<D = unknown> {
@@ -110,28 +114,53 @@ export function fencedProcessor<D = unknown, R = unknown>(
   gatewayUrl: string,
   processor: (job: Job<D>, writer: FencedWriter, signal: AbortSignal) => Promise<R>,
   options: FencedProcessorOptions<D>,
-): (job: Job<D>, token?: string) => Promise<R | Skipped> {
+): (job: Job<D>, token?: string, signal?: AbortSignal) => Promise<R | Skipped> {
+  // Every option checked here, not at each job's run (where each would fail the job).
+  if (typeof processor !== "function") throw new TypeError("processor must be a function");
   const ttl = validateTtl(options.ttl);
   const retryDelay = validateSeconds(options.retryDelay ?? 1, "retryDelay");
   const client = new LeaseClient(options.leaseUrl ?? gatewayUrl, { token: options.leaseToken });
-  const owner = options.owner ?? defaultOwner();
+  baseUrl(gatewayUrl, "gatewayUrl");
+  const owner = options.owner === undefined ? defaultOwner() : validateIdent(options.owner, "owner");
+  if (options.jobId !== undefined && typeof options.jobId !== "function") {
+    throw new TypeError(`jobId must be a function, not ${typeName(options.jobId)}`);
+  }
   const name = options.jobId ?? ((job: Job<D>) => String(job.id));
+  // The writer's options, as every run's writer will take them.
+  new FencedWriter(gatewayUrl, CHECK_LEASE, { ...options.writer });
 
-  return async (job: Job<D>, token?: string): Promise<R | Skipped> => {
+  // Three parameters: BullMQ then gives the run an AbortSignal of its own
+  // (`worker.cancelJob`, the worker closing), which stops the body and gives
+  // the lease back as a worker's shutdown does.
+  return async (job: Job<D>, token?: string, signal?: AbortSignal): Promise<R | Skipped> => {
     const jobId = jobIdFrom(name(job));
     try {
-      return await hold(client, jobId, { owner, ttl }, (lease, signal) =>
-        processor(job, new FencedWriter(gatewayUrl, lease, { ...options.writer, signal }), signal),
+      return await hold(client, jobId, { owner, ttl, signal }, (lease, leaseSignal) =>
+        processor(job, new FencedWriter(gatewayUrl, lease, { ...options.writer, signal: leaseSignal }), leaseSignal),
       );
     } catch (error) {
       const found = await settle(client, error, jobId, ttl, retryDelay);
       if (found === undefined) throw error;
       if (found.action !== "retry") return { sinkgate: found.reason, jobId };
+      // Only a lease held by another live run waits without using an attempt: a
+      // lost lease or an unreachable store fails the attempt, so `attempts` and
+      // `backoff` bound it (delayed for free, a dead store looped for ever).
+      if (found.reason !== "lease_held") throw error;
       await job.moveToDelayed(Date.now() + Math.ceil(found.delay * 1000), token);
       throw new DelayedError(`sinkgate: ${found.reason}, retried in ${found.delay}s`);
     }
   };
 }
+
+/** A lease of the right shape, to check the writer's options against. */
+const CHECK_LEASE = {
+  jobId: "check",
+  owner: "check",
+  generation: 1,
+  state: "active",
+  leaseUntil: new Date(0),
+  expiresIn: 0,
+} as const;
 
 /** `verdict`, asking the store who holds the job when the error alone cannot
  * tell (a lease that expired locally may or may not have been taken). */

@@ -14,7 +14,17 @@ import { fileURLToPath } from "node:url";
 import { LeaseClient } from "@sinkgate/leases";
 import { fencedProcessor, verdict } from "@sinkgate/leases/bullmq";
 import { Queue, QueueEvents, Worker } from "bullmq";
-import { destination, Gateway, gatewayMissing, missing, redisMissing, Upstream, unique, Wire } from "./harness.js";
+import {
+  deadUrl,
+  destination,
+  Gateway,
+  gatewayMissing,
+  missing,
+  redisMissing,
+  Upstream,
+  unique,
+  Wire,
+} from "./harness.js";
 
 const connection = { host: "127.0.0.1", port: 6379 };
 const WORKER = path.join(path.dirname(fileURLToPath(import.meta.url)), "bullmq-worker.js");
@@ -161,6 +171,98 @@ describe("BullMQ workers through a real gateway", { skip }, () => {
     });
     assert.equal(runs, 1);
     assert.equal(upstream.of(`order-${order}`).length, 1);
+  });
+});
+
+describe("BullMQ runs that cannot take their lease, or are cancelled", { skip }, () => {
+  let upstream: Upstream;
+  let gateway: Gateway;
+  const queues: Queue[] = [];
+  const closing: Array<{ close(): Promise<unknown> }> = [];
+
+  before(async () => {
+    upstream = await Upstream.start();
+    gateway = await Gateway.start({ rec: destination(upstream.url) });
+  });
+
+  after(async () => {
+    for (const queue of queues) await queue.obliterate({ force: true }).catch(() => undefined);
+    await Promise.all([...closing, ...queues].map((c) => c.close()));
+    await gateway?.stop();
+    await upstream?.close();
+  });
+
+  const queue = (): { name: string; queue: Queue; events: QueueEvents } => {
+    const name = unique("sinkgate-runs");
+    const q = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    queues.push(q);
+    closing.push(events);
+    return { name, queue: q, events };
+  };
+
+  it("an unreachable lease store uses up the job's attempts instead of delaying it for ever", async () => {
+    // Delayed without an attempt, the job looped as long as the store was down.
+    const { name, queue: runs, events } = queue();
+    await events.waitUntilReady();
+    let started = 0;
+    const worker = new Worker(
+      name,
+      fencedProcessor(
+        gateway.url,
+        async () => {
+          started += 1;
+        },
+        { ttl: 5, leaseUrl: await deadUrl() },
+      ),
+      { connection },
+    );
+    closing.push(worker);
+    const job = await runs.add("run", {}, { attempts: 2, backoff: { type: "fixed", delay: 10 } });
+    await assert.rejects(job.waitUntilFinished(events, 20_000), /cannot reach|StoreUnavailable|fetch failed/i);
+    const failed = await runs.getJob(String(job.id));
+    assert.equal(failed?.attemptsMade, 2);
+    assert.equal(started, 0, "the body never ran without its lease");
+  });
+
+  it("BullMQ's cancellation stops the body and gives the lease back", async () => {
+    const { name, queue: runs, events } = queue();
+    await events.waitUntilReady();
+    let bodySignal: AbortSignal | undefined;
+    const worker = new Worker(
+      name,
+      fencedProcessor(
+        gateway.url,
+        async (_job, _writer, signal) => {
+          bodySignal = signal;
+          await new Promise(() => undefined); // works until stopped
+        },
+        { ttl: 5 },
+      ),
+      { connection },
+    );
+    closing.push(worker);
+    const job = await runs.add("run", {});
+    while (bodySignal === undefined) await new Promise((resolve) => setTimeout(resolve, 10));
+    assert.equal(worker.cancelJob(String(job.id)), true);
+    await assert.rejects(job.waitUntilFinished(events, 20_000));
+    assert.equal(bodySignal.aborted, true);
+    assert.equal((await new LeaseClient(gateway.url).get(String(job.id)))?.state, "free");
+  });
+});
+
+describe("fencedProcessor's options", () => {
+  it("are refused when the processor is made, not at every job's run", () => {
+    const run = async () => undefined;
+    // with a lease API of its own, the gateway's URL was checked only by each run's writer
+    assert.throws(() => fencedProcessor("ftp://gw", run, { ttl: 5, leaseUrl: "http://leases" }), RangeError);
+    assert.throws(() => fencedProcessor("http://gw", run, { ttl: 5, owner: "has space" }), RangeError);
+    assert.throws(() => fencedProcessor("http://gw", run, { ttl: 5, writer: { wait: -3 } }), RangeError);
+    assert.throws(
+      () => fencedProcessor("http://gw", run, { ttl: 5, jobId: "nope" as unknown as () => string }),
+      TypeError,
+    );
+    assert.throws(() => fencedProcessor("http://gw", "run" as unknown as typeof run, { ttl: 5 }), TypeError);
   });
 });
 
