@@ -40,7 +40,9 @@ export interface FencedProcessorOptions<D = unknown> {
   readonly owner?: string;
   /** Options of every run's `FencedWriter` (`token`, `wait`, ...). */
   readonly writer?: Omit<WriterOptions, "signal">;
-  /** Seconds before a retry when nobody can say who holds the job (default 1). */
+  /** The shortest wait, in seconds, before a job whose lease is held elsewhere is
+   * looked at again (default 1; it waits a third of the ttl, or until the lease
+   * would expire, when that is longer or shorter). */
   readonly retryDelay?: number;
 }
 
