@@ -40,9 +40,9 @@ export interface FencedProcessorOptions<D = unknown> {
   readonly owner?: string;
   /** Options of every run's `FencedWriter` (`token`, `wait`, ...). */
   readonly writer?: Omit<WriterOptions, "signal">;
-  /** The shortest wait, in seconds, before a job whose lease is held elsewhere is
-   * looked at again (default 1; it waits a third of the ttl, or until the lease
-   * would expire, when that is longer or shorter). */
+  /** A job whose lease is held elsewhere is looked at again when the holder's
+   * lease would expire, or after max(retryDelay, ttl / 3) seconds if that is
+   * sooner (default 1). */
   readonly retryDelay?: number;
 }
 
