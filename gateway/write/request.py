@@ -92,6 +92,14 @@ def checked_destination(
             headers={"Allow": ", ".join(sorted(destination.methods))},
             destination=destination.name,
         )
+    if "#" in target.path or "#" in target.query:
+        # No server is sent a fragment (RFC 9112 3.2): the upstream URL would drop it,
+        # and `..#x` would pass the check below as a segment and reach it as `..`.
+        raise Rejection(
+            Reason.INVALID_PATH,
+            "the request target has a '#': percent-encode it (%23)",
+            destination=destination.name,
+        )
     if path_escapes(target.path):
         raise Rejection(
             Reason.INVALID_PATH,
