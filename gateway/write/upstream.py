@@ -29,7 +29,9 @@ _FENCING_LOWER = frozenset(h.lower() for h in FENCING_HEADERS)
 # `Connection` header cannot make these hop-by-hop (the destination's own fence
 # and an idempotent upstream rely on them). Empty ones count as missing: not sent.
 _CHECKED_LOWER = _FENCING_LOWER | {"idempotency-key"}
-_NOT_UNLISTED = _CHECKED_LOWER | {"content-type"}
+# And what says how to read the body, which goes on as it came: a coded body
+# without its `Content-Encoding` would reach the upstream with nothing saying so.
+_NOT_UNLISTED = _CHECKED_LOWER | {"content-type", "content-encoding"}
 
 
 class SendFailure(StrEnum):

@@ -32,13 +32,15 @@ def test_empty_fencing_headers_and_key_count_as_missing_and_are_not_sent() -> No
 
 def test_connection_tokens_drop_other_headers_but_not_the_checked_ones() -> None:
     out = forwarded(
-        ("Connection", "keep-alive, X-Hop, Idempotency-Key, Content-Type"),
+        ("Connection", "keep-alive, X-Hop, Idempotency-Key, Content-Type, Content-Encoding"),
         ("X-Hop", "1"),
         ("Idempotency-Key", "k1"),
         ("Content-Type", "application/json"),
+        ("Content-Encoding", "gzip"),  # the body goes on coded: so does what says it
     )
     assert "X-Hop" not in out and "Connection" not in out
     assert (out["Idempotency-Key"], out["Content-Type"]) == ("k1", "application/json")
+    assert out["Content-Encoding"] == "gzip"
 
 
 def test_switched_off_fencing_headers_stay_off_even_when_listed_in_connection() -> None:
