@@ -172,34 +172,6 @@ describe("BullMQ workers through a real gateway", { skip }, () => {
     assert.equal(runs, 1);
     assert.equal(upstream.of(`order-${order}`).length, 1);
   });
-});
-
-describe("BullMQ runs that cannot take their lease, or are cancelled", { skip }, () => {
-  let upstream: Upstream;
-  let gateway: Gateway;
-  const queues: Queue[] = [];
-  const closing: Array<{ close(): Promise<unknown> }> = [];
-
-  before(async () => {
-    upstream = await Upstream.start();
-    gateway = await Gateway.start({ rec: destination(upstream.url) });
-  });
-
-  after(async () => {
-    for (const queue of queues) await queue.obliterate({ force: true }).catch(() => undefined);
-    await Promise.all([...closing, ...queues].map((c) => c.close()));
-    await gateway?.stop();
-    await upstream?.close();
-  });
-
-  const queue = (): { name: string; queue: Queue; events: QueueEvents } => {
-    const name = unique("sinkgate-runs");
-    const q = new Queue(name, { connection });
-    const events = new QueueEvents(name, { connection });
-    queues.push(q);
-    closing.push(events);
-    return { name, queue: q, events };
-  };
 
   it("an unreachable lease store uses up the job's attempts instead of delaying it for ever", async () => {
     // Delayed without an attempt, the job looped as long as the store was down.
