@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,7 +30,7 @@ from typing import NoReturn
 
 from .errors import LeaseError, LeaseLost
 from .exits import OnExit, exit_failed, give_back_claim, release, settle, stop, wind_up
-from .model import Lease, default_owner, validate_ttl
+from .model import Lease, default_owner, validate_seconds, validate_ttl
 from .reasons import Reason
 from .renewal import Hold, RenewalSchedule, Renewer, Sleep
 from .store import LeaseStore
@@ -55,12 +54,7 @@ def _check_exit_settings(on_exit: str, cancel_timeout: float) -> None:
     if on_exit not in ("complete", "release", "keep"):
         # Checked before the claim: found only at exit, the job would stay claimed.
         raise ValueError(f"on_exit must be complete, release or keep, not {on_exit!r}")
-    if (
-        isinstance(cancel_timeout, bool)
-        or not isinstance(cancel_timeout, int | float)
-        or not (math.isfinite(cancel_timeout) and cancel_timeout > 0)
-    ):
-        raise ValueError("cancel_timeout must be a positive number of seconds")
+    validate_seconds("cancel_timeout", cancel_timeout)
 
 
 @asynccontextmanager

@@ -117,6 +117,20 @@ def validate_ident(value: object, what: str) -> str:
     return value
 
 
+def validate_seconds(name: str, value: object) -> float:
+    """A duration argument in seconds: a real number above 0 and finite (an int
+    past the floats' range counts as infinite)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a positive number of seconds")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds")
+    return seconds
+
+
 def validate_ttl(value: object) -> float:
     """A ttl in seconds: a real number from 0.05 to 86400."""
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -391,13 +391,13 @@ class PostgresLeaseStore(Closing):
         `acquire_timeout` and `statement_timeout` bound each operation (None: no
         bound); see the module doc."""
         _validate_open(url, clock_offset, min_size, max_size, statement_cache_size)
-        _validate_seconds("connect_timeout", connect_timeout)
+        model.validate_seconds("connect_timeout", connect_timeout)
         for name, bound in (
             ("acquire_timeout", acquire_timeout),
             ("statement_timeout", statement_timeout),
         ):
             if bound is not None:
-                _validate_seconds(name, bound)
+                model.validate_seconds(name, bound)
         with driver_errors("cannot open the PostgreSQL lease store"):
             pool = await asyncpg.create_pool(
                 url,
@@ -465,11 +465,6 @@ class PostgresLeaseStore(Closing):
         if not _is_number(offset) or not math.isfinite(offset):
             raise ValueError("clock_offset must be a finite number of seconds")
         return float(offset)
-
-
-def _validate_seconds(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 < value < math.inf:  # type: ignore[operator]
-        raise ValueError(f"{name} must be a positive number of seconds")
 
 
 def _is_number(value: object) -> bool:

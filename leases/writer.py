@@ -148,8 +148,7 @@ class FencedWriter:
         if isinstance(max_retry_wait, bool) or not _seconds(max_retry_wait) >= 0:
             raise ValueError("max_retry_wait must be a number of seconds >= 0")
         # Finite and above 0: aiohttp reads 0 as no timeout at all, and inf overflows.
-        if isinstance(timeout, bool) or not 0 < _seconds(timeout) < math.inf:
-            raise ValueError("timeout must be a positive number of seconds")
+        model.validate_seconds("timeout", timeout)
         if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
             raise ValueError("wait must be a whole number of seconds >= 0")
         if token is not None and not (isinstance(token, str) and VISIBLE.fullmatch(token)):
