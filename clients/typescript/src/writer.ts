@@ -282,11 +282,12 @@ function mergePrefer(given: readonly string[], wait: string | undefined): string
   const shown = JSON.stringify(callers.slice(0, 80));
   // Any length: a `wait` in a value too long for the gateway to read is refused all
   // the same, and the length is said by the check on the merged value.
-  if (readPreferences(callers, Number.POSITIVE_INFINITY).names.includes("wait")) {
+  const read = readPreferences(callers, Number.POSITIVE_INFINITY);
+  if (read.names.includes("wait")) {
     throw new RangeError(`Prefer ${shown}: the writer sets the wait preference itself; pass the wait option`);
   }
   if (wait === undefined) return callers === "" ? undefined : callers;
-  if (!readPreferences(callers, Number.POSITIVE_INFINITY).whole) {
+  if (!read.whole) {
     throw new RangeError(
       `Prefer ${shown} is not a list of preferences (RFC 7240): ` +
         "the gateway would stop reading it there and never see the writer's wait",
