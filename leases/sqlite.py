@@ -25,7 +25,7 @@ from . import model
 from .base import Closing
 from .errors import JobCompleted, LeaseHeld, SchemaTooNew, StoreUnavailable, refused
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
-from .urls import shown_scheme
+from .urls import shown_url
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -62,7 +62,7 @@ def sqlite_path(url: str) -> str:
     scheme in any case, as `open_store` reads it; the rest is the file's name."""
     prefix = "sqlite:///"
     if url[: len(prefix)].lower() != prefix or len(url) == len(prefix):
-        got = repr(url) if "@" not in url else shown_scheme(url)  # never a password
+        got = shown_url(url)
         raise ValueError(f"not a sqlite URL: {got} (expected sqlite:///path)")
     path = url[len(prefix) :]
     if path == ":memory:":

@@ -8,9 +8,17 @@ normalization`), and asyncpg passes it on as it is.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["check_readable", "redact_url", "shown_scheme", "unreadable_url", "url_problem"]
+__all__ = [
+    "check_readable",
+    "redact_url",
+    "shown_scheme",
+    "shown_url",
+    "unreadable_url",
+    "url_problem",
+]
 
 _PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
 
@@ -75,3 +83,9 @@ def shown_scheme(url: str) -> str:
     if not sep or not scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
         return "a URL without scheme://"
     return f"a {scheme}:// URL"
+
+
+def shown_url(url: str, quote: Callable[[str], str] = repr) -> str:
+    """`url` quoted for a message, or only its scheme where it has an `@`: what
+    precedes it may be a password."""
+    return quote(url) if "@" not in url else shown_scheme(url)

@@ -31,7 +31,7 @@ from gateway.config.reader import (
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
 from leases.model import VISIBLE
-from leases.urls import shown_scheme, url_problem
+from leases.urls import shown_url, url_problem
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -277,7 +277,7 @@ def store_url(t: Table, name: str) -> str:
     if url[: len("sqlite:///")].lower() == "sqlite:///":
         url = "sqlite:///" + url[len("sqlite:///") :]  # the scheme in any case, as RFC 3986
     if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
-        got = show(url) if "@" not in url else shown_scheme(url)  # never a password
+        got = shown_url(url, show)
         raise t.error(name, f"expected sqlite:///relative/path or sqlite:////abs/path, got {got}")
     if url == "sqlite:///:memory:":
         # Each connection would have a database of its own (the reads would find
