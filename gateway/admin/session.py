@@ -115,13 +115,21 @@ class SessionAuth:
         nonce = secrets.token_hex(8)
         return f"{expiry}.{nonce}.{self._mac(expiry, nonce, operator)}.{operator}"
 
-    def refused(self, request: web.Request) -> web.Response | None:
-        """429 when the request's address is past its failure limit, else None."""
+    def throttled(self, request: web.Request) -> int | None:
+        """Seconds until the request's address may try again when it is past its
+        failure limit (counted and logged), else None."""
         wait = self.throttle.retry_after(request.remote or "", self._clock())
         if wait is None:
             return None
         self._metrics.admin_auth_failures.labels(result="throttled").inc()
         log.warning("admin_auth_throttled", path=request.path, remote=request.remote)
+        return wait
+
+    def refused(self, request: web.Request) -> web.Response | None:
+        """429 when the request's address is past its failure limit, else None."""
+        wait = self.throttled(request)
+        if wait is None:
+            return None
         response = problem_response(
             Rejection(
                 Reason.UNAUTHORIZED,
@@ -137,6 +145,10 @@ class SessionAuth:
         self.throttle.failed(request.remote or "", self._clock())
         self._metrics.admin_auth_failures.labels(result="refused").inc()
         log.warning(event, path=request.path, remote=request.remote)
+
+    def signed_in(self, request: web.Request) -> bool:
+        """Whether the request carries a valid session cookie."""
+        return self._session_operator(request.cookies.get(SESSION_COOKIE, "")) is not None
 
     def _session_operator(self, value: str) -> str | None:
         expiry, _, rest = value.partition(".")

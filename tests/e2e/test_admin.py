@@ -693,6 +693,28 @@ async def test_login_next_cannot_redirect_off_site(client):
     assert response.headers["Location"] == "/admin/"
 
 
+async def test_signing_in_from_the_sign_in_page_lands_on_the_page(client):
+    """The form's `next` is the page it was shown on: on /admin/login itself (where
+    signing out leads) it sent a signed-in browser back to the form."""
+    form = await (await client.get("/admin/login")).text()
+    next_url = re.search(r'name="next" value="([^"]*)"', form).group(1)
+    for shown in (next_url, "/admin/logout", "/admin/login?x=1"):
+        signed = await client.post(
+            "/admin/login", data={"token": TOKEN, "next": shown}, allow_redirects=False
+        )
+        assert signed.headers["Location"] == "/admin/"
+    again = await client.get("/admin/login", allow_redirects=False)
+    assert again.status == 303 and again.headers["Location"] == "/admin/"
+
+
+async def test_a_wrong_token_keeps_the_page_asked_for(client):
+    refused = await client.post(
+        "/admin/login", data={"token": "no", "next": "/admin/queue?limit=2"}
+    )
+    assert refused.status == 401
+    assert 'name="next" value="/admin/queue?limit=2"' in await refused.text()
+
+
 async def test_page_escapes_everything_it_shows(client, store):
     await store.record_rejection(rejection(job="<script>alert(1)</script>", path='/x"><b>'))
     text = await (await client.get("/admin/", headers=AUTH)).text()

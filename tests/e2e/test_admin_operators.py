@@ -172,6 +172,8 @@ async def test_failed_sign_ins_are_throttled_too(client, fake_clock):
         "/admin/login", data={"token": OPERATORS[0][1]}, headers=there, allow_redirects=False
     )
     assert throttled.status == 429 and throttled.headers["Retry-After"] == "60"
+    assert throttled.content_type == "text/html"  # the form again, not a problem document
+    assert "try again in 60 s" in await throttled.text()
     fake_clock.advance(60)
     signed = await client.post(
         "/admin/login", data={"token": OPERATORS[0][1]}, headers=there, allow_redirects=False

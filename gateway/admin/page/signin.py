@@ -11,7 +11,13 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.page.render import Safe, html_response, render
-from gateway.admin.session import LOGIN_PATH, SESSION_COOKIE, SESSION_TTL_S, SessionAuth
+from gateway.admin.session import (
+    LOGIN_PATH,
+    LOGOUT_PATH,
+    SESSION_COOKIE,
+    SESSION_TTL_S,
+    SessionAuth,
+)
 from gateway.errors import Rejection
 from gateway.http.bodies import read_uncoded_body
 from leases.reasons import Reason
@@ -27,7 +33,7 @@ class SignIn:
         self._auth = auth
 
     async def login_form(self, request: web.Request) -> web.Response:
-        if self._auth.open:
+        if self._auth.open or self._auth.signed_in(request):
             raise web.HTTPSeeOther("/admin/")
         return login_page(request, status=200, message=None)
 
@@ -48,13 +54,17 @@ class SignIn:
         target = _safe_next(next_url if isinstance(next_url, str) else "/admin/")
         if self._auth.open:
             raise web.HTTPSeeOther(target)
-        throttled = self._auth.refused(request)
-        if throttled is not None:
-            return throttled
+        wait = self._auth.throttled(request)
+        if wait is not None:  # the form again, in words, not a problem document
+            message = f"Too many failed sign-ins from this address: try again in {wait} s."
+            page = login_page(request, status=429, message=message, next_url=target)
+            page.headers["Retry-After"] = str(wait)
+            return page
         operator = self._auth.who(token) if isinstance(token, str) and token else None
         if operator is None:
             self._auth.failed(request, "admin_login_refused")
-            return login_page(request, status=401, message="That token was not accepted.")
+            message = "That token was not accepted."
+            return login_page(request, status=401, message=message, next_url=target)
         response = web.HTTPSeeOther(target)
         response.set_cookie(
             SESSION_COOKIE,
@@ -74,8 +84,12 @@ class SignIn:
         raise response
 
 
-def login_page(request: web.Request, *, status: int, message: str | None) -> web.Response:
-    next_url = request.path_qs if request.method == "GET" else "/admin/"
+def login_page(
+    request: web.Request, *, status: int, message: str | None, next_url: str | None = None
+) -> web.Response:
+    """The sign-in form, returning to `next_url` (default: the page asked for)."""
+    if next_url is None:
+        next_url = request.path_qs if request.method == "GET" else "/admin/"
     body = render(
         "admin_login.html",
         action=LOGIN_PATH,
@@ -89,7 +103,11 @@ def login_page(request: web.Request, *, status: int, message: str | None) -> web
 
 
 def _safe_next(url: str) -> str:
-    """Only a path of this listener's page: no open redirect through the login form."""
+    """Only a path of this listener's page: no open redirect through the login form,
+    and not the sign-in or sign-out itself (signed in, the browser would land on
+    the form again)."""
+    if url.partition("?")[0] in (LOGIN_PATH, LOGOUT_PATH):
+        return "/admin/"
     if url.startswith(("/admin/", "/admin?")) and "\\" not in url and "//" not in url:
         return url
     return "/admin/"
