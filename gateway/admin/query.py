@@ -61,6 +61,11 @@ def parse_window(
     return since, until
 
 
+def is_duration(text: str) -> bool:
+    """Whether `text` is a time filter's duration back from now (`15m`), not a date."""
+    return _RELATIVE.fullmatch(text) is not None
+
+
 def parse_time(text: str, name: str, now: float | None = None) -> float:
     """RFC 3339 date-time with an offset (`Z` or `+hh:mm`), or a duration back from
     `now` (`15m`, `1h`, `7d`; units ms, s, m, h, d, w) -> seconds since the epoch."""

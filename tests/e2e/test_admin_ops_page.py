@@ -11,6 +11,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admin.app import create_admin_app
+from gateway.admin.page.operator import _rounded
+from gateway.admin.query import utc_time
 from gateway.policy.decision import KeyState
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store.admin_records import AuditQuery
@@ -79,6 +81,39 @@ async def test_a_since_at_the_edge_of_the_dates_still_draws_the_page(browser):
     answer = await browser.get("/admin/?since=0001-01-01T00:00:00%2B01:00")
     assert answer.status == 200
     assert '<svg id="chart"' in await answer.text()
+
+
+async def test_the_glance_says_which_window_it_counts(browser, fake_clock):
+    """The glance counted the last 24 hours under the words of whatever `since` the
+    listing was given (`in the last 100000d`, `in the last "><b>`), and ignored
+    `until`; it now counts the listing's window and says which."""
+
+    def total(page: str) -> int:
+        return int(re.search(r'id="total">(\d+)<', page).group(1))
+
+    day = await (await browser.get("/admin/")).text()
+    assert "rejections in the last 24h<" in day and total(day) == 2
+    for unread in ("100000d", "%22%3E%3Cb%3E"):
+        page = await (await browser.get(f"/admin/?since={unread}")).text()
+        assert "rejections in the last 24h<" in page and total(page) == 2
+    start = fake_clock() - 360  # the fixture's rejections: at start, +120 s and +240 s
+    until = start + 60  # the first stale_generation only
+    since_text = utc_time(start - 10).replace("+00:00", "Z")
+    until_text = utc_time(until)
+    both = await (
+        await browser.get("/admin/", params={"since": since_text, "until": until_text})
+    ).text()
+    assert re.search(r"rejections from \d{4}-\d\d-\d\d \d\d:\d\d to [^<]+ UTC<", both)
+    assert total(both) == 1
+    since_only = await (await browser.get("/admin/", params={"since": since_text})).text()
+    assert re.search(r"rejections since \d{4}-\d\d-\d\d \d\d:\d\d UTC<", since_only)
+    assert total(since_only) == 2
+
+
+def test_a_zoomed_span_reads_in_its_largest_unit():
+    assert [_rounded(s) for s in (30, 600, 7300, 3069 * 60, 3 * 86400)] == [
+        "1m", "10m", "2h", "2d", "3d",
+    ]  # fmt: skip
 
 
 async def test_the_queue_escapes_what_workers_sent(browser):
@@ -217,7 +252,9 @@ async def test_the_chart_zooms_to_fresh_data_with_ticks_and_a_title_per_bar(brow
     assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)? to \d\d:\d\d(:\d\d)? \(\S+Z\): 1 — \w+ 1", t)
                for t in titles)  # fmt: skip
     assert len(re.findall(r'class="axis tick"', chart)) >= 2  # readable round times
-    assert re.search(r'id="chart-note">zoomed to the last \d+m of 24h, where the data is<', chart)
+    assert re.search(
+        r'id="chart-note">zoomed to the last \d+m of the window, where the data is<', chart
+    )
     assert "time: " in chart and "<script" not in page
 
 

@@ -44,7 +44,7 @@ class Page:
         self,
         store: AdminOpsStore,
         auth: SessionAuth,
-        glance: Callable[[str], Awaitable[str]] | None = None,
+        glance: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
         self._store = store
         self._auth = auth
@@ -72,7 +72,11 @@ class Page:
         shown = {k: params.get(k, "") for k in FILTERS if params.get(k)}
         body = render(
             "admin_rejections.html",
-            glance=Safe(await self._glance(shown.get("since", "")) if self._glance else ""),
+            glance=Safe(
+                await self._glance(shown.get("since", ""), shown.get("until", ""))
+                if self._glance
+                else ""
+            ),
             presets=Safe(_presets(shown, refresh)),
             filters=Safe(_filter_form(shown)),
             error=Safe(f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""),

@@ -36,7 +36,7 @@ from gateway.admin.keys import (
 from gateway.admin.page.chart import FAMILY_COLOURS, rejections_chart
 from gateway.admin.page.listing import PRESETS, pager
 from gateway.admin.page.render import REASON_KIND, Safe, html_response, link
-from gateway.admin.query import parse_time, utc_time
+from gateway.admin.query import is_duration, parse_time, utc_time
 from gateway.admin.session import RESOLVE_FORM_PATH, SESSION_COOKIE, operator_of
 from gateway.config.reader import format_duration
 from gateway.errors import Rejection
@@ -90,21 +90,12 @@ class OperatorPage:
 
     # --- the glance ------------------------------------------------------------------------
 
-    async def glance(self, since_text: str) -> str:
-        """Over `since` (default 24 h): rejections and replays apart, the queue size,
-        the refusals before the fence, counts per reason and the chart."""
-        now = self._store.clock()
-        since = now - 86400.0
-        if since_text:
-            try:
-                since = parse_time(since_text, "since", now)
-            except Rejection:
-                pass  # the listing shows the error
-        since = min(since, now - 1)
-        if not summary_fits(since, now):  # near year 1: the listing shows the window
-            since = now - 86400.0
-        summary = await self._store.summary(since, now)
-        window = since_text or "24h"
+    async def glance(self, since_text: str, until_text: str = "") -> str:
+        """Over the listing's window (default the last 24 h): rejections and replays
+        apart, the queue size, the refusals before the fence, counts per reason and
+        the chart."""
+        window = self._window(since_text, until_text)
+        summary = await self._store.summary(window.since, window.until)
         legend = "".join(
             f'<span class="swatch" style="background:{colour}"></span>{family} '
             for family, colour in FAMILY_COLOURS.items()
@@ -113,21 +104,49 @@ class OperatorPage:
             '<section class="glance" id="glance"><div class="tiles">'
             + self._tiles(summary, window)
             + f'<div class="chips">{self._chips(summary, window)}</div></div>'
-            + await self._chart(summary, now, window)
+            + await self._chart(summary, window)
             + f'<p class="legend">{legend}</p></section>'
         )
 
-    def _tiles(self, summary: Summary, window: str) -> str:
+    def _window(self, since_text: str, until_text: str) -> _Window:
+        """The window the glance shows, and its words: the listing's `since` and
+        `until` where they can be read (else the listing shows the error, and the
+        glance the last 24 hours)."""
+        now = self._store.clock()
+        until, until_given = now, False
+        if until_text:
+            try:
+                until, until_given = min(now, parse_time(until_text, "until", now)), True
+            except Rejection:
+                pass
+        since, relative = None, False
+        if since_text:
+            try:
+                since, relative = parse_time(since_text, "since", now), is_duration(since_text)
+            except Rejection:
+                pass
+        if since is None or since >= until or not summary_fits(since, until):
+            since, relative, since_text = until - 86400.0, True, "24h"  # the default
+        if until_given:
+            words = f"from {_minute(since)} to {_minute(until)} UTC"
+            link = {"since": utc_time(since), "until": utc_time(until)}
+        elif relative:
+            words, link = f"in the last {since_text}", {"since": since_text}
+        else:
+            words, link = f"since {_minute(since)} UTC", {"since": utc_time(since)}
+        return _Window(since, until, words, link)
+
+    def _tiles(self, summary: Summary, window: _Window) -> str:
         replays = summary.by_reason.get(Reason.DUPLICATE, 0)
         total = sum(summary.by_reason.values()) - replays
         unknown = sum(s.get("unknown", 0) for s in summary.keys_by_state.values())
         queue_class = "queue-size alert" if unknown else "queue-size"
-        replay_href = "/admin/?" + urlencode({"reason": Reason.DUPLICATE, "since": window})
+        replay_href = "/admin/?" + urlencode({"reason": Reason.DUPLICATE, **window.link})
         early = before_the_fence(self._metrics)
         names = ", ".join(f"{n} ({c})" for n, c in self._metrics.refusals.top(3))
         return (
             f'<div class="tile"><span class="big" id="total">{total}</span>'
-            f"rejections in the last {html.escape(window)}</div>"
+            f"rejections {html.escape(window.words)}</div>"
             f'<div class="tile"><a href="{html.escape(replay_href)}">'
             f'<span class="big" id="replays">{replays}</span></a>'
             "replays (answered from the store)</div>"
@@ -141,28 +160,28 @@ class OperatorPage:
             + "</div>"
         )
 
-    def _chips(self, summary: Summary, window: str) -> str:
+    def _chips(self, summary: Summary, window: _Window) -> str:
         chips = "".join(
             f'<a class="reason {self._kinds.get(r, "other")}" '
-            f'href="/admin/?{urlencode({"reason": r, "since": window})}">'
+            f'href="/admin/?{html.escape(urlencode({"reason": r, **window.link}))}">'
             f"{html.escape(r)} <b>{c}</b></a> "
             for r, c in sorted(summary.by_reason.items(), key=lambda rc: -rc[1])
             if r != Reason.DUPLICATE
         )
         return chips or "<em>no rejections</em>"
 
-    async def _chart(self, summary: Summary, now: float, window: str) -> str:
+    async def _chart(self, summary: Summary, window: _Window) -> str:
         """The chart of the window, or of where the data is when it fills under a
         quarter of the window (fresh data would be a sliver at the right edge)."""
         filled = sorted(n for n, counts in summary.series.items() if counts)
         start = summary.first_bucket + (filled[0] if filled else 0) * summary.bucket_seconds
-        if not filled or now - start >= (summary.until - summary.since) / 4:
+        end = window.until
+        if not filled or end - start >= (summary.until - summary.since) / 4:
             return rejections_chart(summary, self._kinds)
         # A margin of a tenth before the first bar, and at least a minute.
-        since = max(summary.since, start - max(60.0, (now - start) / 10))
-        zoomed: Summary = await self._store.summary(since, now)
-        shown = format_duration(max(60.0, round((now - since) / 60) * 60))
-        note = f"zoomed to the last {shown} of {window}, where the data is"
+        since = max(summary.since, start - max(60.0, (end - start) / 10))
+        zoomed: Summary = await self._store.summary(since, end)
+        note = f"zoomed to the last {_rounded(end - since)} of the window, where the data is"
         return rejections_chart(zoomed, self._kinds, note=note)
 
     # --- the queue -------------------------------------------------------------------------
@@ -375,6 +394,26 @@ class OperatorPage:
             + f'</tbody></table><nav class="pager">{more}</nav>'
         )
         return self._respond(request, "audit log", body)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    since: float
+    until: float
+    words: str  # "in the last 1h", "since 2026-12-01 10:00 UTC", "from ... to ... UTC"
+    link: dict[str, str]  # the listing's query for the same window
+
+
+def _minute(ts: float) -> str:
+    return utc_time(ts)[:16].replace("T", " ")
+
+
+def _rounded(seconds: float) -> str:
+    """A span in its largest unit that fits twice (2d, not 3069m), at least 1m."""
+    for unit in (86400, 3600, 60):
+        if seconds >= 2 * unit or unit == 60:
+            return format_duration(max(1, round(seconds / unit)) * unit)
+    raise AssertionError("unreachable")
 
 
 def lease_state_now(lease: LeaseRow, now: float) -> str:
