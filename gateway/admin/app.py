@@ -81,6 +81,7 @@ def create_admin_app(
         throttle=throttle,
     )
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
+    app.on_response_prepare.append(_not_stored)
     add_health_routes(app, lambda: store)
     gauge = UnknownKeysGauge(store, metrics)
     if gauge_interval is not None:
@@ -111,6 +112,13 @@ def create_admin_app(
     operator.add_routes(app)
     app.router.add_get("/admin/keys/{destination}/{key:.+}", _one(keys.get, page=operator.key))
     return app
+
+
+async def _not_stored(request: web.Request, response: web.StreamResponse) -> None:
+    """No answer under /admin is kept by a browser or a proxy: the JSON routes take
+    the page's session cookie too, and what they show is operators' data."""
+    if request.path == "/admin" or request.path.startswith("/admin/"):
+        response.headers.setdefault("Cache-Control", "no-store")
 
 
 def _background(job: Coroutine[Any, Any, None]) -> Callable[[web.Application], Any]:

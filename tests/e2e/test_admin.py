@@ -715,6 +715,17 @@ async def test_a_wrong_token_keeps_the_page_asked_for(client):
     assert 'name="next" value="/admin/queue?limit=2"' in await refused.text()
 
 
+async def test_no_admin_answer_is_kept_by_a_cache(client, store):
+    """The JSON routes take the page's cookie too: none of their answers is stored
+    by a browser or a proxy; the metrics are not operators' data."""
+    await store.record_rejection(rejection())
+    for path in ("/admin/rejections", "/admin/rejections/1", "/admin/keys", "/admin/audit",
+                 "/admin/summary", "/admin/jobs/nosuch", "/admin/"):  # fmt: skip
+        answer = await client.get(path, headers=AUTH)
+        assert answer.headers.get("Cache-Control") == "no-store", path
+    assert "Cache-Control" not in (await client.get("/metrics")).headers
+
+
 async def test_page_escapes_everything_it_shows(client, store):
     await store.record_rejection(rejection(job="<script>alert(1)</script>", path='/x"><b>'))
     text = await (await client.get("/admin/", headers=AUTH)).text()

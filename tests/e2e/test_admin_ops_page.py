@@ -166,6 +166,26 @@ async def test_resolve_form_needs_its_csrf_token(browser, store):
     assert await store.key_record("payments", "lost-1") is None
     [entry] = await store.list_audit(AuditQuery())
     assert (entry.action, entry.note) == ("resolve_not_applied", "no such charge")
+    shown = await (await browser.get(done.headers["Location"])).text()
+    assert "Resolved payments/lost-1 as not applied." in shown
+
+
+async def test_a_notice_of_a_resolve_is_the_sessions_own(browser):
+    """`?done=` printed any text as a success notice: a link of anybody's making
+    could tell an operator that a key was settled."""
+    forged = await (await browser.get("/admin/queue?done=payments/inv-46+as+applied")).text()
+    assert "Resolved" not in forged
+    signed = await (await browser.get("/admin/queue?done=x&sig=" + "0" * 64)).text()
+    assert "Resolved" not in signed
+
+
+async def test_a_filtered_queue_says_what_the_filter_left_out(browser):
+    """The heading counts the whole queue; under a job_id that matches nothing the
+    list said "Nothing waits for an operator" below "Unknown outcomes 2"."""
+    page = await (await browser.get("/admin/queue?job_id=nosuch")).text()
+    assert 'id="queue-count">2<' in page
+    assert "No unknown outcome matches these filters (2 in the queue)." in page
+    assert "Nothing waits" not in page
 
 
 async def test_a_refused_form_says_why_and_changes_nothing(browser, store):

@@ -189,7 +189,7 @@ class OperatorPage:
     async def queue(
         self, request: web.Request, *, message: str = "", status: int = 200
     ) -> web.Response:
-        params = {k: v for k, v in request.query.items() if k not in ("format", "done")}
+        params = {k: v for k, v in request.query.items() if k not in ("format", "done", "sig")}
         query = parse_key_query({**params, "state": "unknown"}, self._store.clock())
         rows, next_cursor = await key_page(self._store, query)
         # The queue's size, not the page's: a page holds `limit` keys (100 unless set).
@@ -199,7 +199,15 @@ class OperatorPage:
         csrf = csrf_token(self._auth, request)
         forms = "".join(self._resolve_form(r, csrf, now) for r in rows)
         links = pager("/admin/queue", params, next_cursor)
+        narrowed = any(params.get(k) for k in ("job_id", "since", "until"))
+        empty = (
+            f"No unknown outcome matches these filters ({waiting} in the queue)."
+            if narrowed and waiting
+            else "Nothing waits for an operator."
+        )
         done = request.query.get("done", "")
+        if done and not hmac.compare_digest(request.query.get("sig", ""), _signed(csrf, done)):
+            done = ""  # a link of anybody's making: no notice of a resolve nobody did
         notice = message or (f"Resolved {done}. " if done else "")
         body = (
             '<p><a href="/admin/">« all rejections</a> · '
@@ -216,7 +224,7 @@ class OperatorPage:
             "<code>outcome_unknown</code>. Check the destination, then settle it here: "
             "<b>applied</b> stores the answer you give, which retries replay; <b>not applied</b> "
             "releases the key, so the worker's retry is forwarded.</p>"
-            + (forms or '<p class="empty" id="queue-empty">Nothing waits for an operator.</p>')
+            + (forms or f'<p class="empty" id="queue-empty">{html.escape(empty)}</p>')
             + (f'<nav class="pager" id="queue-pager">{links}</nav>' if links else "")
         )
         return self._respond(request, "unknown outcomes", body, status=status)
@@ -281,7 +289,9 @@ class OperatorPage:
                 request, message=f"Not resolved: {refused.detail}", status=refused.status
             )
         outcome = "applied" if resolution.applied else "not applied"
-        raise web.HTTPSeeOther("/admin/queue?" + urlencode({"done": f"{key} as {outcome}"}))
+        done = f"{destination}/{key} as {outcome}"
+        signed = _signed(csrf_token(self._auth, request), done)
+        raise web.HTTPSeeOther("/admin/queue?" + urlencode({"done": done, "sig": signed}))
 
     # --- key, job, audit -------------------------------------------------------------------
 
@@ -453,6 +463,11 @@ def csrf_token(auth: SessionAuth, request: web.Request) -> str:
     secret = _OPEN_SECRET if auth.open else auth.secret
     session = request.cookies.get(SESSION_COOKIE, "")
     return hmac.new(secret, f"sinkgate-csrf:{session}".encode(), hashlib.sha256).hexdigest()
+
+
+def _signed(csrf: str, notice: str) -> str:
+    """The MAC that makes a `done` notice this session's own."""
+    return hmac.new(csrf.encode(), f"done:{notice}".encode(), hashlib.sha256).hexdigest()
 
 
 def _key_href(destination: str, key: str, *, html_view: bool = True) -> str:
