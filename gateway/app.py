@@ -19,14 +19,14 @@ from aiohttp import hdrs, web
 from gateway.admin.app import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
 from gateway.config.tls import server_context
-from gateway.errors import ConfigError, GatewayError, Rejection
+from gateway.errors import GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
 from gateway.http.leases import add_lease_routes
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
 from gateway.openapi.document import Listeners, add_openapi_route
 from gateway.policy.decision import WriteFacts
-from gateway.reload import Reloader
+from gateway.reload import Plan, Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
 from gateway.store.protocol import SettlementFeed, Store
@@ -312,10 +312,12 @@ async def serve(
     *,
     started: Callable[[dict[str, Any]], None] | None = None,
     slot: Slot | None = None,
+    record: Plan | None = None,
 ) -> None:
     """Run the gateway until SIGTERM/SIGINT; then stop accepting, finish in-flight
     forwards (up to `shutdown_grace`), record their outcomes and return. As one of
-    `serve --workers N`, `slot` names the addresses both listeners share."""
+    `serve --workers N`, `slot` names the addresses both listeners share, and
+    `record` is a reload applied to `config` that this worker records."""
     refuse_open_admin(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -332,11 +334,10 @@ async def serve(
         **SERVER_LIMITS,
     )
     await runner.setup()
-    if slot is not None and slot.reload_at_start:
-        # Started again after the others reloaded: the files as they applied them.
-        with contextlib.suppress(ConfigError):  # logged; the start-up config stays
-            # in the audit log already, by the worker that did it, unless none could
-            await app[RELOADER].reload("restart", record=slot.record_reload_at_start)
+    if record is not None:
+        # A SIGHUP came while no worker was serving: the parent applied it to the
+        # config this worker starts with; the audit log has it from here.
+        await app[RELOADER].record_applied("sighup", record)
     admin_runner: web.AppRunner | None = None
     janitor: asyncio.Task[None] | None = None
     try:

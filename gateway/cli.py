@@ -15,7 +15,7 @@ import select
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -37,6 +37,9 @@ from gateway.supervisor import Slot, Supervisor, reserve
 from gateway.telemetry import traces
 from gateway.telemetry.logs import LEVELS, configure_logging
 from leases.errors import LeaseError
+
+if TYPE_CHECKING:
+    from gateway.reload import Plan
 
 PROG = "sinkgate"
 
@@ -243,19 +246,60 @@ def _serve(args: argparse.Namespace) -> int:
     # these files, and on a disk the kernel would write those pages back.
     in_memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     metrics_files = tempfile.TemporaryDirectory(prefix="sinkgate-metrics-", dir=in_memory)
+    applied = _Applied(config)
     with listen, admin_listen, metrics_files as shared:
         supervisor = Supervisor(
             workers,
             listen.getsockname()[:2],
             admin_listen.getsockname()[:2],
-            lambda slot: _run_gateway(config, slot, metrics_directory=shared),
+            lambda slot: _run_gateway(
+                applied.config,
+                slot,
+                metrics_directory=shared,
+                record=applied.unrecorded if slot.record_reload_at_start else None,
+            ),
             exited=lambda pid: forget_process(pid, shared),
+            reread=applied.reread,
         )
         return supervisor.main()
 
 
+class _Applied:
+    """The parent's copy of the config the workers serve, brought up to date at
+    each reload they are told of, as they do it (`plan_reload`): a worker started
+    again is forked with it. Not the files as they are when it starts: a reload
+    that failed, or an edit nobody reloaded, would have it serve what the others
+    do not (another upstream, shorter retention)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.unrecorded: Plan | None = None  # a SIGHUP no worker took, for the next to record
+        self._unrecorded_from = config
+
+    def reread(self, alone: bool, earlier: bool) -> None:
+        from gateway.reload import plan_reload  # imported by the app already
+
+        base = self._unrecorded_from if alone and earlier else self.config
+        try:
+            plan = plan_reload(base)
+        except ConfigError as exc:
+            if alone:  # no worker says it
+                for line in exc.errors:
+                    structlog.get_logger("gateway.reload").error(
+                        "reload_failed", trigger="sighup", error=line
+                    )
+            return  # the workers keep what they serve, and so does this copy
+        if alone:  # one row for every change since the last one recorded
+            self._unrecorded_from, self.unrecorded = base, plan
+        self.config = plan.config
+
+
 def _run_gateway(
-    config: Config, slot: Slot | None = None, *, metrics_directory: str | None = None
+    config: Config,
+    slot: Slot | None = None,
+    *,
+    metrics_directory: str | None = None,
+    record: Plan | None = None,
 ) -> int:
     """`serve` in this process (or in worker `slot`, its metrics shared with the
     other workers' in `metrics_directory`); its exit status."""
@@ -265,7 +309,11 @@ def _run_gateway(
 
         share_between_processes(metrics_directory)
     app = _app()
-    main = app.serve(config) if slot is None else app.serve(config, started=slot.ready, slot=slot)
+    main = (
+        app.serve(config)
+        if slot is None
+        else app.serve(config, started=slot.ready, slot=slot, record=record)
+    )
     try:
         _run(main)
     except KeyboardInterrupt:

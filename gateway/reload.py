@@ -65,6 +65,37 @@ class Reloaded:
     refused: tuple[str, ...]  # keys whose change needs a restart
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a reload applies, worked out before anything changes (`plan_reload`)."""
+
+    config: Config  # the running config with what may change live changed
+    result: Reloaded
+    retention: tuple[str, ...]  # "audit_ttl 1d -> 7d", for the audit row
+    reread: Reread
+
+
+def plan_reload(old: Config) -> Plan:
+    """What a reload of `old`'s files applies as they are now; `ConfigError` if they
+    do not load. Pure: the parent of `--workers N` works out the same as each worker,
+    so that a worker it starts again serves what the others do."""
+    reread = reread_config(old)
+    new = reread.config
+    destinations = _keep_unchanged(old.destinations, new.destinations)
+    applied = replace(
+        old,
+        destinations=MappingProxyType(destinations),
+        **{name: getattr(new, name) for name in RELOADED},
+    )
+    retention = tuple(
+        f"{name} {format_duration(getattr(old, name))} -> {format_duration(getattr(new, name))}"
+        for name in ("idempotency_ttl", "rejections_ttl", "audit_ttl")
+        if getattr(new, name) != getattr(old, name)
+    )
+    result = _difference(old.destinations, destinations, _refused(old, reread))
+    return Plan(applied, result, retention, reread)
+
+
 class Reloader:
     """Re-reads the config files of `config` and applies what may change live."""
 
@@ -102,55 +133,53 @@ class Reloader:
         gateway writes the reload's audit row and counts it in
         `sinkgate_reloads_total` (`on_relayed`)."""
         async with self._lock:  # one at a time: each compares with the last applied
-            old = self.config
             try:
-                reread = reread_config(old)
+                plan = plan_reload(self.config)
             except ConfigError as exc:
                 for line in exc.errors:
                     log.error("reload_failed", trigger=trigger, error=line)
                 if record:  # as below: each worker fails a relayed reload, one counts it
                     self._metrics.reloads.labels("failed").inc()
                 raise
-            new = reread.config
-            refused = _refused(old, reread)
-            if reread.unread:
-                errors = [line for e in reread.unread for line in e.errors]
-                log.warning("reload_refused", trigger=trigger, keys=list(refused), errors=errors)
-            elif refused:
-                log.warning("reload_refused", trigger=trigger, keys=list(refused))
-            destinations = _keep_unchanged(old.destinations, new.destinations)
-            applied = replace(
-                old,
-                destinations=MappingProxyType(destinations),
-                **{name: getattr(new, name) for name in RELOADED},
-            )
+            result = plan.result
+            if plan.reread.unread:
+                errors = [line for e in plan.reread.unread for line in e.errors]
+                log.warning(
+                    "reload_refused", trigger=trigger, keys=list(result.refused), errors=errors
+                )
+            elif result.refused:
+                log.warning("reload_refused", trigger=trigger, keys=list(result.refused))
             if self._writes is not None:
-                await self._writes.apply(applied)
-            self.config = applied
-            result = _difference(old.destinations, destinations, refused)
-            log.info(
-                "reload_applied",
-                trigger=trigger,
-                destinations=list(result.destinations),
-                added=list(result.added),
-                changed=list(result.changed),
-                removed=list(result.removed),
-                idempotency_ttl_s=applied.idempotency_ttl,
-                rejections_ttl_s=applied.rejections_ttl,
-                audit_ttl_s=applied.audit_ttl,
-                operator=operator,
-            )
+                await self._writes.apply(plan.config)
+            self.config = plan.config
+            self._applied(trigger, plan, operator)
             if record:  # with --workers N, one reload is one count, as it is one row
                 self._metrics.reloads.labels("applied").inc()
-            retention = tuple(
-                f"{name} {format_duration(getattr(old, name))} -> "
-                f"{format_duration(getattr(new, name))}"
-                for name in ("idempotency_ttl", "rejections_ttl", "audit_ttl")
-                if getattr(new, name) != getattr(old, name)
-            )
-            if record:
-                await self._record(trigger, result, (remote, operator), retention)
+                await self._record(trigger, result, (remote, operator), plan.retention)
             return result
+
+    def _applied(self, trigger: str, plan: Plan, operator: str | None) -> None:
+        result, applied = plan.result, plan.config
+        log.info(
+            "reload_applied",
+            trigger=trigger,
+            destinations=list(result.destinations),
+            added=list(result.added),
+            changed=list(result.changed),
+            removed=list(result.removed),
+            idempotency_ttl_s=applied.idempotency_ttl,
+            rejections_ttl_s=applied.rejections_ttl,
+            audit_ttl_s=applied.audit_ttl,
+            operator=operator,
+        )
+
+    async def record_applied(self, trigger: str, plan: Plan) -> None:
+        """Log, count and record a reload this process started with already applied:
+        the parent of `--workers N` applied a SIGHUP that no worker was there to take,
+        and hands its `plan` to the next worker it starts."""
+        self._applied(trigger, plan, None)
+        self._metrics.reloads.labels("applied").inc()
+        await self._record(trigger, plan.result, (None, None), plan.retention)
 
     async def _record(
         self,

@@ -20,11 +20,13 @@ signals it handles and takes them one at a time with `sigtimedwait`.
   it with the operator who asked; the parent sends SIGUSR2 to every other one.
   A worker holds SIGHUP and SIGUSR2 until its handlers are in place, so one
   that starts meanwhile reloads then instead of dying of the signal.
+- At each of both, the parent works out the same reload (`reread`), so that
+  it holds the config the workers serve: not the one it started with, and not
+  the files as they are later (broken, or edited and not reloaded).
 - SIGCHLD: a worker that died is logged (exit code or signal) and started
-  again (after a reload, it reloads the files before it serves, as the others
-  did); one that dies within `STEADY_S` of its start waits before the next
-  try, twice as long each time up to `BACKOFF_MAX_S`, so a broken store or
-  config does not spin.
+  again, forked with that config; one that dies within `STEADY_S` of its
+  start waits before the next try, twice as long each time up to
+  `BACKOFF_MAX_S`, so a broken store does not spin.
 
 On the first start the workers start one after another; one that fails before
 it is serving fails the whole start: the others are stopped and the parent
@@ -69,11 +71,8 @@ class Slot:
     listen: tuple[str, int]
     admin_listen: tuple[str, int]
     ready_fd: int | None = None
-    # Started again after the others reloaded: it reloads too before it serves,
-    # or it would serve the config the parent started with.
-    reload_at_start: bool = False
-    # ...and records that reload in the audit log: a SIGHUP came while no worker
-    # was there to take it.
+    # A SIGHUP came while no worker was there to take it: the parent applied it
+    # (`Supervisor.reread`), this worker records it in the audit log.
     record_reload_at_start: bool = False
 
     def ready(self, info: object = None) -> None:
@@ -168,12 +167,15 @@ class Supervisor:
     admin_listen: tuple[str, int]
     run: Callable[[Slot], int]
     exited: Callable[[int], None] = lambda pid: None  # told each worker's pid once it is reaped
+    # Called at each reload the workers are told of, before a worker is started
+    # again, so that the config it forks with is what the workers apply; with
+    # (no worker takes this one, an earlier one no worker took is still to record).
+    reread: Callable[[bool, bool], None] = lambda alone, earlier: None
     clock: Callable[[], float] = time.monotonic
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
     due: dict[int, tuple[float, int]] = field(default_factory=dict)  # index -> (when, failures)
     stopping: bool = False
     failed_stop: bool = False
-    reloaded: bool = False  # a reload was passed on since the start
     unrecorded: bool = False  # a SIGHUP no worker took: the next to start records it
 
     def main(self) -> int:
@@ -216,9 +218,7 @@ class Supervisor:
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            slot = Slot(
-                index, self.listen, self.admin_listen, ready_fd, self.reloaded, self.unrecorded
-            )
+            slot = Slot(index, self.listen, self.admin_listen, ready_fd, self.unrecorded)
             _child(parent, slot, self.run)
         self.unrecorded = False
         if ready_fd is not None:
@@ -238,8 +238,8 @@ class Supervisor:
         elif signum == signal.SIGHUP:
             self._on_sighup()
         elif signum == RELOAD_ALL and info.si_pid in self.workers:
-            self.reloaded = True
             if not self.stopping:  # a draining worker has no reload to do
+                self.reread(False, False)
                 self._send(RELOAD_UNRECORDED, but=info.si_pid)
 
     def _on_sighup(self) -> None:
@@ -247,11 +247,11 @@ class Supervisor:
         one just started again (its start reload came before this one), or else the
         next to start. A worker dead but not reaped yet is never the one."""
         serving = set(self.workers)
-        self._reap()  # it may start again at once, on the files as they were
-        self.reloaded = True  # any worker started from now on reloads before it serves
+        self._reap()  # it may start again at once, with the config as it was
         if self.stopping:
             return
         candidates = [pid for pid in self.workers if pid in serving] or list(self.workers)
+        self.reread(not candidates, self.unrecorded)
         if not candidates:
             self.unrecorded = True
             return

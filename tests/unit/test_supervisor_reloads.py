@@ -1,14 +1,20 @@
 """Which worker of `serve --workers N` records a SIGHUP's reload in the audit log
-(one row per reload): the parent's choice, with the signals it sends recorded."""
+(one row per reload): the parent's choice, with the signals it sends recorded;
+and the parent's copy of the config the workers serve, which a worker started
+again is forked with."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
 from gateway import supervisor
+from gateway.cli import _Applied
+from gateway.config.model import load_config
 from gateway.supervisor import RELOAD_UNRECORDED, Supervisor, _Worker
+from tests.unit.test_config import UPSTREAM, write_config
 
 
 @pytest.fixture
@@ -18,11 +24,18 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return signals
 
 
-def parent(workers: dict[int, int]) -> Supervisor:
+def parent(workers: dict[int, int], rereads: list[tuple[bool, bool]] | None = None) -> Supervisor:
     def never(slot: object) -> int:
         raise AssertionError("no fork here")
 
-    s = Supervisor(len(workers), ("127.0.0.1", 0), ("127.0.0.1", 0), never)
+    told = [] if rereads is None else rereads
+    s = Supervisor(
+        len(workers),
+        ("127.0.0.1", 0),
+        ("127.0.0.1", 0),
+        never,
+        reread=lambda alone, earlier: told.append((alone, earlier)),
+    )
     s.workers = {pid: _Worker(index, 0.0) for pid, index in workers.items()}
     return s
 
@@ -32,11 +45,12 @@ def reaping(monkeypatch: pytest.MonkeyPatch, reap) -> None:
 
 
 def test_the_first_serving_worker_records_the_others_reload_unrecorded(sent, monkeypatch) -> None:
-    s = parent({101: 1, 100: 0, 102: 2})
+    rereads: list[tuple[bool, bool]] = []
+    s = parent({101: 1, 100: 0, 102: 2}, rereads)
     reaping(monkeypatch, lambda self: None)
     s._on_sighup()
     assert sent == [(100, signal.SIGHUP), (101, RELOAD_UNRECORDED), (102, RELOAD_UNRECORDED)]
-    assert s.reloaded and not s.unrecorded
+    assert rereads == [(False, False)] and not s.unrecorded
 
 
 def test_a_worker_dead_and_started_again_meanwhile_is_not_the_one(sent, monkeypatch) -> None:
@@ -54,19 +68,55 @@ def test_a_worker_dead_and_started_again_meanwhile_is_not_the_one(sent, monkeypa
 
 
 def test_with_no_worker_to_take_it_the_next_to_start_records_it(sent, monkeypatch) -> None:
-    s = parent({100: 0})
+    rereads: list[tuple[bool, bool]] = []
+    s = parent({100: 0}, rereads)
 
     def reap(self: Supervisor) -> None:
-        del self.workers[100]  # in backoff: started again later
+        self.workers.pop(100, None)  # in backoff: started again later
 
     reaping(monkeypatch, reap)
     s._on_sighup()
-    assert sent == [] and s.reloaded and s.unrecorded
+    assert sent == [] and rereads == [(True, False)] and s.unrecorded
+    s._on_sighup()  # another one before a worker is there: it adds to the first
+    assert rereads == [(True, False), (True, True)]
 
 
 def test_a_stopping_parent_relays_no_reload(sent, monkeypatch) -> None:
-    s = parent({100: 0, 101: 1})
+    rereads: list[tuple[bool, bool]] = []
+    s = parent({100: 0, 101: 1}, rereads)
     reaping(monkeypatch, lambda self: None)
     s.stopping = True
     s._on_sighup()
-    assert sent == []
+    assert sent == [] and rereads == []
+
+
+# --- the parent's copy of the config (serve --workers N) ----------------------------
+
+
+def test_the_parents_copy_follows_the_reloads_not_the_files(tmp_path: Path) -> None:
+    """What a worker started again is forked with: each reload as the workers apply
+    it, not a failed one, and not an edit nobody reloaded."""
+    path = write_config(tmp_path, pay=UPSTREAM)
+    applied = _Applied(load_config(path, {}))
+    (tmp_path / "destinations" / "refunds.toml").write_text(UPSTREAM)
+    applied.reread(False, False)
+    assert sorted(applied.config.destinations) == ["pay", "refunds"]
+    assert applied.unrecorded is None  # a worker took it and records it
+    (tmp_path / "destinations" / "broken.toml").write_text("upstream = \n")
+    applied.reread(False, False)  # failed: the workers keep what they serve
+    assert sorted(applied.config.destinations) == ["pay", "refunds"]
+    (tmp_path / "destinations" / "broken.toml").unlink()
+    (tmp_path / "destinations" / "refunds.toml").unlink()  # not reloaded
+    assert sorted(applied.config.destinations) == ["pay", "refunds"]
+
+
+def test_sighups_no_worker_took_are_one_row_for_the_next_worker(tmp_path: Path) -> None:
+    path = write_config(tmp_path, pay=UPSTREAM)
+    applied = _Applied(load_config(path, {}))
+    (tmp_path / "destinations" / "refunds.toml").write_text(UPSTREAM)
+    applied.reread(True, False)
+    (tmp_path / "destinations" / "ledger.toml").write_text(UPSTREAM)
+    applied.reread(True, True)  # before a worker was there to record the first
+    assert applied.unrecorded is not None
+    assert applied.unrecorded.result.added == ("ledger", "refunds")
+    assert sorted(applied.config.destinations) == ["ledger", "pay", "refunds"]

@@ -92,7 +92,7 @@ def test_the_workers_flag_is_the_count_each_worker_sees(
             self.run = a[2]
 
         def main(self) -> int:
-            return int(self.run(None))
+            return int(self.run(supervisor.Slot(0, ("127.0.0.1", 0), ("127.0.0.1", 0))))
 
     monkeypatch.setattr(cli, "Supervisor", OneRun)
     monkeypatch.setattr(
