@@ -42,10 +42,10 @@ _HOSTNAME = re.compile(
 
 # --- value parsers (raise ValueError; the loader adds file and key) ----------
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")  # ASCII digits: \d takes "٣"
 MAX_DURATION_S = 36500 * 86400.0
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_SIZE = re.compile(r"(\d+)(B|KiB|MiB|GiB)")
+_SIZE = re.compile(r"([0-9]+)(B|KiB|MiB|GiB)")
 _SIZE_UNITS = {"B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
 
 

@@ -261,6 +261,12 @@ def test_relative_times(value, expected):
     assert to_rfc3339(value, now, "--since") == expected
 
 
+def test_a_time_in_other_digits_is_left_to_the_gateway_to_refuse():
+    """`٣h` (Arabic-Indic 3) was read as 3h; the gateway's own filters refuse it."""
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+    assert to_rfc3339("٣h", now, "--since") == "٣h"
+
+
 async def test_a_reader_that_goes_away_gets_no_traceback(admin_url, token):
     """`sinkgate rejections --json | head -1`: the pipe closes under the writer."""
     read_end, write_end = os.pipe()

@@ -308,7 +308,10 @@ def test_parse_duration_accepts_units(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["ten", "10", "10 s", "-1s", "1w", "", "s", "1e3s", True, [1]])
+@pytest.mark.parametrize(
+    "value",
+    ["ten", "10", "10 s", "-1s", "1w", "", "s", "1e3s", True, [1], "٣s", "３s", "1.٥s"],
+)
 def test_parse_duration_refuses_anything_else(value: object) -> None:
     with pytest.raises(ValueError, match='expected a duration like "10s"'):
         parse_duration(value)
@@ -335,7 +338,9 @@ def test_parse_size_accepts_binary_units_and_plain_bytes(value: object, size: in
     assert parse_size(value) == size
 
 
-@pytest.mark.parametrize("value", ["1MB", "1 MiB", "1.5MiB", "1mib", "1024", "-1B", -1, True, 1.0])
+@pytest.mark.parametrize(
+    "value", ["1MB", "1 MiB", "1.5MiB", "1mib", "1024", "-1B", -1, True, 1.0, "２MiB"]
+)
 def test_parse_size_refuses_anything_else(value: object) -> None:
     with pytest.raises(ValueError, match='expected a size like "1MiB"'):
         parse_size(value)

@@ -43,7 +43,7 @@ TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 3.0
 CELL_MAX = 48
 
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)", re.ASCII)
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
