@@ -63,6 +63,14 @@ def test_a_key_applied_twice_is_a_duplicate_effect() -> None:
     assert list(found) == ["no_duplicate_effect"]
 
 
+def test_a_zombies_write_taken_is_a_violation_though_the_effects_look_clean() -> None:
+    """A zombie's write that lands first is the one the new holder is replayed:
+    the destination's record shows one effect per key, in order."""
+    clean = [effect(1, 1, "k0"), effect(2, 1, "k1")]
+    found = verdict(clean, stale_accepted=["zombie of j (generation 1) step 0: answered 201"])
+    assert list(found) == ["no_stale_write_accepted"]
+
+
 def test_completion_problems() -> None:
     ok = [effect(1, 2, "k0"), effect(2, 2, "k1")]
     assert list(verdict(ok, final={"j": None})) == ["completed_exactly_once"]
@@ -137,6 +145,7 @@ def test_bypassing_the_gateway_the_same_checks_find_violations(tmp_path: Path) -
     assert report["faults"]["upstream_drop_after_apply"] >= 1
     assert report["violations"]["no_duplicate_effect"] >= 1
     assert report["stale_writes"]["accepted"] >= 1
+    assert report["violations"]["no_stale_write_accepted"] >= 1
     # No write went through a reservation: the store holds no record of any.
     assert report["violations"]["effects_have_key_records"] >= 1
     assert "FAILED" in out

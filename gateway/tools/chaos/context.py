@@ -48,6 +48,7 @@ class Tally:
     stale_completions_attempted: int = 0
     stale_completions_rejected: Counter[str] = field(default_factory=Counter)
     stale_completions_accepted: int = 0
+    stale_accepted: list[str] = field(default_factory=list)  # what was taken, in words
     writes_rejected_in_hold: Counter[str] = field(default_factory=Counter)
     writes_sent: int = 0
     writes_applied: int = 0

@@ -23,6 +23,12 @@ Invariants (names as reported):
    (`--fenced-destination`: a late write of an older generation). With
    `--upstream-idempotent` the gateway forwards an unknown key again, so every
    key of a done job must be applied.
+5. `no_stale_write_accepted` - a worker that woke past its lease (a zombie) had
+   no write answered by the destination and no completion acknowledged: its
+   lease had expired (the pause is longer than the TTL), so the fence refuses
+   whatever it sends. The effects alone cannot show this: a zombie's write that
+   lands before the new holder's is the one the new holder gets replayed, and
+   the destination's record looks clean.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ INVARIANTS = (
     "no_duplicate_effect",
     "completed_exactly_once",
     "effects_of_completed_jobs",
+    "no_stale_write_accepted",
 )
 
 
@@ -75,12 +82,15 @@ def judge(
     upstream_idempotent: bool,
     gateways_killed: bool,
     fenced: Mapping[str, int] | None = None,
+    stale_accepted: Iterable[str] = (),
 ) -> Findings:
     """Check the four invariants; `jobs` maps each job to its keys, `final` each job
     to its lease in the store, `completions` each job to the generations whose
     completion the store acknowledged (200) and `confirmed` to a generation whose
-    completion answer was lost but which the store shows as done."""
+    completion answer was lost but which the store shows as done; `stale_accepted`
+    says what a zombie sent that was taken."""
     findings = Findings()
+    findings.violations["no_stale_write_accepted"].extend(stale_accepted)
     ours = [e for e in sorted(effects, key=lambda e: int(e["seq"])) if e["job_id"] in jobs]
     _stale(ours, findings.violations["no_stale_effect"])
     applied = Counter(str(e["key"]) for e in ours)

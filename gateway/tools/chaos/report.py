@@ -92,6 +92,7 @@ def _findings(
         upstream_idempotent=args.upstream_idempotent,
         gateways_killed=killed,
         fenced=late_mode.fenced_keys(record),
+        stale_accepted=tally.stale_accepted,
     )
 
 

@@ -267,6 +267,11 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
                     await asyncio.sleep(0.2)
                     continue
                 tally.stale_writes_accepted += 1
+                replayed = " (a replay)" if result.replayed else ""
+                tally.stale_accepted.append(
+                    f"zombie of {job} (generation {zombie.lease.generation}) step {step}: "
+                    f"answered {result.status}{replayed}"
+                )
                 if 200 <= result.status < 300:
                     key = derive_key(job, step_name(step))
                     tally.acknowledged[key] = asyncio.get_running_loop().time()
@@ -280,6 +285,9 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
         tally.stale_completions_rejected[Reason.STORE_UNAVAILABLE] += 1
     else:
         tally.stale_completions_accepted += 1
+        tally.stale_accepted.append(
+            f"zombie of {job} (generation {zombie.lease.generation}): completion acknowledged"
+        )
         tally.completions.setdefault(job, []).append(zombie.lease.generation)
 
 
