@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 __all__ = [
     "check_readable",
+    "postgres_hosts",
     "redact_url",
     "shown_scheme",
     "shown_url",
@@ -47,12 +48,36 @@ def url_problem(url: str) -> str | None:
         return unreadable_url(exc)
     if parts.netloc.count("@") > 1:
         return "an @ in its user or password must be percent-encoded (%40)"
+    if not all(_port_ok(port) for _, port in postgres_hosts(url)):
+        return "a port in it is not a number from 1 to 65535"
     if parts.query:
         try:
             parse_qs(parts.query, strict_parsing=True)
         except ValueError:
             return "its query is not name=value pairs joined by &"
     return None
+
+
+def postgres_hosts(url: str) -> list[tuple[str, str]]:
+    """Each `(host, port)` written in a postgresql:// URL's authority (asyncpg
+    takes a comma-separated list, and `[v6]:port`); "" where either is left out.
+    A socket directory (`%2Frun%2Fpostgresql`, or `?host=`) is not a host here."""
+    netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    found: list[tuple[str, str]] = []
+    for spec in netloc.rpartition("@")[2].split(","):
+        if spec.startswith("["):
+            host, _, after = spec[1:].partition("]")
+            # anything but `:port` after the brackets is a bad port
+            port = after[1:] if after.startswith(":") else after
+        else:
+            host, _, port = spec.rpartition(":") if ":" in spec else (spec, "", "")
+            host = unquote(host)
+        found.append(("" if host.startswith("/") else host, port))
+    return found
+
+
+def _port_ok(port: str) -> bool:
+    return not port or (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 def check_readable(url: str) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import unquote
 
 from gateway.config.reader import (
     MiB,
@@ -31,7 +30,7 @@ from gateway.config.reader import (
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
 from leases.model import VISIBLE
-from leases.urls import shown_url, url_problem
+from leases.urls import postgres_hosts, shown_url, url_problem
 
 DEFAULT_ADMIN_TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -260,10 +259,7 @@ def store_url(t: Table, name: str) -> str:
         problem = url_problem(url)  # as asyncpg reads it: its errors quote the password
         if problem is not None:
             raise t.error(name, f"the URL cannot be read: {problem}")
-        hosts = _postgres_hosts(url)
-        if not all(_port_ok(port) for _, port in hosts):
-            raise t.error(name, "a port in the URL is not a number from 1 to 65535")
-        for host, _ in hosts:
+        for host, _ in postgres_hosts(url):
             problem = host_name_problem(host)
             if problem is not None:  # the host alone: the rest may hold a password
                 raise t.error(name, f"{show(host)} in the URL is not a host name: {problem}")
@@ -287,28 +283,6 @@ def store_url(t: Table, name: str) -> str:
 
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}")  # RFC 3986 3.1
-
-
-def _postgres_hosts(url: str) -> list[tuple[str, str]]:
-    """Each `(host, port)` written in a postgresql:// URL's authority (asyncpg
-    takes a comma-separated list, and `[v6]:port`); "" where either is left out.
-    A socket directory (`%2Frun%2Fpostgresql`, or `?host=`) is not a host here."""
-    netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
-    found: list[tuple[str, str]] = []
-    for spec in netloc.rpartition("@")[2].split(","):
-        if spec.startswith("["):
-            host, _, after = spec[1:].partition("]")
-            # anything but `:port` after the brackets is a bad port
-            port = after[1:] if after.startswith(":") else after
-        else:
-            host, _, port = spec.rpartition(":") if ":" in spec else (spec, "", "")
-            host = unquote(host)
-        found.append(("" if host.startswith("/") else host, port))
-    return found
-
-
-def _port_ok(port: str) -> bool:
-    return not port or (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 def fencing(t: Table, name: str) -> Fencing:

@@ -195,6 +195,12 @@ def _configs(workdir: Path) -> str:
         (["--ttl", "nan"], "must be a finite number > 0"),
         (["--duration", "inf"], "must be a finite number > 0"),
         (["--json", "/nonexistent-dir/r.json"], "no such directory for the report"),
+        (["--json", "/"], "a directory, not a file for the report"),
+        (["--json", "/proc/r.json"], "--json /proc/r.json: cannot be written"),
+        (
+            ["--store", "postgresql://u:s3cret@127.0.0.1:notaport/db"],
+            "--store: the URL cannot be read: a port in it is not a number from 1 to 65535",
+        ),
         (["--gateways", "65"], "--gateways: at most 64, got 65"),
         (["--gateways", "1.5"], "expected an integer, got '1.5'"),
         (["--store", "data/Plain.db"], "--store: expected sqlite:///path or postgresql://..."),

@@ -483,11 +483,11 @@ def test_parse_upstream_refuses(text: str) -> None:
         ),
         (  # asyncpg would refuse it only at start-up, with a traceback
             '[store]\nurl = "postgresql://postgres:pw@127.0.0.1:notaport/test"\n',
-            "store.url: a port in the URL is not a number from 1 to 65535",
+            "store.url: the URL cannot be read: a port in it is not a number from 1 to 65535",
         ),
         (
             '[store]\nurl = "postgres://h1:5432,h2:99999/db"\n',
-            "store.url: a port in the URL is not a number from 1 to 65535",
+            "store.url: the URL cannot be read: a port in it is not a number from 1 to 65535",
         ),
         (  # asyncpg reads it with urllib: a ValueError traceback in check-config --connect
             '[store]\nurl = "postgresql://postgres:pw@[::1/db"\n',

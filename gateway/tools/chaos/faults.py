@@ -298,12 +298,13 @@ class SQLiteFaults(StoreFaults):
 
     async def inject(self, kind: str, pending: Callable[[], list[str]]) -> None:
         if kind == "write_lock":
-            if self.rng.random() < 0.25:
+            long = self.rng.random() < 0.25
+            if long:
                 seconds = BUSY_TIMEOUT_S + self.rng.uniform(0.5, 1.5)
-                self.long_holds += 1
             else:
                 seconds = self.rng.uniform(0.3, 2.0)
             await asyncio.to_thread(_hold_write_lock, self.path, seconds)
+            self.long_holds += long  # counted once held: a hold that failed is no fault
         else:
             self._limit_file_size()
             try:

@@ -152,6 +152,20 @@ def _add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why the report could not be written at `path` (None: it can), found by
+    opening it as the end of the run will (a file made here is removed again)."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
 def settings_problem(args: argparse.Namespace) -> str | None:
     """Settings that would only fail once the run is under way (every worker's claim
     refused, the report unwritable), refused up front: exit 2, never counted as
@@ -175,6 +189,12 @@ def settings_problem(args: argparse.Namespace) -> str | None:
         return "--max-pause must be at least 1.3 x --ttl"
     if (problem := late_mode.settings_problem(args)) is not None:
         return problem
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        return f"--json {args.json}: no such directory for the report"
+    if args.json:
+        report = Path(args.json).resolve()
+        if not report.parent.is_dir():
+            return f"--json {args.json}: no such directory for the report"
+        if report.is_dir():
+            return f"--json {args.json}: a directory, not a file for the report"
+        if (problem := _unwritable(report)) is not None:
+            return f"--json {args.json}: cannot be written: {problem}"
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -143,8 +144,11 @@ class FaultPlan:
         await self.calm()
         for proxy in self.proxies.values():
             await proxy.stop()
-        if self.db is not None and not self.keep:
-            await self.db.drop()
+        if self.db is not None:
+            if self.keep:
+                print(f"run database kept: {self.db.name}", file=sys.stderr)
+            else:
+                await self.db.drop()
 
     def explain_drops(self, record: dict[str, Any]) -> None:
         """Count the requests the destination's proxy cut before they all arrived,

@@ -96,6 +96,9 @@ def _free_port_within(within: range, avoid: Collection[int]) -> int:
 
 def _bindable(port: int) -> bool:
     with socket.socket() as sock:
+        # As the servers that take the port bind it: through the TIME-WAIT an
+        # earlier run's connections leave (back-to-back runs in a small --ports).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

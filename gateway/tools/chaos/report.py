@@ -149,7 +149,7 @@ def render(report: dict[str, Any]) -> str:
             for key in sorted(value):
                 walk(f"{prefix}.{key}" if prefix else key, value[key])
         elif prefix not in ("settings", "mode", "elapsed_s"):
-            lines.append(f"  {prefix:<44} {value}")
+            lines.append(f"  {prefix:<44} {'none' if value == {} else value}")
 
     for key in ("jobs", "claims", "pauses_past_lease", "stale_writes", "stale_completions",
                 "writes", "leases_lost", "rejections", "faults", "store_unavailable", "destination",

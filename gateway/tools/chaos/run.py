@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             print(f"sinkgate chaos: cannot write --json {args.json}: {exc}", file=sys.stderr)
-            return 2
+            return 1 if report["violation_count"] else 2  # a violation is never exit 2
     return 1 if report["violation_count"] else 0
 
 
@@ -98,9 +98,9 @@ def _store_url(given: str | None, workdir: Path) -> str:
     if given is None:
         return f"sqlite:///{workdir / 'chaos.db'}"
     scheme, sep, rest = given.partition(":///")
-    if scheme == "sqlite" and sep and not rest.startswith("/"):
+    if scheme.lower() == "sqlite" and sep:  # the scheme in any case, as the gateway reads it
         # Relative to where the command runs, not to the generated config file.
-        return f"sqlite:///{Path(rest).resolve()}"
+        return f"sqlite:///{rest if rest.startswith('/') else Path(rest).resolve()}"
     return given
 
 
@@ -108,15 +108,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="sinkgate-chaos-"))
     started = time.monotonic()
     ports = Ports(args.ports)
-    destination = Destination(
-        workdir,
-        seed=args.seed,
-        fault_rate=args.upstream_faults,
-        max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
-        idempotent=args.upstream_idempotent,
-        ports=ports,
-        extra_args=late_mode.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
-    )
+    try:  # the destination takes its port here: none left, and the work dir goes too
+        destination = Destination(
+            workdir,
+            seed=args.seed,
+            fault_rate=args.upstream_faults,
+            max_latency=min(0.5, GATEWAY_TIMEOUT_S / 4),
+            idempotent=args.upstream_idempotent,
+            ports=ports,
+            extra_args=late_mode.destination_args(args, workdir, GATEWAY_TIMEOUT_S),
+        )
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     gateways: list[GatewayProcess] = []
     rejections: Counter[str] = Counter()
     session = aiohttp.ClientSession(
