@@ -160,19 +160,32 @@ def _terminate(conn: Conn) -> None:
         conn.terminate()
 
 
+class CannotConnect(OSError):
+    """The server refused a new connection of the pool, in an error of its own
+    (`database ... is not currently accepting connections` is SQLSTATE 55000, a
+    role that may not log in 28000): an outage like a refused socket, whatever
+    the SQLSTATE; nothing was sent."""
+
+
 @asynccontextmanager
 async def connection(pool: Any, wait: float | None) -> AsyncIterator[Conn]:
     """A pooled connection for one operation, waited for at most `wait` seconds
     (None: as long as it takes). One that is `unusable` after what it raised (a
     statement timed out, the caller was cancelled, the connection was lost) is
     closed rather than put back (see the module doc)."""
-    async with pool.acquire(timeout=wait) as conn:
-        try:
-            yield conn
-        except BaseException as exc:
-            if unusable(exc):
-                _terminate(conn)
-            raise
+    acquiring = pool.acquire(timeout=wait)
+    try:
+        conn = await acquiring.__aenter__()
+    except asyncpg.PostgresError as exc:
+        raise CannotConnect(f"{type(exc).__name__}: {exc}") from exc
+    try:
+        yield conn
+    except BaseException as exc:
+        if unusable(exc):
+            _terminate(conn)
+        raise
+    finally:
+        await acquiring.__aexit__(None, None, None)
 
 
 @asynccontextmanager

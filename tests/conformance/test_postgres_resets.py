@@ -229,3 +229,33 @@ async def test_without_its_attempt_found_the_call_run_again_refuses_its_own_writ
         assert verdict.decision.reason == "request_in_progress"
     finally:
         await store.close()
+
+
+async def test_an_outcome_outlives_a_database_that_refuses_connections(url: str) -> None:
+    """`ALLOW_CONNECTIONS false` and every backend terminated while a forward is out:
+    each new connection is refused with SQLSTATE 55000, which is no connection
+    class. The outcome was not sent again (a write the upstream applied was left
+    `unknown`); a refused connection is an outage whatever its SQLSTATE."""
+    database = url.rsplit("/", 1)[1]
+    store = await PostgresStore.open(url, min_size=1, max_size=4)
+    admin = await asyncpg.connect(PG_ADMIN_URL)
+    try:
+        facts = write(job_id="job-refused", key="key-refused")
+        verdict = await store.decide_write(facts, CONTEXT)
+        assert verdict.attempt is not None
+        await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        await admin.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            database,
+        )
+        recording = asyncio.create_task(store.record_outcome(facts, verdict.attempt, COMPLETED))
+        await eventually(lambda: store.outcome_retries >= 2, within=10)
+        await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        assert await asyncio.wait_for(recording, 10) is True
+        record = await store.key_record("pay", "key-refused")
+        assert record is not None and record.state is KeyState.COMPLETED
+    finally:
+        await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        await admin.close()
+        await store.close()
