@@ -156,6 +156,7 @@ def _renderers(json: bool, shared: list[Processor]) -> tuple[Processor, Processo
 def _route_stdlib(shared: list[Processor], renderer: Processor, level_no: int) -> None:
     """Standard-library records through the same fields, to stderr."""
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_warning_without_traceback)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
@@ -165,6 +166,20 @@ def _route_stdlib(shared: list[Processor], renderer: Processor, level_no: int) -
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level_no)
+
+
+def _warning_without_traceback(record: logging.LogRecord) -> bool:
+    """A library's warning that carries its exception (asyncpg's pool, retrying a
+    connection while the database refuses them) in one line: the exception's type
+    and words after the message, not a traceback of the library's frames."""
+    if record.exc_info and record.levelno < logging.ERROR:
+        exc = record.exc_info[1]
+        if exc is not None:
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
+            record.args = None
+        record.exc_info = None
+        record.exc_text = None
+    return True
 
 
 def _dumps(event: dict[str, Any], **kw: Any) -> bytes:

@@ -89,3 +89,26 @@ def test_utc_timestamp_is_structlogs_iso_format(
     second, rest = divmod(nanos, 10**9)
     moment = datetime.fromtimestamp(second, UTC).replace(microsecond=rest // 1000)
     assert utc_timestamp() == moment.isoformat().replace("+00:00", "Z")
+
+
+def test_a_librarys_warning_is_one_line_without_its_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """asyncpg's pool warns with its exception, every retry, while the database
+    refuses connections: a traceback of the driver's frames in every line."""
+    import logging
+
+    configure_logging("info", json=True)
+    pool = logging.getLogger("asyncpg.pool")
+    try:
+        raise ConnectionError("the database is not accepting connections")
+    except ConnectionError:
+        pool.warning("Failed to restore the pool connection floor; retrying", exc_info=True)
+        pool.error("and an error keeps it", exc_info=True)
+    warning, error = _lines(capsys)
+    assert "exception" not in warning and warning["logger"] == "asyncpg.pool"
+    assert warning["event"] == (
+        "Failed to restore the pool connection floor; retrying: ConnectionError: "
+        "the database is not accepting connections"
+    )
+    assert error["exception"]
