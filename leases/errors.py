@@ -98,6 +98,20 @@ class StoreUnavailable(LeaseError):
         self.status = status
 
 
+class ForeignTables(LeaseError):
+    """Tables of sinkgate's names that no sinkgate release recorded: refused at open,
+    left unchanged (`CREATE TABLE IF NOT EXISTS` would take them as they are)."""
+
+    def __init__(self, component: str, tables: list[str]) -> None:
+        super().__init__(
+            f"table{'s' * (len(tables) > 1)} {', '.join(tables)} already in this database "
+            f"(and search_path schema), not made by sinkgate: the {component} schema is not "
+            "recorded in sinkgate_schema. Give sinkgate a database or schema of its own"
+        )
+        self.component = component
+        self.tables = tables
+
+
 class SchemaTooNew(LeaseError):
     """The database was written by a newer release: refused at open, left unchanged."""
 

@@ -51,7 +51,14 @@ import asyncpg  # type: ignore[import-untyped]
 
 from . import model
 from .base import Closing
-from .errors import JobCompleted, LeaseHeld, SchemaTooNew, StoreUnavailable, refused
+from .errors import (
+    ForeignTables,
+    JobCompleted,
+    LeaseHeld,
+    SchemaTooNew,
+    StoreUnavailable,
+    refused,
+)
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
 from .urls import check_readable, shown_scheme
 
@@ -284,6 +291,28 @@ async def ensure_component(conn: Conn, component: str, version: int) -> None:
         )
 
 
+async def component_version(conn: Conn, component: str) -> int | None:
+    """`component`'s recorded schema version (None: none, or no sinkgate_schema)."""
+    if await conn.fetchval("SELECT to_regclass('sinkgate_schema')") is None:
+        return None
+    version: int | None = await conn.fetchval(
+        "SELECT version FROM sinkgate_schema WHERE component = $1", component
+    )
+    return version
+
+
+async def refuse_foreign_tables(conn: Conn, component: str, tables: tuple[str, ...]) -> None:
+    """Before `component`'s first DDL (no version recorded): `ForeignTables` if any
+    of its `tables` is already in the schema its DDL would create them in."""
+    found = await conn.fetch(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = current_schema() AND c.relname = ANY($1::text[]) ORDER BY 1",
+        list(tables),
+    )
+    if found:
+        raise ForeignTables(component, [str(row[0]) for row in found])
+
+
 async def ensure_schema(conn: Conn) -> None:
     """Create the lease tables and record component 'leases' at version 1.
 
@@ -293,6 +322,8 @@ async def ensure_schema(conn: Conn) -> None:
     """
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+        if await component_version(conn, "leases") is None:
+            await refuse_foreign_tables(conn, "leases", ("leases",))
         await conn.execute(_LEASES_DDL)
         await ensure_component(conn, "leases", LEASES_SCHEMA_VERSION)
 

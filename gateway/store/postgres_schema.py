@@ -11,7 +11,13 @@ from gateway.store import postgres_admin
 from gateway.store.postgres_batch import DECIDE_FUNCTION_DDL
 from gateway.store.postgres_notify import NOTIFY_DDL
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION_DDL
-from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
+from leases.postgres import (
+    SCHEMA_LOCK_KEY,
+    Conn,
+    component_version,
+    ensure_component,
+    refuse_foreign_tables,
+)
 
 # v2: the audit log and the summary's index (postgres_admin).
 # v3: a keyed write's barrier lives in its key's row (`barrier_until`, read
@@ -27,6 +33,8 @@ from leases.postgres import SCHEMA_LOCK_KEY, Conn, ensure_component
 # (a column more: each replay's row, sent once per run of a key); v1 is left in
 # place for the replicas of the release before.
 GATEWAY_SCHEMA_VERSION = 6
+# The tables the DDL below and the audit log's create (checked before the first).
+GATEWAY_TABLES = ("fences", "idempotency", "attempts", "rejections", "audit")
 
 GATEWAY_DDL = """
 CREATE TABLE IF NOT EXISTS fences (
@@ -110,9 +118,9 @@ async def init_schema(conn: Conn) -> None:
     created or replaced at every start (that locks no table)."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
-        current = await conn.fetchval(
-            "SELECT version FROM sinkgate_schema WHERE component = 'gateway'"
-        )
+        current = await component_version(conn, "gateway")
+        if current is None:
+            await refuse_foreign_tables(conn, "gateway", GATEWAY_TABLES)
         if current != GATEWAY_SCHEMA_VERSION:
             await conn.execute(GATEWAY_DDL)
             await postgres_admin.migrate(conn)

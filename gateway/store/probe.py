@@ -14,6 +14,7 @@ import os
 import socket
 import sqlite3
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from gateway.errors import GatewayError, os_error_words
@@ -138,14 +139,35 @@ async def _postgres_status(url: str) -> str:
     ) as exc:
         raise ProbeFailed(postgres_trouble(url, exc)) from exc
     try:
-        rows = await conn.fetch(_VERSION_SQL)
-    except asyncpg.PostgresError as exc:
-        if getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE:
-            return schema_words(None, current)
-        raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
+        try:
+            rows = await conn.fetch(_VERSION_SQL)
+        except asyncpg.PostgresError as exc:
+            if getattr(exc, "sqlstate", None) != _UNDEFINED_TABLE:
+                raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
+            rows = []
+        versions = {str(c): int(v) for c, v in rows}
+        await _foreign_tables(conn, versions)
     finally:
         await conn.close()
-    return schemas_words({str(c): int(v) for c, v in rows}, current, leases)
+    if not versions:
+        return schema_words(None, current)
+    return schemas_words(versions, current, leases)
+
+
+async def _foreign_tables(conn: Any, versions: dict[str, int]) -> None:
+    """`ProbeFailed` where `serve` would refuse tables it did not make (see
+    `leases.postgres.refuse_foreign_tables`)."""
+    from gateway.store.postgres_schema import GATEWAY_TABLES
+    from leases.errors import ForeignTables
+    from leases.postgres import refuse_foreign_tables
+
+    try:
+        if "leases" not in versions:
+            await refuse_foreign_tables(conn, "leases", ("leases",))
+        if "gateway" not in versions:
+            await refuse_foreign_tables(conn, "gateway", GATEWAY_TABLES)
+    except ForeignTables as exc:
+        raise ProbeFailed(str(exc)) from exc
 
 
 def postgres_trouble(url: str, exc: BaseException) -> str:
