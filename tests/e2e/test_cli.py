@@ -263,7 +263,7 @@ def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -
     ("url", "says"),
     [
         # refused by check-config and serve alike
-        ("postgresql://postgres:pw@127.0.0.1:notaport/test", "a port in the URL is not a number"),
+        ("postgresql://postgres:pw@127.0.0.1:notaport/test", "a port in it is not a number"),
         # asyncpg checks its options only when connecting
         ("postgresql://postgres:pw@127.0.0.1:1/test?sslmode=bogus", "`sslmode` parameter"),
     ],
