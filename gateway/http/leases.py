@@ -241,7 +241,12 @@ def _refusal(exc: Exception, job_id: str | None) -> Rejection:
             current_generation=exc.current_generation,
         )
     if isinstance(exc, StoreUnavailable):
-        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), job_id=job_id)
+        # The driver's words are logged, not answered: they name the database
+        # (the lease API needs no token unless configured to).
+        log.warning("store_unavailable", op="lease", error=str(exc), job_id=job_id)
+        return Rejection(
+            Reason.STORE_UNAVAILABLE, "the lease store did not answer; retry", job_id=job_id
+        )
     # ValueError: the store's own argument check; nothing was written
     return invalid_request(str(exc), job_id=job_id)
 

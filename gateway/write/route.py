@@ -325,9 +325,12 @@ class WriteGateway:
         return round(elapsed * 1000, 3)
 
     def _unavailable(self, facts: WriteFacts, exc: StoreUnavailable) -> Rejection:
-        """The refusal of a write the store could not decide."""
+        """The refusal of a write the store could not decide: the driver's words in
+        the log, for the operator, not in the answer (they name the database, its
+        tables and columns, to anybody who can reach the write listener)."""
         self.metrics.store_errors.labels("decide").inc()
-        return Rejection(Reason.STORE_UNAVAILABLE, str(exc), **_write_members(facts))
+        log.warning("store_unavailable", op="decide", error=str(exc), **_write_members(facts))
+        return Rejection(Reason.STORE_UNAVAILABLE, STORE_DOWN_DETAIL, **_write_members(facts))
 
     async def _forward_shielded(
         self,
@@ -513,7 +516,13 @@ class WriteGateway:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("record_rejection").inc()
-            raise Rejection(Reason.STORE_UNAVAILABLE, str(exc), destination=destination) from exc
+            log.warning("store_unavailable", op="record_rejection", error=str(exc))
+            detail = "the store could not record this refusal; retry"
+            raise Rejection(Reason.STORE_UNAVAILABLE, detail, destination=destination) from exc
+
+
+# What a worker is told when the store could not decide its write.
+STORE_DOWN_DETAIL = "the store could not decide this write; nothing was forwarded: retry"
 
 
 class _Deciding:

@@ -868,13 +868,26 @@ async def test_redirects_are_relayed_not_followed(gw: Gateway, upstream: Recordi
     assert len(upstream.received) == 1
 
 
-async def test_store_unavailable_fails_closed(gw: Gateway, upstream: RecordingUpstream) -> None:
+async def test_store_unavailable_fails_closed(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await gw.claim("job-1")
-    await gw.store.close()
-    result = await gw.write("/to/pay/x")
-    assert_rejected(result, 503, "store_unavailable")
+    driver = "PostgreSQL write decision failed: UndefinedColumnError: column l.job_id"
+
+    async def failing(*args: object) -> None:
+        raise StoreUnavailable(driver)
+
+    monkeypatch.setattr(gw.store, "decide_write", failing)
+    monkeypatch.setattr(gw.store, "start_decision", None, raising=False)
+    with structlog.testing.capture_logs() as logs:
+        result = await gw.write("/to/pay/x")
+    doc = assert_rejected(result, 503, "store_unavailable")
     assert result[1]["Retry-After"] == "1"  # the same write may succeed later
     assert upstream.received == []
+    # The driver's words (the database's names) are for the operator's log only.
+    assert "UndefinedColumnError" not in doc["detail"] and "retry" in doc["detail"]
+    [line] = [e for e in logs if e["event"] == "store_unavailable"]
+    assert line["error"] == driver and line["op"] == "decide"
 
 
 def store_errors(gw: Gateway, op: str) -> float:

@@ -514,6 +514,9 @@ async def test_closed_store_is_503_store_unavailable(
     status, headers, doc = await api.call(method, path, body)
     assert_problem(status, headers, doc, 503, "store_unavailable")
     assert "Retry-After" in headers
+    # the store's own words ("store is closed", a driver's naming the database) are
+    # logged, not answered: the lease API may need no token
+    assert doc["detail"] == "the lease store did not answer; retry"
 
 
 async def test_one_log_line_per_lease_decision(api: Api) -> None:
