@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the process exit status."""
     try:
         return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        # Ctrl-C where a command has no handler of its own (`demo`, imports at
+        # start): one line, not a traceback; 130 as a shell reports SIGINT.
+        print("\nsinkgate: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # a socket's, not the reader's: a failure to see
@@ -206,7 +211,7 @@ def _load(args: argparse.Namespace) -> Config | None:
     except ConfigError as exc:
         for line in exc.errors:
             _error(line)
-        if not os.path.exists(given):
+        if not os.path.exists(given) and not args.config and not os.environ.get(CONFIG_ENV):
             _error("no config file: run `sinkgate init` to write one, or pass --config PATH")
         return None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json as stdlib_json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -147,7 +148,12 @@ def _renderers(json: bool, shared: list[Processor]) -> tuple[Processor, Processo
             logger_factory = TurnBufferedLoggerFactory(binary)
     else:
         # Plain tracebacks: rich ones would print frame locals, which may hold secrets.
-        renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+        # Colours only on a terminal, and not under NO_COLOR (no-color.org): a file
+        # or a pipe gets the text without escape codes.
+        colours = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=colours, exception_formatter=structlog.dev.plain_traceback
+        )
         structlog_renderer = renderer
         logger_factory = structlog.WriteLoggerFactory(file=sys.stderr)
     return renderer, structlog_renderer, logger_factory

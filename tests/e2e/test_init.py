@@ -117,6 +117,27 @@ def test_serve_without_a_config_file_says_to_run_init(tmp_path: Path) -> None:
     ]
 
 
+def test_a_config_named_and_missing_is_one_line(tmp_path: Path) -> None:
+    """It said "or pass --config PATH" to a user who had."""
+    result = sinkgate(tmp_path, "serve", "--config", "elsewhere/gateway.toml")
+    assert result.returncode == 1
+    assert result.stderr == "sinkgate: elsewhere/gateway.toml: cannot read: no such file\n"
+
+
+def test_an_interrupt_without_a_handler_is_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during `demo` printed a CancelledError and a KeyboardInterrupt traceback."""
+    from gateway import cli
+
+    def interrupted(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["demo"]) == 130
+    assert capsys.readouterr().err.strip() == "sinkgate: interrupted"
+
+
 def test_every_key_is_in_the_templates_that_init_writes() -> None:
     """The templates document every key: a key added to keys.py and not to them fails."""
     gateway, example = template("gateway.toml"), template("example.toml")

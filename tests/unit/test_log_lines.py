@@ -112,3 +112,13 @@ def test_a_librarys_warning_is_one_line_without_its_traceback(
         "the database is not accepting connections"
     )
     assert error["exception"]
+
+
+def test_console_lines_to_a_pipe_carry_no_colour_codes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--log-format console 2> file` wrote ANSI escapes into the file."""
+    configure_logging("info", json=False)
+    structlog.get_logger("gateway.cli").info("serving", listen="127.0.0.1:8480")
+    err = capsys.readouterr().err
+    assert "serving" in err and "\x1b[" not in err
