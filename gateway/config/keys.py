@@ -129,11 +129,13 @@ class Section:
             if name not in t.data:
                 if key.required is not None:
                     t.report(name, f"missing: {key.required}")
+                    t.failed.add(name)
                 continue
             try:
                 values[name] = key.read(t, name)
             except ConfigError as exc:
                 t.problems.append(exc)
+                t.failed.add(name)
         return values
 
 
@@ -296,11 +298,13 @@ def methods(t: Table, name: str) -> frozenset[str]:
     given = t.strings(name)
     if not given:
         raise t.error(name, "expected at least one method")
+    errors = []
     for method in given:
         # CONNECT asks for a tunnel; TRACE echoes the request back, with the
         # secrets of [upstream_headers] the gateway added to it.
         if not _TOKEN.fullmatch(method) or method.upper() in ("CONNECT", "TRACE"):
-            raise t.error(name, f"not a method that can be forwarded: {show(method)}")
+            errors.append(t.error(name, f"not a method that can be forwarded: {show(method)}"))
+    _raise_all(t, errors)
     return frozenset(m.upper() for m in given)
 
 
@@ -308,24 +312,29 @@ def statuses(t: Table, name: str) -> frozenset[int]:
     value = t.data[name]
     if not isinstance(value, list):
         raise t.error(name, f"expected an array of status codes, got {show(value)}")
+    errors = []
     for status in value:
         if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
-            raise t.error(name, f"expected status codes 100..599, got {show(status)}")
-        if 200 <= status <= 299:
+            errors.append(t.error(name, f"expected status codes 100..599, got {show(status)}"))
+        elif 200 <= status <= 299:
             # A 2xx is the upstream saying it did it: releasing the key would
             # let a retry do it twice.
-            raise t.error(name, f"{status} is a success, not a status to retry")
+            errors.append(t.error(name, f"{status} is a success, not a status to retry"))
+    _raise_all(t, errors)
     return frozenset(value)
 
 
 def replay_headers(t: Table, name: str) -> tuple[str, ...]:
     names: dict[str, str] = {}
+    errors = []
     for header in t.strings(name):
         if not _TOKEN.fullmatch(header):
-            raise t.error(name, f"not a header name: {show(header)}")
-        if header.lower() in RESERVED_HEADERS:
-            raise t.error(name, f"{header} is hop-by-hop or set by the gateway")
-        names.setdefault(header.lower(), header)
+            errors.append(t.error(name, f"not a header name: {show(header)}"))
+        elif header.lower() in RESERVED_HEADERS:
+            errors.append(t.error(name, f"{header} is hop-by-hop or set by the gateway"))
+        else:
+            names.setdefault(header.lower(), header)
+    _raise_all(t, errors)
     return tuple(names.values())
 
 
@@ -333,31 +342,49 @@ def upstream_headers(t: Table, name: str) -> tuple[tuple[str, str], ...]:
     table = t.table(name, None)
     seen: set[str] = set()
     headers: list[tuple[str, str]] = []
+    errors = []
     for header, spec in table.data.items():
-        if not _TOKEN.fullmatch(header):
-            raise table.error(header, "not a valid header name")
-        if header.lower() in RESERVED_HEADERS:
-            raise table.error(header, "hop-by-hop or set by the gateway; it cannot be configured")
-        if header.lower() in seen:
-            raise table.error(header, "given twice (header names are case-insensitive)")
-        seen.add(header.lower())
-        if isinstance(spec, str):
-            value = spec
-        elif isinstance(spec, dict):
-            entry = table.table(header, ("env", "format"))
-            if "env" not in entry.data:
-                raise table.error(header, 'expected { env = "VAR" } with an optional format')
-            fmt = entry.string("format", "{}")
-            if fmt.count("{}") != 1:
-                raise entry.error("format", f'must contain "{{}}" exactly once, got {show(fmt)}')
-            value = fmt.replace("{}", secret(table, header, entry.env_name("env"), t.env))
-        else:
-            raise table.error(header, f'expected a string or {{ env = "VAR" }}, got {show(spec)}')
-        if not _HEADER_VALUE.fullmatch(value):
-            # Never echo the value: it is a secret.
-            raise table.error(header, "the value has control or non-ASCII characters")
-        headers.append((header, value))
+        try:
+            headers.append((header, _upstream_header(t, table, header, spec, seen)))
+        except ConfigError as exc:
+            errors.append(exc)
+    _raise_all(t, errors)
     return tuple(headers)
+
+
+def _upstream_header(t: Table, table: Table, header: str, spec: Any, seen: set[str]) -> str:
+    """One entry of [upstream_headers]: its value (a secret: never in a message)."""
+    if not _TOKEN.fullmatch(header):
+        raise table.error(header, "not a valid header name")
+    if header.lower() in RESERVED_HEADERS:
+        raise table.error(header, "hop-by-hop or set by the gateway; it cannot be configured")
+    if header.lower() in seen:
+        raise table.error(header, "given twice (header names are case-insensitive)")
+    seen.add(header.lower())
+    if isinstance(spec, str):
+        value = spec
+    elif isinstance(spec, dict):
+        entry = table.table(header, ("env", "format"))
+        if "env" not in entry.data:
+            raise table.error(header, 'expected { env = "VAR" } with an optional format')
+        fmt = entry.string("format", "{}")
+        if fmt.count("{}") != 1:
+            raise entry.error("format", f'must contain "{{}}" exactly once, got {show(fmt)}')
+        value = fmt.replace("{}", secret(table, header, entry.env_name("env"), t.env))
+    else:
+        raise table.error(header, f'expected a string or {{ env = "VAR" }}, got {show(spec)}')
+    if not _HEADER_VALUE.fullmatch(value):
+        # Never echo the value: it is a secret.
+        raise table.error(header, "the value has control or non-ASCII characters")
+    return value
+
+
+def _raise_all(t: Table, errors: list[ConfigError]) -> None:
+    """Every error of a list or table's entries, not only its first: all but the
+    last are collected with the load's others, the last raised (as one would be)."""
+    if errors:
+        t.problems.extend(errors[:-1])
+        raise errors[-1]
 
 
 # --- the declarations -------------------------------------------------------------

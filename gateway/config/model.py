@@ -452,6 +452,8 @@ def _destination(
     if "connect_timeout" not in t.data:
         # The 2 s default never exceeds a shorter timeout; only an explicit value can.
         values["connect_timeout"] = min(values["connect_timeout"], values["timeout"])
+    elif t.failed & {"timeout", "connect_timeout"}:
+        pass  # said already; the other is not compared with a default
     elif values["connect_timeout"] > values["timeout"]:
         t.report(
             "connect_timeout", f"must not exceed timeout ({format_duration(values['timeout'])})"

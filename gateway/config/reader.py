@@ -232,6 +232,9 @@ class Table:
         self.env: Mapping[str, str] = env if env is not None else {}
         self.base = base if base is not None else Path()
         self.problems = problems if problems is not None else Problems()
+        # Keys `Section.read` could not read: a check across keys skips them (it
+        # would compare with the default the failed key was given).
+        self.failed: set[str] = set()
         if known is None:  # a table of free-form names, like [upstream_headers]
             return
         known = tuple(known)

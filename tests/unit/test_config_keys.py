@@ -26,9 +26,9 @@ def write_config(tmp_path: Path, gateway: str = "", **destinations: str) -> Path
     return tmp_path / "gateway.toml"
 
 
-def errors(path: Path) -> tuple[str, ...]:
+def errors(path: Path, environ: dict[str, str] | None = None) -> tuple[str, ...]:
     with pytest.raises(ConfigError) as info:
-        load_config(path, environ={})
+        load_config(path, environ=environ or {})
     assert str(info.value) == "\n".join(info.value.errors)
     return info.value.errors
 
@@ -64,6 +64,40 @@ def test_one_load_reports_every_error_of_every_file(tmp_path: Path) -> None:
         'destinations/b.toml: upstream: missing: expected a URL like "https://payments.internal/api"',
         "destinations/c.toml: line 1, column 5: invalid TOML: Invalid value",
     )
+
+
+def test_every_bad_entry_of_a_list_or_table_is_said_at_once(tmp_path: Path) -> None:
+    """check-config stopped at the first bad entry of [upstream_headers] or of a list:
+    four rounds of fix-and-run for one file."""
+    path = write_config(
+        tmp_path,
+        a=UPSTREAM
+        + "retryable_statuses = [999, 201]\n"
+        + '[upstream_headers]\n"Bad Header" = "x"\nHost = "h"\nX-Num = 5\n'
+        + 'X-Fmt = { env = "V", format = "none" }\n',
+    )
+    assert errors(path, {"V": "v"}) == (
+        "destinations/a.toml: retryable_statuses: expected status codes 100..599, got 999",
+        "destinations/a.toml: retryable_statuses: 201 is a success, not a status to retry",
+        'destinations/a.toml: upstream_headers."Bad Header": not a valid header name',
+        "destinations/a.toml: upstream_headers.Host: hop-by-hop or set by the gateway; "
+        "it cannot be configured",
+        'destinations/a.toml: upstream_headers.X-Num: expected a string or { env = "VAR" }, got 5',
+        'destinations/a.toml: upstream_headers.X-Fmt.format: must contain "{}" exactly once, '
+        'got "none"',
+    )
+
+
+def test_a_key_that_failed_is_not_compared_with_its_default(tmp_path: Path) -> None:
+    """`timeout = "-5s"` also said connect_timeout "must not exceed timeout (10s)",
+    the default; an ftp:// upstream with tls_verify = false said "not None"."""
+    path = write_config(
+        tmp_path,
+        a=UPSTREAM + 'timeout = "-5s"\nconnect_timeout = "20s"\n',
+        b='upstream = "ftp://x/y"\ntls_verify = false\n',
+    )
+    found = errors(path)
+    assert len(found) == 2 and "exceed" not in " ".join(found) and "None" not in " ".join(found)
 
 
 def test_a_duration_past_100_years_is_refused(tmp_path: Path) -> None:
