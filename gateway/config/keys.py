@@ -449,7 +449,12 @@ RETENTION = Section(
     "retention",
     Key("idempotency_ttl", duration(), 24 * 3600.0, "how long a completed key is kept"),
     Key("rejections_ttl", duration(), 7 * 24 * 3600.0, "how long a rejection is kept"),
-    Key("audit_ttl", duration(), 365 * 24 * 3600.0, "how long an operator action is kept"),
+    Key(
+        "audit_ttl",
+        duration(floor=(86400.0, "at least 1d: it is what operators answer for")),
+        365 * 24 * 3600.0,
+        "how long an operator action is kept (at least 1d, and rejections_ttl)",
+    ),
 )
 DESTINATIONS = Section(
     "destinations",

@@ -237,6 +237,14 @@ def _load(
     adm = keys.ADMIN.read(admin)
     admin_token = _admin_token(server, srv["admin_listen"][0], adm, env)
     ret = keys.RETENTION.read(retention)
+    if not retention.failed & {"audit_ttl", "rejections_ttl"} and (
+        ret["audit_ttl"] < ret["rejections_ttl"]
+    ):  # what operators write outlives the noise, never the other way round
+        retention.report(
+            "audit_ttl",
+            f"must be at least rejections_ttl ({format_duration(ret['rejections_ttl'])}): "
+            "operators' actions outlive the rejections",
+        )
     destinations = _destinations(dirs, source.parent, os.path.dirname(file))
     # A reload refuses what only this process's variables fail where it applies
     # nothing; any other error fails it, said with every one, as check-config says.

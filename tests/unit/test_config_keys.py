@@ -100,12 +100,28 @@ def test_a_key_that_failed_is_not_compared_with_its_default(tmp_path: Path) -> N
     assert len(found) == 2 and "exceed" not in " ".join(found) and "None" not in " ".join(found)
 
 
+def test_the_audit_log_outlives_the_rejections(tmp_path: Path) -> None:
+    """audit_ttl = "1ms" took the audit log with the next purge, the row of the
+    reload that set it too; shorter than rejections_ttl, the noise outlived what
+    operators wrote."""
+    short = write_config(tmp_path, '[retention]\naudit_ttl = "1h"\n', a=UPSTREAM)
+    assert errors(short) == (
+        'gateway.toml: retention.audit_ttl: must be at least 1d: it is what operators '
+        'answer for, got "1h"',
+    )
+    below = write_config(tmp_path, '[retention]\nrejections_ttl = "400d"\n', a=UPSTREAM)
+    assert errors(below) == (
+        "gateway.toml: retention.audit_ttl: must be at least rejections_ttl (400d): "
+        "operators' actions outlive the rejections",
+    )
+
+
 def test_a_duration_past_100_years_is_refused(tmp_path: Path) -> None:
     """Such a timeout put a key's deadline past the year 9999: the admin views of
     that key answered 500."""
     path = write_config(
         tmp_path,
-        '[retention]\nrejections_ttl = "36500d"\n',
+        '[retention]\nrejections_ttl = "36500d"\naudit_ttl = "36500d"\n',
         a=UPSTREAM + 'timeout = "36500.5d"\nconnect_timeout = "1s"\n',
         b=UPSTREAM + 'timeout = "99999999999999999999d"\n',
     )
