@@ -396,7 +396,8 @@ def _destinations(section: Table, base: Path, shown_dir: str) -> dict[str, Desti
     directory = base / given
     if not directory.is_dir():
         if "dir" in section.data:
-            section.report("dir", f"no such directory {show(given)} next to this file")
+            what = "a file, not a directory" if directory.exists() else "no such directory"
+            section.report("dir", f"{what}: {show(given)}, next to this file")
         return {}
     try:  # glob would read a directory it may not list as empty: no destinations
         names = os.listdir(directory)

@@ -541,7 +541,11 @@ def test_parse_upstream_refuses(text: str) -> None:
         ),
         (
             '[destinations]\ndir = "nowhere"\n',
-            'destinations.dir: no such directory "nowhere"',
+            'destinations.dir: no such directory: "nowhere"',
+        ),
+        (
+            '[destinations]\ndir = "gateway.toml"\n',
+            'destinations.dir: a file, not a directory: "gateway.toml"',
         ),
         ("[server\n", "line 1, column 8: invalid TOML:"),
         (
