@@ -93,6 +93,14 @@ def announce_reload() -> None:
     os.kill(os.getppid(), RELOAD_ALL)
 
 
+class ListenError(OSError):
+    """An address that cannot be listened on, said in its own words (an OSError
+    prints `[Errno 98]` before them)."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
 def bind_error(exc: OSError, host: str, port: int, key: str) -> OSError:
     """`exc` from binding (host, port), the address of config key `key`, in words
     that say which key and what to do."""
@@ -100,7 +108,7 @@ def bind_error(exc: OSError, host: str, port: int, key: str) -> OSError:
     if isinstance(exc, socket.gaierror):  # its errno is the resolver's, not the system's
         words = exc.strerror or str(exc)
         hint = f" (check the host in {key})"
-        return OSError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
+        return ListenError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
     hint = (
         f": another process listens there; stop it, or set another address in {key}"
         if exc.errno == errno.EADDRINUSE
@@ -108,7 +116,7 @@ def bind_error(exc: OSError, host: str, port: int, key: str) -> OSError:
     )
     # The system's words: asyncio's strerror repeats the address in its own.
     words = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
-    return OSError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
+    return ListenError(exc.errno, f"cannot listen on {shown}:{port}: {words}{hint}")
 
 
 def reserve(host: str, port: int, key: str) -> socket.socket:
