@@ -226,6 +226,30 @@ def test_a_token_no_header_can_carry_is_refused_here(monkeypatch):
     assert "SINKGATE_ADMIN_TOKEN holds characters a header cannot carry" in err.getvalue()
 
 
+async def test_the_write_listener_given_as_admin_says_which_to_give(token):
+    """It answered "no route /admin/rejections (404)": no word of the other listener."""
+    from gateway.http.problem import router_refusal  # the write listener's 404
+
+    @web.middleware
+    async def refusals(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            return router_refusal(request, exc) or exc
+
+    app = web.Application(middlewares=[refusals])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        code, out, err = await run(args(f"http://{host}:{port}"))
+    finally:
+        await runner.cleanup()
+    assert (code, out) == (1, "")
+    assert "has no admin routes: is it the write listener?" in err and "admin_listen" in err
+
+
 async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):
     async def not_admin(request: web.Request) -> web.Response:
         return web.json_response({"hello": "world"})

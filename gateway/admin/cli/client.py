@@ -181,6 +181,12 @@ def _refused(exc: urllib.error.HTTPError, base: str, token: str | None) -> CliEr
     if exc.code == 429:
         wait = exc.headers.get("Retry-After", "")
         return CliError(f"too many failed sign-ins from here; try again in {wait or 'a'} s")
+    if exc.code == 404 and detail.startswith("no route /admin"):
+        # every route the CLI asks for is the admin listener's: this is another one
+        return CliError(
+            f"{base} has no admin routes: is it the write listener? "
+            "Point --admin at [server] admin_listen"
+        )
     if exc.code in (404, 409):
         return CliError(f"{detail} ({exc.code})")
     return CliError(f"{base} answered {exc.code}: {detail}")
