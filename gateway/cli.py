@@ -284,7 +284,9 @@ class _Applied:
     def reread(self, alone: bool, earlier: bool) -> None:
         from gateway.reload import plan_reload  # imported by the app already
 
-        base = self._unrecorded_from if alone and earlier else self.config
+        if alone and not earlier:  # a new run of SIGHUPs nobody took: nothing of it yet
+            self._unrecorded_from, self.unrecorded = self.config, None
+        base = self._unrecorded_from if alone else self.config
         try:
             plan = plan_reload(base)
         except ConfigError as exc:

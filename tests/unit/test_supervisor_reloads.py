@@ -120,3 +120,20 @@ def test_sighups_no_worker_took_are_one_row_for_the_next_worker(tmp_path: Path) 
     assert applied.unrecorded is not None
     assert applied.unrecorded.result.added == ("ledger", "refunds")
     assert sorted(applied.config.destinations) == ["ledger", "pay", "refunds"]
+
+
+def test_a_row_once_recorded_is_not_handed_on_again(tmp_path: Path) -> None:
+    """A SIGHUP no worker took was kept for the next worker; after that worker had
+    recorded it, a later one nobody took (the workers down again) handed the old
+    row on a second time, or counted its changes again."""
+    path = write_config(tmp_path, pay=UPSTREAM)
+    applied = _Applied(load_config(path, {}))
+    (tmp_path / "destinations" / "refunds.toml").write_text(UPSTREAM)
+    applied.reread(True, False)
+    assert applied.unrecorded is not None  # handed to the next worker, which records it
+    (tmp_path / "destinations" / "ledger.toml").write_text(UPSTREAM)
+    applied.reread(True, False)  # a new run: the workers were up in between
+    assert applied.unrecorded is not None and applied.unrecorded.result.added == ("ledger",)
+    (tmp_path / "destinations" / "broken.toml").write_text("upstream = \n")
+    applied.reread(True, False)  # failed: nothing of this run to record
+    assert applied.unrecorded is None
