@@ -263,9 +263,9 @@ async def _wake_as_zombie(ctx: RunContext, store: WorkerLeaseStore, zombie: _Zom
             except BadWrite as exc:
                 tally.unexpected.append(f"zombie {job}: {exc}")
             else:
-                if result.status in _RETRYABLE_STATUSES:
-                    await asyncio.sleep(0.2)
-                    continue
+                # An answer at all is the destination's (the gateway's own refusals
+                # are raised above): the stale write went past the fence, whatever
+                # its status, and is not sent again.
                 tally.stale_writes_accepted += 1
                 replayed = " (a replay)" if result.replayed else ""
                 tally.stale_accepted.append(
