@@ -237,7 +237,11 @@ def _load(
     adm = keys.ADMIN.read(admin)
     admin_token = _admin_token(server, srv["admin_listen"][0], adm, env)
     ret = keys.RETENTION.read(retention)
-    if not retention.failed & {"audit_ttl", "rejections_ttl"} and (
+    if "audit_ttl" not in retention.data:
+        # The year by default, longer with a longer rejections_ttl: only a value
+        # written can be refused for it.
+        ret["audit_ttl"] = max(ret["audit_ttl"], ret["rejections_ttl"])
+    elif not retention.failed & {"audit_ttl", "rejections_ttl"} and (
         ret["audit_ttl"] < ret["rejections_ttl"]
     ):  # what operators write outlives the noise, never the other way round
         retention.report(
@@ -301,7 +305,11 @@ def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Pr
 
 
 def _check_server(server: Table, srv: dict[str, Any]) -> None:
-    if srv["listen"] == srv["admin_listen"] and srv["listen"][1] != 0:
+    if (
+        not server.failed & {"listen", "admin_listen"}
+        and srv["listen"] == srv["admin_listen"]
+        and srv["listen"][1] != 0
+    ):
         server.report("admin_listen", "must differ from server.listen")
     check_server_tls(server, srv)
 

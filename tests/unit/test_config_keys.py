@@ -98,6 +98,12 @@ def test_a_key_that_failed_is_not_compared_with_its_default(tmp_path: Path) -> N
     )
     found = errors(path)
     assert len(found) == 2 and "exceed" not in " ".join(found) and "None" not in " ".join(found)
+    (tmp_path / "server").mkdir()
+    server = write_config(
+        tmp_path / "server", '[server]\nlisten = "nonsense:xx"\nadmin_listen = "127.0.0.1:8480"\n'
+    )
+    [only] = errors(server)  # not also "must differ from server.listen", the default
+    assert only.startswith("gateway.toml: server.listen:")
 
 
 def test_the_audit_log_outlives_the_rejections(tmp_path: Path) -> None:
@@ -106,10 +112,14 @@ def test_the_audit_log_outlives_the_rejections(tmp_path: Path) -> None:
     operators wrote."""
     short = write_config(tmp_path, '[retention]\naudit_ttl = "1h"\n', a=UPSTREAM)
     assert errors(short) == (
-        'gateway.toml: retention.audit_ttl: must be at least 1d: it is what operators '
+        "gateway.toml: retention.audit_ttl: must be at least 1d: it is what operators "
         'answer for, got "1h"',
     )
-    below = write_config(tmp_path, '[retention]\nrejections_ttl = "400d"\n', a=UPSTREAM)
+    longer = write_config(tmp_path, '[retention]\nrejections_ttl = "400d"\n', a=UPSTREAM)
+    assert load_config(longer, {}).audit_ttl == 400 * 86400  # not set: as long as those
+    below = write_config(
+        tmp_path, '[retention]\nrejections_ttl = "400d"\naudit_ttl = "365d"\n', a=UPSTREAM
+    )
     assert errors(below) == (
         "gateway.toml: retention.audit_ttl: must be at least rejections_ttl (400d): "
         "operators' actions outlive the rejections",
