@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager, suppress
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]
@@ -313,6 +314,18 @@ async def refuse_foreign_tables(conn: Conn, component: str, tables: tuple[str, .
         raise ForeignTables(component, [str(row[0]) for row in found])
 
 
+async def refuse_foreign_schema(conn: Conn, components: Mapping[str, tuple[str, ...]]) -> None:
+    """Before any DDL: `ForeignTables` where a component whose version is not recorded
+    has a table of its name already there, for every component this store will
+    create (so that a refusal leaves nothing of sinkgate's behind). Under the schema
+    lock: a sinkgate starting beside commits its tables and versions together."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
+        for component, tables in components.items():
+            if await component_version(conn, component) is None:
+                await refuse_foreign_tables(conn, component, tables)
+
+
 async def ensure_schema(conn: Conn) -> None:
     """Create the lease tables and record component 'leases' at version 1.
 
@@ -322,8 +335,6 @@ async def ensure_schema(conn: Conn) -> None:
     """
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
-        if await component_version(conn, "leases") is None:
-            await refuse_foreign_tables(conn, "leases", ("leases",))
         await conn.execute(_LEASES_DDL)
         await ensure_component(conn, "leases", LEASES_SCHEMA_VERSION)
 
@@ -406,6 +417,9 @@ class PostgresLeaseStore(Closing):
     assign it to move time.
     """
 
+    # The tables of each schema component `open` creates, looked for first.
+    SCHEMA_TABLES: Mapping[str, tuple[str, ...]] = MappingProxyType({"leases": ("leases",)})
+
     def __init__(
         self,
         pool: Any,
@@ -456,6 +470,7 @@ class PostgresLeaseStore(Closing):
         try:
             with driver_errors("cannot create the PostgreSQL lease schema"):
                 async with schema_connection(url, connect_timeout) as conn:
+                    await refuse_foreign_schema(conn, cls.SCHEMA_TABLES)
                     await ensure_schema(conn)
         except BaseException:
             await store.close()

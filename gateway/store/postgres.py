@@ -50,6 +50,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 import asyncpg  # type: ignore[import-untyped]
@@ -78,7 +79,7 @@ from gateway.store.postgres_outcomes import (
     ReservationDeadlines,
     record_outcomes,
 )
-from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, init_schema
+from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, GATEWAY_TABLES, init_schema
 from gateway.store.protocol import Settled
 from leases.errors import StoreUnavailable
 from leases.postgres import (
@@ -127,6 +128,8 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     Several gateway processes may share one database: every decision is taken
     under the database's locks and by the database server's clock.
     """
+
+    SCHEMA_TABLES = MappingProxyType({"leases": ("leases",), "gateway": GATEWAY_TABLES})
 
     def __init__(
         self,

@@ -16,7 +16,6 @@ from leases.postgres import (
     Conn,
     component_version,
     ensure_component,
-    refuse_foreign_tables,
 )
 
 # v2: the audit log and the summary's index (postgres_admin).
@@ -119,8 +118,6 @@ async def init_schema(conn: Conn) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
         current = await component_version(conn, "gateway")
-        if current is None:
-            await refuse_foreign_tables(conn, "gateway", GATEWAY_TABLES)
         if current != GATEWAY_SCHEMA_VERSION:
             await conn.execute(GATEWAY_DDL)
             await postgres_admin.migrate(conn)

@@ -168,6 +168,8 @@ async def _foreign_tables(conn: Any, versions: dict[str, int]) -> None:
             await refuse_foreign_tables(conn, "gateway", GATEWAY_TABLES)
     except ForeignTables as exc:
         raise ProbeFailed(str(exc)) from exc
+    except Exception as exc:  # the driver's: a catalog that cannot be read
+        raise ProbeFailed(f"cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
 def postgres_trouble(url: str, exc: BaseException) -> str:
