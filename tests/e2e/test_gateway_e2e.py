@@ -915,6 +915,10 @@ async def test_an_outcome_the_store_cannot_take_says_so_on_the_decisions_line(
         ("k-lost", "completed", False),
     ]
     assert store_errors(gw, "record") == 1
+    # counted as the key ends: unknown, not the completed it could not store
+    outcomes = gw.app[METRICS].upstream_outcomes
+    assert outcomes.labels("pay", "completed")._value.get() == 1
+    assert outcomes.labels("pay", "unknown")._value.get() == 1
     record = await gw.store.key_record("pay", "k-lost")
     assert record is not None and record.state.value == "in_flight"
 
