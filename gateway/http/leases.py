@@ -208,6 +208,11 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
     except (Rejection, ValueError, LeaseHeld, JobCompleted, LeaseLost, StoreUnavailable) as exc:
         if isinstance(exc, StoreUnavailable):
             request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
+            # The driver's words are logged, not answered: they name the database
+            # (the lease API needs no token unless configured to).
+            log.warning(
+                "store_unavailable", op=f"lease_{op}", error=str(exc), job_id=facts.get("job_id")
+            )
         return _reject(request, op, _refusal(exc, facts.get("job_id")), facts)
     now = store.clock()
     facts.update(owner=lease.owner, generation=lease.generation)
@@ -241,9 +246,6 @@ def _refusal(exc: Exception, job_id: str | None) -> Rejection:
             current_generation=exc.current_generation,
         )
     if isinstance(exc, StoreUnavailable):
-        # The driver's words are logged, not answered: they name the database
-        # (the lease API needs no token unless configured to).
-        log.warning("store_unavailable", op="lease", error=str(exc), job_id=job_id)
         return Rejection(
             Reason.STORE_UNAVAILABLE, "the lease store did not answer; retry", job_id=job_id
         )

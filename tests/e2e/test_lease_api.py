@@ -511,8 +511,12 @@ async def test_closed_store_is_503_store_unavailable(
 ) -> None:
     await api.post("j", "claim", {"owner": "a", "ttl": 10})
     await store.close()
-    status, headers, doc = await api.call(method, path, body)
+    with capture_logs() as logs:
+        status, headers, doc = await api.call(method, path, body)
     assert_problem(status, headers, doc, 503, "store_unavailable")
+    [line] = [e for e in logs if e["event"] == "store_unavailable"]
+    op = path.rsplit("/", 1)[1] if method == "POST" else "get"
+    assert line["op"] == f"lease_{op}"  # as the metric's label says it
     assert "Retry-After" in headers
     # the store's own words ("store is closed", a driver's naming the database) are
     # logged, not answered: the lease API may need no token
