@@ -131,6 +131,12 @@ LOST_REASONS: tuple[Reason, ...] = tuple(
     if info.family is Family.FENCE and info.recorded and not info.retry_later
 )
 
+# A write refused for one of these never reaches the store, and is in no
+# rejection-log row (steps 1-4 of SPEC 2: the request's own shape).
+BEFORE_THE_FENCE: tuple[Reason, ...] = tuple(
+    r for r, info in REASONS.items() if info.family is Family.REQUEST and not info.recorded
+)
+
 # Reasons a rejection-log row can carry, in the order of SPEC 2's checks.
 RECORDED_REASONS: tuple[Reason, ...] = tuple(r for r, info in REASONS.items() if info.recorded)
 

@@ -59,7 +59,7 @@ from gateway.write.upstream import (
 from gateway.write.waiting import Waiters, Woken
 from gateway.write.woken import WokenDecisions
 from leases.errors import StoreUnavailable
-from leases.reasons import Reason
+from leases.reasons import BEFORE_THE_FENCE, Reason
 
 log = structlog.get_logger("gateway.write")
 
@@ -194,7 +194,11 @@ class WriteGateway:
         label = target.destination if target.destination in self.in_flight else "(unknown)"
         metrics = self.metrics
         metrics.tally.add(metrics.child(metrics.writes, label, written.decision))
-        if facts is None and written.decision == "rejected" and written.rejection_id is None:
+        if (
+            facts is None
+            and written.rejection_id is None
+            and written.reason in BEFORE_THE_FENCE  # not the store failing to log one
+        ):
             # Refused before the fence and kept nowhere else (not a missing token
             # or fencing header, which the rejection log has): said with the address.
             self.metrics.refusals.note(

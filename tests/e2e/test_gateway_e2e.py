@@ -930,9 +930,14 @@ async def test_a_rejection_the_store_cannot_log_is_a_503_and_counted(
         raise StoreUnavailable("disk gone")
 
     monkeypatch.setattr(gw.app[WRITES].store, "record_rejection", failing)
-    assert_rejected(await gw.write("/to/pay/x", generation=None), 503, "store_unavailable")
+    with structlog.testing.capture_logs() as logs:
+        assert_rejected(await gw.write("/to/pay/x", generation=None), 503, "store_unavailable")
     assert store_errors(gw, "record_rejection") == 1
     assert upstream.received == []
+    # not a refusal before the fence (write_refused, the admin page's tile): the
+    # store failed to log one that is
+    assert not [e for e in logs if e["event"] == "write_refused"]
+    assert gw.app[METRICS].refusals.top(3) == []
 
 
 # --- the worked example, and the protection switched off ------------------------------------

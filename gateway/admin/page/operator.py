@@ -45,7 +45,7 @@ from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import Resolution, Summary, summary_fits
 from gateway.telemetry.metrics import Metrics
 from leases.model import IDENT, LeaseRow, State
-from leases.reasons import REASONS, Family, Reason
+from leases.reasons import BEFORE_THE_FENCE, Reason
 
 if TYPE_CHECKING:
     from gateway.admin.session import SessionAuth
@@ -436,9 +436,7 @@ def lease_state_now(lease: LeaseRow, now: float) -> str:
 
 
 # Refused at steps 1-4 of SPEC 2, before the fence, and not in the rejection log.
-EARLY_REASONS = tuple(
-    r for r, info in REASONS.items() if info.family is Family.REQUEST and not info.recorded
-)
+EARLY_REASONS = BEFORE_THE_FENCE
 
 
 def before_the_fence(metrics: Metrics) -> dict[str, int]:
