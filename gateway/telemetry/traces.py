@@ -341,7 +341,8 @@ def traced_lease_handler(handler: Handler) -> Handler:
         ) as span:
             if span.is_recording():
                 span.set_attributes(_server_attributes(request, route))
-                span.set_attribute("sinkgate.lease.op", op)
+                # as the metric and the line name it: the raw segment is anybody's
+                span.set_attribute("sinkgate.lease.op", op if op in _LEASE_OPS else "(other)")
             response = await handler(request)
             _end_server_span(span, response)
             return response

@@ -31,6 +31,7 @@ from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.refusals import NAME_MAX
 from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
 from gateway.write.prefer import (
     applied_wait,
@@ -188,10 +189,14 @@ class WriteGateway:
         else:
             job_id, generation, _, key = valid_fencing(request.headers)
             who = (job_id, generation, key)
-        line = WriteLine(target.destination, request.method, *who, written, total_ms)
         # Only configured names become label values: `/to/<anything>` must not
-        # grow the metric series without bound.
-        label = target.destination if target.destination in self.in_flight else "(unknown)"
+        # grow the metric series without bound; an unknown one is cut in the line
+        # (and the span), as in write_refused.
+        if target.destination in self.in_flight:
+            label = shown = target.destination
+        else:
+            label, shown = "(unknown)", target.destination[:NAME_MAX]
+        line = WriteLine(shown, request.method, *who, written, total_ms)
         metrics = self.metrics
         metrics.tally.add(metrics.child(metrics.writes, label, written.decision))
         if (

@@ -93,6 +93,14 @@ async def test_unknown_destination_is_404(gw: Gateway, upstream: RecordingUpstre
     assert upstream.received == []
 
 
+async def test_an_unknown_destination_is_cut_in_the_line(gw: Gateway) -> None:
+    """`/to/<7000 characters>/x` made a 7 KB write_decision line, for anybody."""
+    with structlog.testing.capture_logs() as logs:
+        assert_rejected(await gw.write(f"/to/{'A' * 3000}/x"), 404, "unknown_destination")
+    [line] = [e for e in logs if e["event"] == "write_decision"]
+    assert line["destination"] == "A" * 80
+
+
 async def test_a_misspelt_destination_gets_a_did_you_mean(gw: Gateway) -> None:
     doc = assert_rejected(await gw.write("/to/smal/x"), 404, "unknown_destination")
     assert doc["detail"] == "no destination named 'smal' (did you mean 'small'?)"

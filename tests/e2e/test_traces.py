@@ -253,6 +253,17 @@ async def test_lease_calls_are_spans_and_the_http_store_propagates(
     assert (release.attributes or {})["sinkgate.lease.result"] != "ok"
 
 
+async def test_a_lease_path_naming_no_operation_is_other_in_the_span(
+    gw: Gateway, spans: InMemorySpanExporter
+) -> None:
+    """The span took the raw path segment as `sinkgate.lease.op`, which the metric
+    and the line already named `(other)`: anybody's string in every trace."""
+    async with gw.session.post(f"{gw.url}/leases/job-1/FYysE5Xg5Saa", json={}) as response:
+        assert response.status == 404
+    [span] = named(spans, "sinkgate.lease")
+    assert (span.attributes or {})["sinkgate.lease.op"] == "(other)"
+
+
 async def test_the_fenced_writer_makes_the_worker_span_the_gateway_continues(
     gw: Gateway, upstream: RecordingUpstream, spans: InMemorySpanExporter
 ) -> None:
