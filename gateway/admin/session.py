@@ -35,6 +35,7 @@ from gateway.errors import Rejection
 from gateway.http.auth import authorization, cross_site
 from gateway.http.problem import problem_response
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.refusals import LineBudget
 from leases.reasons import Reason
 
 log = structlog.get_logger("gateway.admin")
@@ -83,6 +84,9 @@ class SessionAuth:
         self._login_page = login_page  # what a browser gets instead of a 401 problem
         self._metrics = metrics or Metrics()
         self.throttle = throttle or FailureThrottle()
+        # Warnings anybody who reaches the listener can cause: rate-limited, as
+        # write_refused is, and the path cut (it is the caller's).
+        self._warnings = LineBudget(clock=clock)
         self._key = hashlib.sha256(
             b"sinkgate-admin-key\0" + b"\0".join(n.encode() + b"=" + t for n, t in self._tokens)
         ).digest()
@@ -122,7 +126,7 @@ class SessionAuth:
         if wait is None:
             return None
         self._metrics.admin_auth_failures.labels(result="throttled").inc()
-        log.warning("admin_auth_throttled", path=request.path, remote=request.remote)
+        self._warn("admin_auth_throttled", request)
         return wait
 
     def refused(self, request: web.Request) -> web.Response | None:
@@ -144,7 +148,7 @@ class SessionAuth:
         """Count and log a failed authentication of the request's address."""
         self.throttle.failed(request.remote or "", self._clock())
         self._metrics.admin_auth_failures.labels(result="refused").inc()
-        log.warning(event, path=request.path, remote=request.remote)
+        self._warn(event, request)
 
     def signed_in(self, request: web.Request) -> bool:
         """Whether the request carries a valid session cookie."""
@@ -172,17 +176,11 @@ class SessionAuth:
         if guarded and self.open and not loopback_host(request.host):
             # No token: the listener is on loopback only, and a page whose name a
             # DNS rebinding points at 127.0.0.1 must not be served as if it were us.
-            return _forbidden(
-                "admin_host_refused",
-                request,
-                "without an admin token only a loopback host name is served",
-            )
+            self._warn("admin_host_refused", request)
+            return _forbidden("without an admin token only a loopback host name is served")
         if guarded and cross_site(request, null_origin_is_own=path in PAGE_FORMS):
-            return _forbidden(
-                "admin_cross_site_refused",
-                request,
-                "a browser request from another site may not change anything here",
-            )
+            self._warn("admin_cross_site_refused", request)
+            return _forbidden("a browser request from another site may not change anything here")
         if not guarded or path == LOGIN_PATH or self.open:
             return await handler(request)
         scheme, _, credentials = authorization(request.headers).partition(" ")
@@ -197,7 +195,7 @@ class SessionAuth:
         else:
             operator = self._session_operator(request.cookies.get(SESSION_COOKIE, ""))
             if operator is None:
-                log.warning("admin_unauthorized", path=path, remote=request.remote)
+                self._warn("admin_unauthorized", request)
                 return self._unauthorized(request)
         request[OPERATOR] = operator
         structlog.contextvars.bind_contextvars(operator=operator)
@@ -205,6 +203,11 @@ class SessionAuth:
             return await handler(request)
         finally:
             structlog.contextvars.unbind_contextvars("operator")
+
+    def _warn(self, event: str, request: web.Request) -> None:
+        extra = self._warnings.allow()
+        if extra is not None:
+            log.warning(event, path=request.path[:PATH_SHOWN], remote=request.remote, **extra)
 
     def _unauthorized(self, request: web.Request) -> web.StreamResponse:
         if wants_html(request):
@@ -216,13 +219,15 @@ class SessionAuth:
         return response
 
 
+PATH_SHOWN = 200  # characters of a refused request's path in its warning
+
+
 def operator_of(request: web.Request) -> str | None:
     """The operator the request authenticated as (None on an open listener)."""
     return request.get(OPERATOR)
 
 
-def _forbidden(event: str, request: web.Request, detail: str) -> web.Response:
-    log.warning(event, path=request.path, remote=request.remote)
+def _forbidden(detail: str) -> web.Response:
     return problem_response(Rejection(Reason.UNAUTHORIZED, detail, status=403))
 
 

@@ -25,6 +25,38 @@ NAME_MAX = 80  # characters of a name kept, in the log and the counts
 OTHER = "(other)"
 
 
+class LineBudget:
+    """At most `per_second` log lines a second on average (bursts of `burst`) for
+    lines anybody can cause; `allow()` says whether the next one is written."""
+
+    def __init__(
+        self,
+        *,
+        per_second: float = 10.0,
+        burst: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_second, self.burst = per_second, burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+        self.suppressed = 0  # lines dropped since the last one written
+
+    def allow(self) -> dict[str, int] | None:
+        """None: over the rate (the line is dropped, and counted); else the fields
+        the written line adds (`suppressed`: how many were dropped before it)."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.per_second)
+        self._last = now
+        if self._tokens < 1:
+            self.suppressed += 1
+            return None
+        self._tokens -= 1
+        extra = {"suppressed": self.suppressed} if self.suppressed else {}
+        self.suppressed = 0
+        return extra
+
+
 class Refusals:
     """Counts and rate-limited log lines of writes refused before their facts."""
 
@@ -36,12 +68,13 @@ class Refusals:
         names_max: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.per_second, self.burst, self.names_max = per_second, burst, names_max
-        self._clock = clock
-        self._tokens = float(burst)
-        self._last = clock()
-        self.suppressed = 0  # lines dropped since the last one written
+        self.names_max = names_max
+        self.budget = LineBudget(per_second=per_second, burst=burst, clock=clock)
         self.names: dict[str, int] = {}
+
+    @property
+    def suppressed(self) -> int:
+        return self.budget.suppressed
 
     def note(self, reason: str | None, destination: str, method: str, remote: str | None) -> None:
         """One refused write: counted under its name, logged unless over the rate."""
@@ -49,11 +82,9 @@ class Refusals:
         if name not in self.names and len(self.names) >= self.names_max:
             name = OTHER
         self.names[name] = self.names.get(name, 0) + 1
-        if not self._take():
-            self.suppressed += 1
+        extra = self.budget.allow()
+        if extra is None:
             return
-        extra = {"suppressed": self.suppressed} if self.suppressed else {}
-        self.suppressed = 0
         log.warning(
             "write_refused",
             reason=reason,
@@ -66,12 +97,3 @@ class Refusals:
     def top(self, n: int = 5) -> list[tuple[str, int]]:
         """The `n` names refused most, most first."""
         return sorted(self.names.items(), key=lambda item: (-item[1], item[0]))[:n]
-
-    def _take(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.per_second)
-        self._last = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True

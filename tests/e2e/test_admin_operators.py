@@ -163,6 +163,17 @@ async def test_failed_bearer_tokens_are_throttled_per_address(client, metrics, f
     assert counts == {"refused": 10.0, "throttled": 3.0}
 
 
+async def test_refused_admin_requests_are_warned_of_at_a_bounded_rate(client):
+    """Each refused request was a warning, unthrottled, with the whole path: 500
+    random paths, 500 lines; a 7000-character path, a 7 KB line."""
+    with capture_logs() as logs:
+        for n in range(150):
+            assert (await client.get(f"/admin/{n}{'x' * 500}")).status == 401
+    warned = [e for e in logs if e["event"] == "admin_unauthorized"]
+    assert len(warned) == 100  # the burst; then 10 a second
+    assert all(len(e["path"]) == 200 for e in warned)
+
+
 async def test_failed_sign_ins_are_throttled_too(client, fake_clock):
     there = {"X-Test-Remote": "198.51.100.4"}
     for n in range(10):
