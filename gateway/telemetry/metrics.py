@@ -132,8 +132,8 @@ class Metrics:
         """The lease API's, the store's failures and retention, unknown keys, reloads."""
         self.lease_ops = Counter(
             "sinkgate_lease_operations_total",
-            "Lease API calls by operation (claim, renew, complete, release) and result "
-            "(ok or a reason code).",
+            "Lease API calls by operation (claim, renew, complete, release, get; "
+            "(other) for a path naming none) and result (ok or a reason code).",
             ["op", "result"],
             registry=r,
         )
