@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -134,7 +135,7 @@ async def listen_settlements(
                 statement_cache_size=0,
                 server_settings={"application_name": APPLICATION_NAME},
             )
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except Exception as exc:  # whatever the driver raises: this loop must not end
             log.warning("settlements_unheard", error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_RECONNECT_S)  # a server refusing us is not hammered
@@ -159,11 +160,15 @@ async def _listen(
     conn.add_termination_listener(lambda _conn: lost.set())
     try:
         await conn.add_listener(CHANNEL, on_notification)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+    except Exception:
         return False
     try:
         await _say_holding(conn, holding, lost, process, bound)
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except Exception as exc:
+        # Any of the driver's (a statement on a connection terminated under it can
+        # be InternalClientError, "another operation is in progress", which is
+        # none of its other classes): the connection is opened again. An error
+        # let through ended this loop, and the process heard nothing more.
         log.warning("settlements_unheard", error=f"{type(exc).__name__}: {exc}")
     return True
 
@@ -182,14 +187,36 @@ async def _say_holding(
         if not holding.is_set():
             # Nothing to say, so ask anyway: a connection gone silent (a failover, a
             # firewall dropping its state) is found and opened again, not left deaf.
-            await conn.execute("SELECT 1", timeout=bound)
+            await _unless_lost(conn.execute("SELECT 1", timeout=bound), lost)
             continue
         while holding.is_set() and not lost.is_set():
-            await conn.execute(_HOLDING_SQL, process, HOLDING_TTL_S, timeout=bound)
+            await _unless_lost(
+                conn.execute(_HOLDING_SQL, process, HOLDING_TTL_S, timeout=bound), lost
+            )
             await _first_of(lost, seconds=HOLDING_REFRESH_S)
         if lost.is_set():
             return
-        await conn.execute(_NOT_HOLDING_SQL, process, timeout=bound)
+        await _unless_lost(conn.execute(_NOT_HOLDING_SQL, process, timeout=bound), lost)
+
+
+async def _unless_lost(statement: Awaitable[Any], lost: asyncio.Event) -> None:
+    """`statement`, given up as soon as the connection is `lost`: a statement sent
+    as its backend was terminated may get no answer, and waited its whole `bound`
+    (10 s) while the process heard nothing."""
+    running = asyncio.ensure_future(statement)
+    waiting = asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait((running, waiting), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        if not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+    if running.cancelled():
+        return  # the connection was lost first
+    error = running.exception()  # read either way: never "exception never retrieved"
+    if error is not None and not lost.is_set():
+        raise error
 
 
 async def _first_of(*events: asyncio.Event, seconds: float | None = None) -> None:
