@@ -461,7 +461,15 @@ class WriteGateway:
         upstream_s = time.perf_counter() - sent_at
         metrics = self.metrics
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
-        recorded = await self._record_outcome(facts, attempt, outcome)
+        stored: bool | None = None
+        try:
+            stored = await self._record_outcome(facts, attempt, outcome)
+        finally:
+            # Counted as the key ends: an outcome the store did not take (or whose
+            # recording a shutdown cut short) leaves it to read `unknown`.
+            kind = outcome.kind if stored is not None else "unknown"
+            metrics.child(metrics.upstream_outcomes, destination.name, kind).inc()
+        recorded = bool(stored)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
         upstream_ms = round(upstream_s * 1000, 3)
         if isinstance(result, NotAnswered):
@@ -476,20 +484,19 @@ class WriteGateway:
             sent,
         )
 
-    async def _record_outcome(self, facts: WriteFacts, attempt: str, outcome: Outcome) -> bool:
-        """Whether `outcome` is now the key's (False: the store failed, or another
-        attempt holds the reservation)."""
-        metrics = self.metrics
+    async def _record_outcome(
+        self, facts: WriteFacts, attempt: str, outcome: Outcome
+    ) -> bool | None:
+        """Whether `outcome` is now the key's: False when another attempt holds the
+        reservation, None when the store failed."""
         try:
             held = await self.store.record_outcome(facts, attempt, outcome)
         except StoreUnavailable as exc:
             # The reservation stays in flight until its deadline, then reads as
-            # `unknown`: safe, never a second forward. Counted as the key ends.
-            metrics.child(metrics.upstream_outcomes, facts.destination, "unknown").inc()
-            metrics.store_errors.labels("record").inc()
+            # `unknown`: safe, never a second forward.
+            self.metrics.store_errors.labels("record").inc()
             log.error("outcome_not_recorded", job_id=facts.job_id, key=facts.key, error=str(exc))
-            return False
-        metrics.child(metrics.upstream_outcomes, facts.destination, outcome.kind).inc()
+            return None
         if not held:
             log.warning(
                 "reservation_taken_over",

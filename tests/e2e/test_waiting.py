@@ -368,3 +368,6 @@ async def test_a_wire_full_after_the_decision_of_a_waiting_write_says_the_wait_a
     status, headers, _ = await gw.write("/to/pay/x", headers=WAIT)
     assert status == 503 and headers["Sinkgate-Rejected"] == "overloaded"
     assert headers["Preference-Applied"] == "wait=10"
+    # never sent: no forward's outcome (its reservation was released unsent)
+    outcomes = gw.app[METRICS].upstream_outcomes.collect()[0].samples
+    assert [s for s in outcomes if s.name.endswith("_total")] == []
