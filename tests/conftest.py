@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
+from gateway.telemetry import refusals
 from tests.backends import Backend as Backend
 from tests.backends import database_url as database_url
 from tests.backends import fake_clock as fake_clock
@@ -30,6 +31,9 @@ def _logging_as_it_was() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     config = structlog.get_config()
+    # The process-wide budget of store_unavailable lines: each test starts with
+    # its burst, whatever the tests before it spent.
+    refusals._STORE_DOWN = refusals.LineBudget()
     try:
         yield
     finally:

@@ -43,6 +43,7 @@ from gateway.http.problem import problem_response, router_refusal
 from gateway.http.schema import to_json
 from gateway.store.protocol import AdminOpsStore, AdminStore
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.refusals import store_unavailable
 from gateway.telemetry.tasks import watched
 from gateway.telemetry.unknown_keys import REFRESH_INTERVAL_S, UnknownKeysGauge
 from leases.reasons import Reason
@@ -177,8 +178,9 @@ def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) 
                 await store_of().ping()
         except (StoreUnavailable, TimeoutError) as exc:
             # No token guards this route (and the write listener has it too): the
-            # driver's words, which name the database, go to the log.
-            log.warning("store_unavailable", op="ready", error=str(exc) or "timed out")
+            # driver's words, which name the database, go to the log, at a bounded
+            # rate (anybody can ask).
+            store_unavailable("ready", str(exc) or "timed out")
             return problem_response(
                 Rejection(Reason.STORE_UNAVAILABLE, "the store does not answer")
             )

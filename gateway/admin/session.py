@@ -86,7 +86,7 @@ class SessionAuth:
         self.throttle = throttle or FailureThrottle()
         # Warnings anybody who reaches the listener can cause: rate-limited, as
         # write_refused is, and the path cut (it is the caller's).
-        self._warnings = LineBudget(clock=clock)
+        self._warnings = LineBudget()  # monotonic: `clock` is the wall's, for sessions
         self._key = hashlib.sha256(
             b"sinkgate-admin-key\0" + b"\0".join(n.encode() + b"=" + t for n, t in self._tokens)
         ).digest()

@@ -30,6 +30,7 @@ from gateway.http.problem import invalid_request, problem_response
 from gateway.http.schema import field_checks, field_names, required_names, to_json
 from gateway.store.protocol import LeaseVerbs
 from gateway.telemetry import traces
+from gateway.telemetry.refusals import store_unavailable
 from leases import model
 from leases.errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from leases.model import Lease, LeaseRef
@@ -210,9 +211,7 @@ async def _answer(request: web.Request, op: str, verb: Verb) -> web.StreamRespon
             request.app[METRICS].store_errors.labels(op=f"lease_{op}").inc()
             # The driver's words are logged, not answered: they name the database
             # (the lease API needs no token unless configured to).
-            log.warning(
-                "store_unavailable", op=f"lease_{op}", error=str(exc), job_id=facts.get("job_id")
-            )
+            store_unavailable(f"lease_{op}", str(exc), job_id=facts.get("job_id"))
         return _reject(request, op, _refusal(exc, facts.get("job_id")), facts)
     now = store.clock()
     facts.update(owner=lease.owner, generation=lease.generation)

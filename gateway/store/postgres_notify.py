@@ -47,6 +47,7 @@ log = structlog.get_logger("gateway.store")
 CHANNEL = "sinkgate_settled"
 RECONNECT_S = 1.0
 MAX_RECONNECT_S = 30.0
+STEADY_S = 5.0  # a connection that listened this long was no failure of its own
 # How the listening connection names itself to the server (`pg_stat_activity`).
 APPLICATION_NAME = "sinkgate-settlements"
 
@@ -140,15 +141,20 @@ async def listen_settlements(
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_RECONNECT_S)  # a server refusing us is not hammered
             continue
+        opened = asyncio.get_running_loop().time()
         try:
             listened = await _listen(conn, on_notification, holding, process, connect_timeout)
         finally:
             conn.terminate()  # no goodbye needed: LISTEN ends with the session
         log.warning("settlements_unheard", error="the listening connection was lost")
-        if listened:
+        # A connection that listened a while is opened again at once; one refused
+        # LISTEN (a pooler) or lost straight away (a statement the server keeps
+        # refusing, a read-only standby) is not hammered either.
+        steady = listened and asyncio.get_running_loop().time() - opened >= STEADY_S
+        if steady:
             delay = RECONNECT_S
         await asyncio.sleep(delay)
-        if not listened:  # a server that refuses LISTEN (a pooler) is not hammered either
+        if not steady:
             delay = min(delay * 2, MAX_RECONNECT_S)
 
 

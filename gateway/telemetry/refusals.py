@@ -46,7 +46,8 @@ class LineBudget:
         """None: over the rate (the line is dropped, and counted); else the fields
         the written line adds (`suppressed`: how many were dropped before it)."""
         now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.per_second)
+        elapsed = max(0.0, now - self._last)  # a clock stepped back adds nothing
+        self._tokens = min(self.burst, self._tokens + elapsed * self.per_second)
         self._last = now
         if self._tokens < 1:
             self.suppressed += 1
@@ -97,3 +98,15 @@ class Refusals:
     def top(self, n: int = 5) -> list[tuple[str, int]]:
         """The `n` names refused most, most first."""
         return sorted(self.names.items(), key=lambda item: (-item[1], item[0]))[:n]
+
+
+_STORE_DOWN = LineBudget()
+
+
+def store_unavailable(op: str, error: str, **fields: object) -> None:
+    """The `store_unavailable` warning: the driver's words, which the caller's 503
+    does not carry. At a bounded rate, one budget per process: while the store is
+    down, every write and lease call (and `/readyz`, anybody's) would make one."""
+    extra = _STORE_DOWN.allow()
+    if extra is not None:
+        log.warning("store_unavailable", op=op, error=error, **fields, **extra)

@@ -321,6 +321,9 @@ def _url_without_secrets(url: Any) -> str:
     return str(url.with_user(None).with_query(None).with_fragment(None))
 
 
+PATH_SHOWN = 200  # characters of a request's path in its span
+
+
 # --- the lease API ---------------------------------------------------------------------
 
 
@@ -357,7 +360,7 @@ def _server_attributes(request: web.Request, route: str) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "http.request.method": request.method,
         "http.route": route,
-        "url.path": request.path,
+        "url.path": request.path[:PATH_SHOWN],  # the caller's: cut, as in the lines
         "url.scheme": request.scheme,
         "network.protocol.version": f"{request.version.major}.{request.version.minor}",
     }

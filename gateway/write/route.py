@@ -31,7 +31,7 @@ from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
-from gateway.telemetry.refusals import NAME_MAX
+from gateway.telemetry.refusals import NAME_MAX, store_unavailable
 from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
 from gateway.write.prefer import (
     applied_wait,
@@ -338,7 +338,7 @@ class WriteGateway:
         the log, for the operator, not in the answer (they name the database, its
         tables and columns, to anybody who can reach the write listener)."""
         self.metrics.store_errors.labels("decide").inc()
-        log.warning("store_unavailable", op="decide", error=str(exc), **_write_members(facts))
+        store_unavailable("decide", str(exc), **_write_members(facts))
         return Rejection(Reason.STORE_UNAVAILABLE, STORE_DOWN_DETAIL, **_write_members(facts))
 
     async def _forward_shielded(
@@ -534,7 +534,7 @@ class WriteGateway:
             rejection.members["rejection_id"] = await self.store.record_rejection(record)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("record_rejection").inc()
-            log.warning("store_unavailable", op="record_rejection", error=str(exc))
+            store_unavailable("record_rejection", str(exc))
             detail = "the store could not record this refusal; retry"
             raise Rejection(Reason.STORE_UNAVAILABLE, detail, destination=destination) from exc
 

@@ -247,7 +247,7 @@ async def test_the_write_listener_given_as_admin_says_which_to_give(token):
     finally:
         await runner.cleanup()
     assert (code, out) == (1, "")
-    assert "has no admin routes: is it the write listener?" in err and "admin_listen" in err
+    assert "is --admin the write listener" in err and "admin_listen" in err
 
 
 async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):

@@ -170,7 +170,7 @@ async def test_refused_admin_requests_are_warned_of_at_a_bounded_rate(client):
         for n in range(150):
             assert (await client.get(f"/admin/{n}{'x' * 500}")).status == 401
     warned = [e for e in logs if e["event"] == "admin_unauthorized"]
-    assert len(warned) == 100  # the burst; then 10 a second
+    assert 100 <= len(warned) < 150  # the burst of 100, then 10 a second
     assert all(len(e["path"]) == 200 for e in warned)
 
 

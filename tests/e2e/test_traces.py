@@ -173,6 +173,17 @@ async def test_a_request_refused_before_the_decision_carries_its_rejection_id(
     assert named(spans, "sinkgate.store.record_rejection")
 
 
+async def test_an_unknown_destination_and_its_path_are_cut_in_the_span(
+    gw: Gateway, spans: InMemorySpanExporter
+) -> None:
+    """`/to/<3000 characters>/x` put the whole name and path, anybody's, into the span."""
+    status, _, _ = await gw.write(f"/to/{'A' * 3000}/x")
+    assert status == 404
+    attrs = dict(only(spans, "sinkgate.write").attributes or {})
+    assert attrs["sinkgate.destination"] == "A" * 80
+    assert attrs["url.path"] == "/to/" + "A" * 196
+
+
 async def test_a_replayed_write_carries_reason_duplicate(
     gw: Gateway, upstream: RecordingUpstream, spans: InMemorySpanExporter
 ) -> None:

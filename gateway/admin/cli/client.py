@@ -182,10 +182,10 @@ def _refused(exc: urllib.error.HTTPError, base: str, token: str | None) -> CliEr
         wait = exc.headers.get("Retry-After", "")
         return CliError(f"too many failed sign-ins from here; try again in {wait or 'a'} s")
     if exc.code == 404 and detail.startswith("no route /admin"):
-        # every route the CLI asks for is the admin listener's: this is another one
+        # every route the CLI asks for is the admin listener's: likely another one
         return CliError(
-            f"{base} has no admin routes: is it the write listener? "
-            "Point --admin at [server] admin_listen"
+            f"{base}: {detail}: is --admin the write listener (give [server] "
+            "admin_listen), or a gateway of a release without this route?"
         )
     if exc.code in (404, 409):
         return CliError(f"{detail} ({exc.code})")
