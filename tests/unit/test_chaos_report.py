@@ -23,7 +23,7 @@ def test_a_store_without_a_password_or_none_at_all_is_kept_as_given() -> None:
 
 
 def test_an_upper_case_sqlite_scheme_names_the_file_given(tmp_path) -> None:
-    """`SQLITE:///tmp/x.db` went to the generated config as it was, relative to the
+    """`SQLITE:///data/x.db` went to the generated config as it was, relative to the
     gateway's work dir, while the checks read the file named: false violations."""
     from gateway.tools.chaos.run import _store_url
 
