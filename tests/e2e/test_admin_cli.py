@@ -237,15 +237,7 @@ async def test_the_write_listener_given_as_admin_says_which_to_give(token):
         except web.HTTPException as exc:
             return router_refusal(request, exc) or exc
 
-    app = web.Application(middlewares=[refusals])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        code, out, err = await run(args(f"http://{host}:{port}"))
-    finally:
-        await runner.cleanup()
+    code, out, err = await run_against(web.Application(middlewares=[refusals]))
     assert (code, out) == (1, "")
     assert "is --admin the write listener" in err and "admin_listen" in err
 
@@ -256,16 +248,21 @@ async def test_a_server_that_is_not_an_admin_listener_is_an_error(token):
 
     app = web.Application()
     app.router.add_get("/admin/rejections", not_admin)
+    code, out, err = await run_against(app)
+    assert (code, out) == (1, "")
+    assert "did not answer like a sinkgate admin listener" in err
+
+
+async def run_against(app: web.Application) -> tuple[int, str, str]:
+    """`sinkgate rejections` against `app`, served on a loopback port of its own."""
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
     try:
-        code, out, err = await run(args(f"http://{host}:{port}"))
+        return await run(args(f"http://{host}:{port}"))
     finally:
         await runner.cleanup()
-    assert (code, out) == (1, "")
-    assert "did not answer like a sinkgate admin listener" in err
 
 
 @pytest.mark.parametrize(
