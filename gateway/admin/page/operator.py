@@ -435,10 +435,6 @@ def lease_state_now(lease: LeaseRow, now: float) -> str:
     return str(lease.state)
 
 
-# Refused at steps 1-4 of SPEC 2, before the fence, and not in the rejection log.
-EARLY_REASONS = BEFORE_THE_FENCE
-
-
 def before_the_fence(metrics: Metrics) -> dict[str, int]:
     """Writes refused before the fence, by reason, from `sinkgate_rejections_total`
     (this process, since it started)."""
@@ -446,7 +442,7 @@ def before_the_fence(metrics: Metrics) -> dict[str, int]:
     for family in metrics.rejections.collect():
         for sample in family.samples:
             reason = sample.labels.get("reason", "")
-            if sample.name.endswith("_total") and reason in EARLY_REASONS and sample.value:
+            if sample.name.endswith("_total") and reason in BEFORE_THE_FENCE and sample.value:
                 counts[reason] = int(sample.value)
     return counts
 
