@@ -232,7 +232,10 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/processes/test_chaos_faults.py",
         '"--gateways", "2", "--store-faults", "0.4"',
     ),
-    "python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
+    "python3 -m pytest -q -n 2 --dist worksteal": (
+        ".ci/run",
+        "python3 -m pytest -q -n 2 --dist worksteal",
+    ),
     "celery -A examples.celery.tasks worker --loglevel INFO": (
         "tests/processes/test_queue_examples.py",
         '"examples.celery.tasks", "worker"',
@@ -290,6 +293,8 @@ NOT_RUN: dict[str, str] = {
     ),
     "python3 -m pip install -e '.[dev]'": "installs the contributor tools",
     "SINKGATE_TEST_PG=postgresql://user@host:5432/db python3 -m pytest -q": "another server",
+    'python3 -m pytest -q -m "not slow"': "a part of what .ci/run runs",
+    "python3 -m pytest -q tests/unit": "a part of what .ci/run runs",
     "ruff check . && ruff format --check .": "a contributor's check, not in the test extra",
     "mypy": "a contributor's check, not in the test extra",
     "sinkgate serve --config examples/gateway.toml": "the queue example test runs its own gateway",
