@@ -1,4 +1,4 @@
-"""Bearer tokens, compared in constant time; browser requests from another site."""
+"""Bearer tokens, compared in constant time; requests a browser sends for a page."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def bearer_matches(authorization: str, tokens: Iterable[str]) -> bool:
 
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def sent_for_a_page(headers: CIMultiDictProxy[str]) -> bool:
+    """Whether a browser sent this request for a web page (its script or form).
+
+    Workers are programs, which send neither `Sec-Fetch-Site` nor `Origin`; a
+    browser marks every request a page makes with one or both, a same-origin one
+    too. Same-origin is no proof of being ours on the main listener: a page whose
+    host name a DNS rebinding points at the gateway is same-origin with it, and
+    no page of ours calls the lease API or the write route. `Sec-Fetch-Site: none`
+    is the user's own navigation (a URL typed in), which no page caused."""
+    site = headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site != "none"
+    return "Origin" in headers
 
 
 def cross_site(request: web.Request, *, null_origin_is_own: bool = True) -> bool:

@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
-from gateway.http.auth import authorization, bearer_matches, cross_site
+from gateway.http.auth import authorization, bearer_matches, sent_for_a_page
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
@@ -99,14 +99,13 @@ def _authorize(request: web.Request) -> None:
         raise Rejection(
             Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
         )
-    if cross_site(request, null_origin_is_own=False):
+    if sent_for_a_page(request.headers):
         # A page in a browser can POST a JSON text as text/plain without asking
-        # first: without tokens it could claim (or complete) a job. Workers are
-        # programs, which send neither Sec-Fetch-Site nor Origin; no page of ours
-        # calls this API, so `Origin: null` (a sandboxed iframe) is foreign too.
+        # first: without tokens it could claim (or complete) a job, and read a
+        # lease's owner and generation to write in its holder's stead.
         raise Rejection(
             Reason.UNAUTHORIZED,
-            "a browser request from another site may not call the lease API",
+            "a request a browser sends for a web page may not call the lease API",
             status=403,
         )
 

@@ -25,6 +25,7 @@ from gateway.http.leases import LEASE_REQUESTS
 from gateway.http.schema import Components, ref
 from gateway.openapi.admin import admin_paths
 from gateway.openapi.parts import (
+    FROM_A_PAGE,
     INVALID,
     JOB_ID_PARAM,
     STORE_DOWN,
@@ -62,6 +63,14 @@ _LEASE_VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# Lease calls need a token only where `[server] lease_tokens_env` is set.
+_LEASE_SECURITY: list[dict[str, list[str]]] = [{}, {"leaseToken": []}]
+_LEASE_REFUSED = {
+    "401": problem("lease API token missing or wrong", Reason.UNAUTHORIZED),
+    "403": FROM_A_PAGE,
+}
+
+
 def components() -> Components:
     """The schemas of every documented model."""
     found = Components()
@@ -76,11 +85,13 @@ def _lease_verb(op: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "tags": ["leases"],
+            "security": _LEASE_SECURITY,
             "parameters": [JOB_ID_PARAM],
             "requestBody": json_body(LEASE_REQUESTS[op]),
             "responses": {
                 "200": json_answer("the lease after the operation", ref(models.Lease)),
                 "400": INVALID,
+                **_LEASE_REFUSED,
                 "409": problem("refused; the lease is unchanged", *failures),
                 "413": problem("body over 64 KiB", Reason.BODY_TOO_LARGE),
                 "503": STORE_DOWN,
@@ -93,10 +104,12 @@ def _lease_paths() -> dict[str, Any]:
     get = {
         "summary": "the job's lease",
         "tags": ["leases"],
+        "security": _LEASE_SECURITY,
         "parameters": [JOB_ID_PARAM],
         "responses": {
             "200": json_answer("the lease", ref(models.Lease)),
             "400": INVALID,
+            **_LEASE_REFUSED,
             "404": problem("never claimed", Reason.LEASE_NOT_HELD),
             "503": STORE_DOWN,
         },
@@ -190,6 +203,7 @@ def _document() -> dict[str, Any]:
             "securitySchemes": {
                 "adminToken": {"type": "http", "scheme": "bearer"},
                 "workerToken": {"type": "http", "scheme": "bearer"},
+                "leaseToken": {"type": "http", "scheme": "bearer"},
             },
         },
     }

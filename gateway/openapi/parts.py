@@ -63,6 +63,9 @@ THROTTLED = problem(
     "too many failed authentications from this address; see Retry-After", Reason.UNAUTHORIZED
 )
 NOT_FOUND = problem("nothing with this id", Reason.NOT_FOUND)
+# The main listener refuses what a browser sends for a web page (`Sec-Fetch-Site`
+# or `Origin`): no page of ours calls it, and a rebound one would be same-origin.
+FROM_A_PAGE = problem("a request a browser sent for a web page", Reason.UNAUTHORIZED)
 
 
 def or_empty(schema: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import STATUS_BY_REASON
-from gateway.openapi.parts import IDENT, STRING, path_param, problem
+from gateway.openapi.parts import FROM_A_PAGE, IDENT, STRING, path_param, problem
 from gateway.write.refusals import REFUSALS
 from leases.model import KEY, TOKEN
 from leases.reasons import REASONS, Reason
@@ -89,9 +89,10 @@ def _refusals() -> dict[str, Any]:
         answer = refusals[str(STATUS_BY_REASON[reasons[0]])] = problem(description, *reasons)
         if any(REASONS[Reason(reason)].retry_later for reason in reasons):
             answer["headers"]["Retry-After"] = _RETRY_AFTER
+    refusals["403"] = FROM_A_PAGE
     for status in ("409", "422", "502", "503", "504"):
         refusals[status]["headers"]["Preference-Applied"] = _PREFERENCE_APPLIED
-    return refusals
+    return dict(sorted(refusals.items()))
 
 
 def _header(name: str, required: bool, schema: dict[str, Any], description: str = "") -> Any:

@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
 from gateway.errors import WORKER_CHALLENGE, Rejection
-from gateway.http.auth import authorization, bearer_matches
+from gateway.http.auth import authorization, bearer_matches, sent_for_a_page
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
@@ -218,16 +218,24 @@ class WriteGateway:
 
     async def _authorize(self, request: web.Request, destination: DestinationConfig) -> None:
         tokens = destination.worker_tokens
-        if tokens is None:
+        if sent_for_a_page(request.headers):
+            # A page in a browser (a DNS rebinding makes it same-origin, custom
+            # headers and all) writing with a lease it claimed or read.
+            rejection = Rejection(
+                Reason.UNAUTHORIZED,
+                "a request a browser sends for a web page may not write through the gateway",
+                status=403,
+                destination=destination.name,
+            )
+        elif tokens is None or bearer_matches(authorization(request.headers), tokens):
             return
-        if bearer_matches(authorization(request.headers), tokens):
-            return
-        rejection = Rejection(
-            Reason.UNAUTHORIZED,
-            "missing or wrong worker token",
-            headers=WORKER_CHALLENGE,
-            destination=destination.name,
-        )
+        else:
+            rejection = Rejection(
+                Reason.UNAUTHORIZED,
+                "missing or wrong worker token",
+                headers=WORKER_CHALLENGE,
+                destination=destination.name,
+            )
         await self._record(request, rejection, destination.name, None)
         raise rejection
 

@@ -44,36 +44,75 @@ async def test_lease_api_with_tokens_refuses_callers_without_one(tmp_path: Path)
                     await anonymous.get("job-1")
 
 
-@pytest.mark.parametrize(
-    "browser",
-    [
-        {"Sec-Fetch-Site": "cross-site", "Origin": "https://evil.example"},
-        {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"},
-        {"Origin": "https://evil.example"},  # an older browser: Origin only
-        # A sandboxed iframe on a plain-HTTP, non-loopback host: no Sec-Fetch-*.
-        {"Origin": "null"},
-    ],
-)
-async def test_a_browser_on_another_site_cannot_call_the_lease_api(
-    tmp_path: Path, browser: dict[str, str]
+# What a browser adds to a request a page makes: from another site, and from a
+# page whose host name a DNS rebinding pointed at the gateway (same-origin,
+# `Host` the page's name: only a page's marks tell it from a worker).
+PAGES = [
+    {"Sec-Fetch-Site": "cross-site", "Origin": "https://evil.example"},
+    {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"},
+    {"Origin": "https://evil.example"},  # an older browser: Origin only
+    # A sandboxed iframe on a plain-HTTP, non-loopback host: no Sec-Fetch-*.
+    {"Origin": "null"},
+    {"Sec-Fetch-Site": "same-origin", "Origin": "http://rebound.example:8480"},
+    {"Sec-Fetch-Site": "same-origin"},  # a rebound page's fetch() of a lease
+]
+
+
+@pytest.mark.parametrize("page", PAGES)
+async def test_a_page_in_a_browser_cannot_call_the_lease_api(
+    tmp_path: Path, page: dict[str, str]
 ) -> None:
-    """Without tokens, a page could POST a claim as text/plain (no preflight); the
-    browser says where it came from, and the call is refused, changing nothing."""
+    """Without tokens, a page could POST a claim as text/plain (no preflight), or,
+    rebound to the gateway's address, read a lease's owner and generation to write
+    as its holder; the browser marks the page's requests, which change nothing."""
     async with recording_upstream() as upstream:
         config = make_config(tmp_path, destination("pay", upstream.url))
         async with running_gateway(config) as gw:
             url = f"{gw.url}/leases/job-1/claim"
-            text = {**browser, "Content-Type": "text/plain"}
-            async with gw.session.post(url, data='{"owner": "a", "ttl": 5}', headers=text) as resp:
+            rebound = {**page, "Host": "rebound.example:8480", "Content-Type": "text/plain"}
+            async with gw.session.post(
+                url, data='{"owner": "a", "ttl": 5}', headers=rebound
+            ) as resp:
                 assert resp.status == 403
                 assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
             assert await gw.store.get("job-1") is None  # nothing claimed
-            # The same call from a program, and from the gateway's own origin, goes on.
-            same = {"Sec-Fetch-Site": "same-origin", "Origin": gw.url}
-            async with gw.session.post(url, json={"owner": "a", "ttl": 5}, headers=same) as resp:
+            # The same call from a program goes on; the page cannot read it either.
+            async with gw.session.post(url, json={"owner": "a", "ttl": 5}) as resp:
                 assert resp.status == 200
-            async with gw.session.get(f"{gw.url}/leases/job-1", headers=browser) as resp:
-                assert resp.status == 200  # reading changes nothing: not refused
+            async with gw.session.get(f"{gw.url}/leases/job-1", headers=page) as resp:
+                assert resp.status == 403
+                assert "owner" not in await resp.text()
+            # A lease's URL typed into the address bar is the user's, not a page's.
+            typed = {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"}
+            async with gw.session.get(f"{gw.url}/leases/job-1", headers=typed) as resp:
+                assert resp.status == 200
+
+
+@pytest.mark.parametrize("page", PAGES[-2:])
+async def test_a_rebound_page_cannot_write_with_a_lease_it_read(
+    tmp_path: Path, page: dict[str, str]
+) -> None:
+    """A page same-origin with the gateway sends custom headers without asking:
+    with a worker's job, generation and owner it would write as the worker."""
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("pay", upstream.url))
+        async with running_gateway(config) as gw:
+            lease = await gw.store.claim("job-1", owner="worker-a", ttl=30)
+            fencing = {
+                "Fencing-Job": "job-1",
+                "Fencing-Token": str(lease.generation),
+                "Fencing-Owner": "worker-a",
+                "Idempotency-Key": "job-1:charge",
+            }
+            url = f"{gw.url}/to/pay/charges"
+            headers = {**page, **fencing, "Host": "rebound.example:8480"}
+            async with gw.session.post(url, json={"amount": 1}, headers=headers) as resp:
+                assert resp.status == 403
+                assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+            assert upstream.received == []  # nothing forwarded
+            async with gw.session.post(url, json={"amount": 1}, headers=fencing) as resp:
+                assert resp.status == 201  # the worker's own write, same key, goes on
+            assert len(upstream.received) == 1
 
 
 def _write(tmp_path: Path, server: str) -> Path:

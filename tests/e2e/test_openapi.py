@@ -142,6 +142,15 @@ def test_the_write_route_documents_prefer_wait_and_preference_applied() -> None:
     assert "Retry-After" in post["responses"]["409"]["headers"]
 
 
+def test_the_main_listener_documents_its_refusal_of_pages_and_lease_tokens() -> None:
+    paths = build_document()["paths"]
+    for path, method in (("/leases/{job_id}", "get"), ("/leases/{job_id}/claim", "post")):
+        operation = paths[path][method]
+        assert {"401", "403"} <= operation["responses"].keys(), path
+        assert {"leaseToken": []} in operation["security"]
+    assert "403" in paths["/to/{destination}/{path}"]["post"]["responses"]
+
+
 @pytest.fixture(scope="module")
 def served_schema(live: Live) -> BaseSchema:
     return schemathesis.openapi.from_url(f"{live.main}/openapi.json")
