@@ -63,6 +63,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What RFC 9110 5.5 leaves out of a field value: the control characters but HTAB.
 _UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# The M of the gateway's `Preference-Applied: wait=M`.
+_SECONDS = re.compile(r"[0-9]{1,12}")
 _OWN_HEADERS = frozenset(
     {"fencing-job", "fencing-token", "fencing-owner", "idempotency-key", "authorization"}
 )
@@ -197,9 +199,10 @@ class FencedWriter:
         """Send one write; retry while an older generation or the same key is in
         flight, at most `max_retries` times. Each write asks the gateway to hold it
         until that settles (`Prefer: wait`, up to `wait` seconds); a refusal that
-        says the wait was applied is retried at once (the gateway has waited),
-        one that does not (an older gateway, `max_wait = "0s"`, too many waiting)
-        after its `Retry-After`.
+        says the wait was applied is retried at once (the gateway has waited), and
+        counts as a retry once such waits add up to the `Retry-After` (at most
+        `max_retry_wait`) the writer would have slept; one that does not (an older
+        gateway, `max_wait = "0s"`, too many waiting) after its `Retry-After`.
 
         Raises `LeaseLost` (from a lost `Hold`) before sending, `GatewayRejected`
         subclasses for gateway refusals, `ValueError` for bad arguments.
@@ -215,6 +218,7 @@ class FencedWriter:
         body, content_type = _body(json, data)
         sent = self._headers(headers, content_type, key)
         retries = 0
+        held = 0.0  # seconds the gateway held the write since the last retry counted
         while True:
             if isinstance(self._lease, Hold):
                 self._lease.check()  # raises LeaseLost: no effect under a lost lease
@@ -229,10 +233,22 @@ class FencedWriter:
                     raise rejection_from_response(status, answer_headers, answer)
                 return WriteResult(status, answer_headers, answer, replayed)
             rejection = rejection_from_response(status, answer_headers, answer)
-            if rejection.reason not in _RETRIED or retries >= self.max_retries:
+            if rejection.reason not in _RETRIED:
+                raise rejection
+            applied = _applied_wait(answer_headers)
+            if applied is not None:
+                # The gateway held the write (and is asked again at once). A retry is
+                # counted when the holds add up to the sleep it stands for, so that a
+                # destination's short `max_wait` leaves the writer as patient as one
+                # that does not wait.
+                held += applied
+                if held < self._backoff(rejection.retry_after, retries + 1):
+                    continue
+            if retries >= self.max_retries:
                 raise rejection
             retries += 1
-            if "Preference-Applied" not in answer_headers:
+            held = 0.0
+            if applied is None:
                 await self._sleep(self._backoff(rejection.retry_after, retries))
 
     def _headers(
@@ -339,6 +355,19 @@ class FencedWriter:
             raise GatewayUnavailable(
                 GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
             ) from exc
+
+
+def _applied_wait(headers: CIMultiDictProxy[str]) -> float | None:
+    """The seconds `Preference-Applied: wait=M` says the gateway held the write;
+    None when it did not. An applied wait whose M cannot be read counts as a whole
+    retry's worth (inf)."""
+    values = headers.getall("Preference-Applied", [])
+    if not values:
+        return None
+    for name, value in preferences(values):
+        if name == "wait" and value is not None and _SECONDS.fullmatch(value):
+            return float(value)
+    return math.inf
 
 
 def _prefer(given: list[str], wait: str | None) -> str | None:

@@ -524,6 +524,36 @@ async def test_a_refusal_after_the_gateways_own_wait_is_retried_at_once(
     assert len(fake.seen) == 3
 
 
+def _held(seconds: int, retry_after: int) -> web.Response:
+    answer = rejected("request_in_progress", 409, retry_after=retry_after)
+    answer.headers["Preference-Applied"] = f"wait={seconds}"
+    return answer
+
+
+async def test_a_short_max_wait_leaves_the_writer_as_patient_as_polling(
+    fake: FakeGateway,
+) -> None:
+    """A destination's `max_wait = "1s"` under a writer's wait=5: each hold is 1 s,
+    and a retry is counted when the holds add up to the 5 s (`max_retry_wait`)
+    the writer would have slept on `Retry-After: 10`, not at every hold."""
+    sleeps = Sleeps()
+    fake.script = [_held(1, 10) for _ in range(7)]
+    fake.script.append(web.Response(status=201))
+    async with FencedWriter(fake.url, LEASE, max_retries=1, sleep=sleeps) as w:
+        assert (await w.post("d", "/x", step="s")).status == 201
+    assert len(fake.seen) == 8
+    assert sleeps.waits == []  # held each time, never slept on top
+
+
+async def test_holds_that_never_end_still_run_out_of_retries(fake: FakeGateway) -> None:
+    """Holds of 1 s count a retry per 5 s held: max_retries=1 gives up after 10."""
+    fake.script = [_held(1, 10) for _ in range(20)]
+    async with FencedWriter(fake.url, LEASE, max_retries=1) as w:
+        with pytest.raises(DuplicateWrite):
+            await w.post("d", "/x", step="s")
+    assert len(fake.seen) == 10
+
+
 async def test_max_retries_zero_raises_at_once(fake: FakeGateway) -> None:
     fake.script = [rejected("request_in_progress", 409, retry_after=1)]
     async with FencedWriter(fake.url, LEASE, max_retries=0) as w:

@@ -78,3 +78,15 @@ function closingQuote(value: string, at: number): number {
   }
   return -1;
 }
+
+// The gateway's `Preference-Applied: wait=M`, among any preferences of the upstream's.
+const APPLIED = /(?:^|,)[ \t]*wait[ \t]*=[ \t]*"?([0-9]{1,12})"?[ \t]*(?:[;,]|$)/i;
+
+/** The seconds a `Preference-Applied` value says the gateway held the write:
+ * `undefined` without the header, `Infinity` (a whole retry's worth) when its
+ * `wait=M` cannot be read. */
+export function appliedWait(value: string | null): number | undefined {
+  if (value === null) return undefined;
+  const found = APPLIED.exec(value);
+  return found === null ? Number.POSITIVE_INFINITY : Number(found[1]);
+}

@@ -15,7 +15,7 @@ import { GatewayUnavailable, parseObject, rejectionFromResponse } from "./errors
 import type { HeldLease } from "./hold.js";
 import { canonicalJson } from "./json.js";
 import { deriveKey, validateKey } from "./key.js";
-import { MAX_VALUE, readPreferences, strip } from "./prefer.js";
+import { appliedWait, MAX_VALUE, readPreferences, strip } from "./prefer.js";
 import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
 import { entries, type Query, writeTarget } from "./target.js";
 import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
@@ -146,7 +146,9 @@ export class FencedWriter {
   /**
    * Send one write; retry while an older generation or the same key is in
    * flight (at most `maxRetries` times): at once after an answer the gateway
-   * held (`Preference-Applied`), else after its `Retry-After`.
+   * held (`Preference-Applied`), counted as a retry once such holds add up to
+   * the `Retry-After` (at most `maxRetryWait`) it would have slept; else after
+   * its `Retry-After`.
    *
    * Rejects with the hold's `LeaseLost` once the lease may be gone (before
    * sending, or cutting the request in flight), `GatewayRejected` subclasses
@@ -161,7 +163,9 @@ export class FencedWriter {
       options.key !== undefined ? validateKey(options.key) : deriveKey(this.#lease.jobId, options.step as string);
     const [body, contentType] = encodeBody(options);
     const headers = this.#headers(options.headers, contentType, key);
-    for (let retries = 0; ; retries++) {
+    let retries = 0;
+    let held = 0; // seconds the gateway held the write since the last retry counted
+    for (;;) {
       this.#check();
       const lease = this.#lease;
       headers["Fencing-Job"] = lease.jobId;
@@ -174,11 +178,21 @@ export class FencedWriter {
         return result(status, answerHeaders, answer, replayed);
       }
       const rejection = rejectionFromResponse(status, answerHeaders, answer);
-      if (!RETRIED_REASONS.has(rejection.reason) || retries >= this.#maxRetries) throw rejection;
-      // The gateway held the write already (`Preference-Applied`): no second wait on top of its own.
-      if (answerHeaders.has("Preference-Applied")) continue;
-      const wait = rejection.retryAfter ?? 0.05 * 2 ** retries;
-      await sleep(Math.min(wait, this.#maxRetryWait), this.#signals);
+      if (!RETRIED_REASONS.has(rejection.reason)) throw rejection;
+      const backoff = Math.min(rejection.retryAfter ?? 0.05 * 2 ** retries, this.#maxRetryWait);
+      const applied = appliedWait(answerHeaders.get("Preference-Applied"));
+      if (applied !== undefined) {
+        // The gateway held the write (and is asked again at once, no second wait on top
+        // of its own). A retry is counted when the holds add up to the sleep it stands
+        // for, so that a destination's short `max_wait` leaves the writer as patient
+        // as one that does not wait.
+        held += applied;
+        if (held < backoff) continue;
+      }
+      if (retries >= this.#maxRetries) throw rejection;
+      retries += 1;
+      held = 0;
+      if (applied === undefined) await sleep(backoff, this.#signals);
     }
   }
 

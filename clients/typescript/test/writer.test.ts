@@ -87,6 +87,22 @@ describe("the writer's retries", () => {
     assert.equal(gateway.seen, 2);
   });
 
+  it("counts a retry when the holds add up to the wait it stands for (a short max_wait)", async () => {
+    // Holds of 1 s against a Retry-After of 10 capped at 5 s: five holds are one retry.
+    const held = { "Retry-After": "10", "Preference-Applied": "wait=1" };
+    gateway.seen = 0;
+    gateway.script = [...Array(7).fill(held), null];
+    const writer = new FencedWriter(gateway.url, LEASE, { maxRetries: 1 });
+    assert.equal((await writer.post("d", "/x", { json: {}, step: "s" })).status, 201);
+    assert.equal(gateway.seen, 8);
+
+    gateway.seen = 0;
+    gateway.script = Array(20).fill(held);
+    await assert.rejects(writer.post("d", "/x", { json: {}, step: "s" }), { reason: "request_in_progress" });
+    assert.equal(gateway.seen, 10); // holds that never end still run out of retries
+    gateway.script = [];
+  });
+
   it("waits Retry-After after a refusal the gateway did not hold", async () => {
     gateway.seen = 0;
     gateway.script = [{ "Retry-After": "3600" }, null];
