@@ -75,6 +75,10 @@ const CONNECTION_HEADERS = new Set([
   "upgrade",
 ]);
 const METHOD = /^[A-Za-z]+$/;
+// Methods the platform's fetch refuses to send (a TypeError of its own, which
+// would read as the gateway being unreachable), and those that carry no body.
+const FORBIDDEN_METHODS = new Set(["CONNECT", "TRACE", "TRACK"]);
+const BODILESS_METHODS = new Set(["GET", "HEAD"]);
 // biome-ignore lint/suspicious/noControlCharactersInRegex: control characters are what it finds
 const CONTROL = /[\x00-\x1f\x7f]/;
 // Header names and values a request can carry (undici sends a value's U+0080-U+00FF as
@@ -162,6 +166,9 @@ export class FencedWriter {
     const key =
       options.key !== undefined ? validateKey(options.key) : deriveKey(this.#lease.jobId, options.step as string);
     const [body, contentType] = encodeBody(options);
+    if (body !== undefined && BODILESS_METHODS.has(method.toUpperCase())) {
+      throw new TypeError(`fetch cannot send a body with ${method}`);
+    }
     const headers = this.#headers(options.headers, contentType, key);
     let retries = 0;
     let held = 0; // seconds the gateway held the write since the last retry counted
@@ -232,6 +239,7 @@ export class FencedWriter {
 
   #url(method: string, destination: string, path: string, query: WriteOptions["query"]): string {
     if (typeof method !== "string" || !METHOD.test(method)) throw new TypeError(`invalid method ${String(method)}`);
+    if (FORBIDDEN_METHODS.has(method.toUpperCase())) throw new TypeError(`fetch cannot send ${method} requests`);
     if (typeof destination !== "string" || destination === "" || destination.includes("/")) {
       throw new TypeError(`destination must be a name without '/', not ${JSON.stringify(destination)}`);
     }

@@ -155,6 +155,19 @@ describe("the writer's path", () => {
     assert.equal(gateway.seen, 0);
   });
 
+  it("refuses what fetch cannot send (a method, a body on GET) with TypeError, sending nothing", async () => {
+    // fetch threw its own TypeError, which read as GatewayUnavailable: retryable, for a call that never could be.
+    gateway.seen = 0;
+    const writer = new FencedWriter(gateway.url, LEASE, { maxRetries: 0 });
+    for (const method of ["CONNECT", "trace", "TRACK"]) {
+      await assert.rejects(writer.request(method, "payments", "/x", { step: "s" }), TypeError, method);
+    }
+    await assert.rejects(writer.request("GET", "payments", "/x", { json: { a: 1 }, step: "s" }), TypeError);
+    await assert.rejects(writer.request("head", "payments", "/x", { body: "x", step: "s" }), TypeError);
+    assert.equal(gateway.seen, 0);
+    assert.equal((await writer.request("GET", "payments", "/x", { step: "s" })).status, 201);
+  });
+
   it("refuses headers and query values it cannot send with TypeError/RangeError, sending nothing", async () => {
     // fetch threw these as its own TypeError, reported as GatewayUnavailable (a retryable family),
     // or, for a string in place of the object, sent each of its characters as a header.
