@@ -27,7 +27,9 @@ import {
   baseUrl,
   validateGeneration,
   validateIdent,
+  validateOptions,
   validateSeconds,
+  validateSignal,
   validateTtl,
   validateVisible,
 } from "./validate.js";
@@ -87,6 +89,7 @@ export class LeaseClient {
   /** Claim `jobId`; throws `LeaseHeld` (with the holder) or `JobCompleted`. */
   async claim(jobId: string, options: { owner?: string | undefined; ttl: number } & CallOptions): Promise<Lease> {
     validateIdent(jobId, "jobId");
+    validateOptions(options, "options");
     const owner = validateIdent(options.owner ?? defaultOwner(), "owner");
     const ttl = validateTtl(options.ttl);
     const answer = await this.#call("POST", jobId, "claim", { owner, ttl }, options.signal);
@@ -107,23 +110,25 @@ export class LeaseClient {
   /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
   async renew(lease: LeaseRef, options: { ttl?: number | undefined } & CallOptions = {}): Promise<Lease> {
     // async, as every call: a bad argument is a rejected promise, never a synchronous throw
-    const ttl = options?.ttl === undefined ? undefined : validateTtl(options.ttl);
-    return this.#held("renew", lease, ttl, options?.signal);
+    validateOptions(options, "options");
+    const ttl = options.ttl === undefined ? undefined : validateTtl(options.ttl);
+    return this.#held("renew", lease, ttl, options.signal);
   }
 
   /** Mark the job done (it can never be claimed again); throws `LeaseLost`. */
   async complete(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("complete", lease, undefined, options?.signal);
+    return this.#held("complete", lease, undefined, validateOptions(options, "options").signal);
   }
 
   /** Free the job for another claim now; throws `LeaseLost`. */
   async release(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("release", lease, undefined, options?.signal);
+    return this.#held("release", lease, undefined, validateOptions(options, "options").signal);
   }
 
   /** The job's lease, or null when it was never claimed. */
   async get(jobId: string, options: CallOptions = {}): Promise<Lease | null> {
     validateIdent(jobId, "jobId");
+    validateOptions(options, "options");
     const answer = await this.#call("GET", jobId, undefined, undefined, options.signal);
     if (answer.status === 200) return toLease(answer.doc);
     if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
@@ -154,6 +159,7 @@ export class LeaseClient {
     body: Record<string, unknown> | undefined,
     signal: AbortSignal | undefined,
   ): Promise<{ status: number; doc: Problem; retryAfter: number | undefined }> {
+    validateSignal(signal, "signal");
     let segment = encodeURIComponent(jobId);
     // fetch's URL parser reads %2E as "." and resolves dot segments ("/leases/%2E%2E/claim"
     // would be POST /claim): these two go out through node:http, their path as written.

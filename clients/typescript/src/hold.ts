@@ -16,7 +16,7 @@
 import { bounded, sleep, timerDelay } from "./abort.js";
 import type { CallOptions, Lease, LeaseClient } from "./client.js";
 import { LeaseLost, StoreUnavailable } from "./errors.js";
-import { typeName, validateIdent, validateSeconds, validateTtl } from "./validate.js";
+import { typeName, validateIdent, validateOptions, validateSeconds, validateSignal, validateTtl } from "./validate.js";
 
 export type OnExit = "complete" | "release" | "keep";
 
@@ -146,6 +146,8 @@ export async function hold<T>(
   body: (lease: HeldLease, signal: AbortSignal) => Promise<T> | T,
 ): Promise<T> {
   validateIdent(jobId, "jobId");
+  validateOptions(options, "options");
+  validateSignal(options.signal, "signal");
   if (typeof body !== "function") throw new TypeError("body must be a function");
   const schedule = new RenewalSchedule(
     validateTtl(options.ttl ?? 30),

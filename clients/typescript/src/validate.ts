@@ -48,6 +48,22 @@ export function validateVisible(value: unknown, what: string): string {
   return value;
 }
 
+/** An options argument: an object (arrays and functions aside). */
+export function validateOptions<T>(value: T, what: string): T {
+  if (value === null || typeof value !== "object" || Array.isArray(value)) {
+    throw new TypeError(`${what} must be an object, not ${typeName(value)}`);
+  }
+  return value;
+}
+
+/** An optional `signal` option: an `AbortSignal` or undefined. */
+export function validateSignal(value: unknown, what: string): AbortSignal | undefined {
+  if (value !== undefined && !(value instanceof AbortSignal)) {
+    throw new TypeError(`${what} must be an AbortSignal, not ${typeName(value)}`);
+  }
+  return value;
+}
+
 /** An http(s) base URL without query or fragment, trailing `/` dropped. */
 export function baseUrl(value: unknown, what: string): string {
   if (typeof value !== "string") throw new TypeError(`${what} must be a string, not ${typeName(value)}`);

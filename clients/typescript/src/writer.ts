@@ -18,7 +18,16 @@ import { deriveKey, validateKey } from "./key.js";
 import { appliedWait, MAX_VALUE, readPreferences, strip } from "./prefer.js";
 import { GATEWAY_TIMEOUT, GATEWAY_UNREACHABLE, RETRIED_REASONS } from "./reasons.js";
 import { entries, type Query, writeTarget } from "./target.js";
-import { baseUrl, typeName, validateGeneration, validateIdent, validateSeconds, validateVisible } from "./validate.js";
+import {
+  baseUrl,
+  typeName,
+  validateGeneration,
+  validateIdent,
+  validateOptions,
+  validateSeconds,
+  validateSignal,
+  validateVisible,
+} from "./validate.js";
 
 /** The upstream's answer as the gateway relayed (or replayed) it. */
 export interface WriteResult {
@@ -106,9 +115,8 @@ export class FencedWriter {
     validateIdent(lease.owner, "lease.owner");
     validateGeneration(lease.generation);
     this.#lease = lease;
-    if (options.signal !== undefined && !(options.signal instanceof AbortSignal)) {
-      throw new TypeError("signal must be an AbortSignal");
-    }
+    validateOptions(options, "options");
+    validateSignal(options.signal, "signal");
     // The caller's signal adds to the hold's, never replaces it: a writer given a
     // shutdown signal under a hold still stops the moment the lease may be gone.
     const held = "signal" in lease && lease.signal instanceof AbortSignal ? lease.signal : undefined;

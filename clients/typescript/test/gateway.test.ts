@@ -13,6 +13,7 @@ import {
   DuplicateWrite,
   FencedWriter,
   GatewayUnavailable,
+  hold,
   JobCompleted,
   LeaseClient,
   LeaseHeld,
@@ -150,6 +151,21 @@ describe("through a real gateway", { skip }, () => {
     await assert.rejects(client.claim("has space", { ttl: 5 }), RangeError);
     await assert.rejects(client.claim(job, { ttl: 0.01 }), RangeError);
     await assert.rejects(client.claim(job, { ttl: "5" as unknown as number }), TypeError);
+    // Options that are no object, or a signal that is no AbortSignal, say so (they read
+    // as `Cannot read properties of undefined` or `outers.map is not a function`).
+    const noSignal = { ttl: 5, signal: "x" as unknown as AbortSignal };
+    await assert.rejects(client.claim(job, noSignal), { name: "TypeError", message: /signal must be an AbortSignal/ });
+    const none = undefined as unknown as { ttl: number };
+    await assert.rejects(client.claim(job, none), { name: "TypeError", message: /options must be an object/ });
+    await assert.rejects(client.get(job, { signal: {} as AbortSignal }), /signal must be an AbortSignal/);
+    await assert.rejects(
+      hold(client, job, none, () => 1),
+      /options must be an object/,
+    );
+    await assert.rejects(
+      hold(client, job, noSignal, () => 1),
+      /signal must be an AbortSignal/,
+    );
     assert.equal(await client.get(job), null, "nothing was claimed");
     assert.throws(() => new LeaseClient("ftp://x"), RangeError);
     assert.throws(() => new LeaseClient("http://u:p@127.0.0.1:1"), RangeError);
