@@ -73,6 +73,10 @@ class RenewalSchedule:
             raise ValueError("renew_fraction must be between 0 and 1")
         if not 0 <= self.safety_margin < self.renew_fraction:
             raise ValueError("safety_margin must be between 0 and renew_fraction")
+        if not self.renew_fraction + self.safety_margin < 1:
+            # The first renewal would fall due after the local deadline: the lease
+            # would be taken as lost at every hold, the store still holding it.
+            raise ValueError("renew_fraction + safety_margin must be below 1")
 
     def deadline(self, sent: float) -> float:
         """The local deadline of a lease claimed or renewed by a request sent at `sent`."""

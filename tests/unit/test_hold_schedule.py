@@ -119,10 +119,20 @@ def test_the_local_deadline_runs_from_when_the_request_was_sent_less_the_margin(
     assert RenewalSchedule(30.0, safety_margin=0.05).deadline(100.0) == pytest.approx(128.5)
 
 
-@pytest.mark.parametrize(("fraction", "margin"), [(0.0, 0.0), (1.0, 0.0), (0.3, 0.3), (0.3, -0.1)])
+@pytest.mark.parametrize(
+    ("fraction", "margin"),
+    [(0.0, 0.0), (1.0, 0.0), (0.3, 0.3), (0.3, -0.1), (0.9, 0.2), (0.96, 0.05), (0.8, 0.2)],
+)
 def test_a_schedule_that_could_not_renew_in_time_is_refused(fraction: float, margin: float) -> None:
+    """(0.9, 0.2): the first renewal falls due at 27 s, after the local deadline at
+    24 s; every hold would end LeaseLost(lease_expired) with the store holding it."""
     with pytest.raises(ValueError):
         RenewalSchedule(30.0, renew_fraction=fraction, safety_margin=margin)
+
+
+def test_a_schedule_renews_before_its_local_deadline() -> None:
+    schedule = RenewalSchedule(30.0, renew_fraction=0.5, safety_margin=0.4)
+    assert 100.0 + schedule.wait(100.0, float("inf")) < schedule.deadline(100.0)
 
 
 @pytest.mark.parametrize("options", [{"renew_fraction": "x"}, {"safety_margin": None}])

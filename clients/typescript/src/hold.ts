@@ -65,6 +65,8 @@ export class RenewalSchedule {
     if (!(safetyMargin >= 0 && safetyMargin < renewFraction)) {
       throw new RangeError("safetyMargin must be between 0 and renewFraction");
     }
+    // The first renewal would fall due after the local deadline: every hold lost.
+    if (!(renewFraction + safetyMargin < 1)) throw new RangeError("renewFraction + safetyMargin must be below 1");
   }
 
   /** The local deadline of a lease claimed or renewed by a request sent at `sent`. */

@@ -19,6 +19,9 @@ describe("RenewalSchedule", () => {
     assert.equal(schedule.wait(100, 90), 0);
     assert.throws(() => new RenewalSchedule(30, 1.2), RangeError);
     assert.throws(() => new RenewalSchedule(30, 0.3, 0.3), RangeError);
+    // The first renewal (27 s) after the local deadline (24 s): every hold would be lost.
+    assert.throws(() => new RenewalSchedule(30, 0.9, 0.2), RangeError);
+    assert.throws(() => new RenewalSchedule(30, 0.96, 0.05), RangeError);
     assert.throws(() => new RenewalSchedule(0.01), RangeError);
     assert.throws(() => new RenewalSchedule(30, "0.5" as unknown as number), TypeError);
     assert.throws(() => new RenewalSchedule(30, 0.5, "0.1" as unknown as number), TypeError);
