@@ -217,14 +217,19 @@ class Waiters:
             if waiter.gone():
                 return verdict, "disconnected"
             now = time.monotonic()
-            if (now >= until and now < blocker_ends) or self._stopping:
+            if self._stopping:
                 remaining = retry_after(blocker_ends - now)
-                ended = "stopped" if self._stopping else "timed_out"
-                return _with_retry_after(verdict, decision, remaining), ended
+                return _with_retry_after(verdict, decision, remaining), "stopped"
+            # Past the cap too, decided again as if it had just arrived: the 409 it
+            # would get at once, its Retry-After counted from now (not from a whole
+            # second rounded up before), or what settled unseen meanwhile.
+            capped = now >= until
             self._rewatch(waiter)
             verdict = await decide()
             if not waitable(verdict):
                 return verdict, _result(verdict)
+            if capped:
+                return verdict, "timed_out"
 
     def _register(self, waiter: _Waiter) -> None:
         facts = waiter.facts

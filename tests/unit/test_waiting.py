@@ -155,6 +155,22 @@ async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
     assert nothing_left(waiters)
 
 
+async def test_at_its_cap_the_write_is_answered_as_if_it_had_just_arrived() -> None:
+    """Held 1 s: the 409 is decided then (its Retry-After counted from then, not
+    one made of the first answer's whole seconds), and what settled unseen in
+    the meantime is answered as it now is."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    later = Verdict(dataclasses.replace(IN_PROGRESS.decision, retry_after=7))
+    decide, given = decisions(IN_PROGRESS, later)
+    waited = await asyncio.wait_for(waiters.decide(FACTS, 1, decide, never_gone), 5)
+    assert waited.verdict is later and waited.result == "timed_out"
+    assert waited.seconds >= 1.0 and len(given) == 2
+    decide, _ = decisions(IN_PROGRESS, REPLAY)
+    waited = await asyncio.wait_for(waiters.decide(FACTS, 1, decide, never_gone), 5)
+    assert waited.verdict is REPLAY and waited.result == "replayed"
+    assert nothing_left(waiters)
+
+
 class Starter:
     """A `WokenStart` the test plays: each started decision's answer kept for the
     test to settle; `can` False: nothing starts (the write decides on its own)."""
