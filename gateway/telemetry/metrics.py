@@ -117,7 +117,7 @@ class Metrics:
         self.waits = Counter(
             "sinkgate_waits_total",
             "Writes held under Prefer: wait, by result (replayed, forwarded, refused, "
-            "timed_out, disconnected, stopped).",
+            "timed_out, disconnected, stopped; full: not held, max_waiting were).",
             ["result"],
             registry=r,
         )

@@ -164,8 +164,12 @@ class Waiters:
             verdict = await decide()
             if not waitable(verdict):
                 return Waited(verdict)
-            if self.count >= self.limit or self._stopping:
+            if self._stopping:
                 return Waited(verdict, applied=False)
+            if self.count >= self.limit:  # answered at once; counted, for max_waiting's sake
+                metrics = self._metrics
+                metrics.tally.add(metrics.child(metrics.waits, "full"))
+                return Waited(verdict, applied=False, result="full")
             self._enter()
             try:
                 verdict, result = await self._hold(verdict, waiter, decide)

@@ -120,13 +120,16 @@ async def test_a_settlement_during_the_decision_is_not_missed() -> None:
 
 
 async def test_one_more_than_the_limit_is_answered_at_once() -> None:
-    waiters = Waiters(limit=1, metrics=Metrics())
+    metrics = Metrics()
+    waiters = Waiters(limit=1, metrics=metrics)
     first = asyncio.create_task(waiters.decide(FACTS, 30, decisions(IN_PROGRESS)[0], never_gone))
     await held(waiters)
     decide, given = decisions(IN_PROGRESS)
     waited = await waiters.decide(FACTS, 30, decide, never_gone)
-    assert waited.verdict is IN_PROGRESS and not waited.applied and waited.result is None
+    assert waited.verdict is IN_PROGRESS and not waited.applied and waited.result == "full"
     assert len(given) == 1
+    # Counted (and said in the decision's log line as wait=full), for max_waiting's sake.
+    assert b'sinkgate_waits_total{result="full"} 1.0' in metrics.render()[0]
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
     assert nothing_left(waiters)  # a cancelled handler leaves nothing behind
