@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
+from gateway.admin.durations import seconds_back
 from gateway.http.problem import invalid_request
 from leases.model import MAX_GENERATION
 
@@ -24,11 +25,9 @@ MAX_LIMIT = 1000
 DECIMAL_ID = re.compile(r"[1-9][0-9]{0,18}")
 
 _RFC3339 = re.compile(
-    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,64}))?([Zz]|[+-]\d{2}:\d{2})"
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,64}))?([Zz]|[+-]\d{2}:\d{2})",
+    re.ASCII,  # `\d` is any script's digit otherwise
 )
-_RELATIVE = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,6})?)(ms|s|m|h|d|w)")
-# The config's duration units (ms too), and weeks.
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MAX_LOOKBACK_S = 100 * 365 * 86400
 
 
@@ -63,15 +62,14 @@ def parse_window(
 
 def is_duration(text: str) -> bool:
     """Whether `text` is a time filter's duration back from now (`15m`), not a date."""
-    return _RELATIVE.fullmatch(text) is not None
+    return seconds_back(text) is not None
 
 
 def parse_time(text: str, name: str, now: float | None = None) -> float:
     """RFC 3339 date-time with an offset (`Z` or `+hh:mm`), or a duration back from
     `now` (`15m`, `1h`, `7d`; units ms, s, m, h, d, w) -> seconds since the epoch."""
-    relative = _RELATIVE.fullmatch(text)
-    if relative is not None:
-        seconds = float(relative.group(1)) * _UNITS[relative.group(2)]
+    seconds = seconds_back(text)
+    if seconds is not None:
         if seconds > MAX_LOOKBACK_S:
             raise invalid_request(f"{name} reaches back more than 100 years")
         return (time.time() if now is None else now) - seconds

@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -229,6 +230,9 @@ async def test_limit_defaults_to_100(client, store):
         "since=2024-13-01T00:00:00Z",
         "since=2024-05-01T12:00:00",  # no offset: not RFC 3339
         "since=2024-05-01",
+        # Digits of another script: `\d` read them, and datetime took them as ASCII.
+        "since=" + quote("٢٠٢٤-05-01T12:00:00Z"),
+        "since=" + quote("٣h"),
         "until=2024-02-30T00:00:00Z",
         "until=2024-05-01T25:00:00Z",
         "since=2024-05-02T00:00:00Z&until=2024-05-01T00:00:00Z",

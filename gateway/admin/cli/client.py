@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gateway.admin.cli import PAGE_MAX
+from gateway.admin.durations import seconds_back
 from gateway.errors import GatewayError
 from leases.model import VISIBLE
 
@@ -43,8 +44,6 @@ TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 3.0
 CELL_MAX = 48
 
-_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)", re.ASCII)
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
@@ -273,10 +272,9 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
     it is."""
     if not value:
         return None
-    match = _RELATIVE.fullmatch(value.strip())
-    if match is None:
+    seconds = seconds_back(value.strip())
+    if seconds is None:
         return value
-    seconds = float(match.group(1)) * _UNITS[match.group(2)]
     try:
         moment = now.astimezone(UTC) - timedelta(seconds=seconds)
     except OverflowError as exc:
