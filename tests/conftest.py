@@ -33,7 +33,7 @@ def _logging_as_it_was() -> Iterator[None]:
     config = structlog.get_config()
     # The process-wide budget of store_unavailable lines: each test starts with
     # its burst, whatever the tests before it spent.
-    refusals._STORE_DOWN = refusals.LineBudget()
+    refusals.reset_store_unavailable_budget()
     try:
         yield
     finally:

@@ -103,6 +103,13 @@ class Refusals:
 _STORE_DOWN = LineBudget()
 
 
+def reset_store_unavailable_budget() -> None:
+    """Give `store_unavailable` its whole burst again (each test starts with it,
+    whatever the tests before it spent)."""
+    global _STORE_DOWN
+    _STORE_DOWN = LineBudget()
+
+
 def store_unavailable(op: str, error: str, **fields: object) -> None:
     """The `store_unavailable` warning: the driver's words, which the caller's 503
     does not carry. At a bounded rate, one budget per process: while the store is
