@@ -65,15 +65,20 @@ class ASGIFence:
         await self.gate.close()
 
 
+# The space around a field value (RFC 9110 5.5); str.strip() would also take
+# U+00A0 and U+0085 off a latin-1 value, making `a\xa0` the job `a`.
+_OWS = " \t"
+
+
 def _fencing_headers(scope: Scope) -> tuple[list[str], list[str]]:
     jobs: list[str] = []
     tokens: list[str] = []
     for name, value in scope.get("headers", ()):
         lowered = bytes(name).lower()
         if lowered == b"fencing-job":
-            jobs.append(bytes(value).decode("latin-1").strip())
+            jobs.append(bytes(value).decode("latin-1").strip(_OWS))
         elif lowered == b"fencing-token":
-            tokens.append(bytes(value).decode("latin-1").strip())
+            tokens.append(bytes(value).decode("latin-1").strip(_OWS))
     return jobs, tokens
 
 

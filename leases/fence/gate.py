@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,16 +72,14 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
     request is not fenced. One without the other is refused, so is a malformed
     or repeated value.
     """
-    jobs = [v for v in jobs if v]
-    tokens = [v for v in tokens if v]
-    if not jobs and not tokens:
-        return None
-    if not jobs or not tokens:
-        missing = "Fencing-Job" if not jobs else "Fencing-Token"
-        return refusal(Reason.MISSING_FENCING_TOKEN, f"{missing} is missing")
-    if len(jobs) > 1 or len(tokens) > 1:
+    if len(jobs) > 1 or len(tokens) > 1:  # an empty one too: the gateway reads `a, `
         return refusal(Reason.INVALID_FENCING_TOKEN, "fencing headers must be sent once")
-    job, token = jobs[0], tokens[0]
+    job, token = (jobs or [""])[0], (tokens or [""])[0]
+    if not job and not token:
+        return None
+    if not job or not token:
+        missing = "Fencing-Job" if not job else "Fencing-Token"
+        return refusal(Reason.MISSING_FENCING_TOKEN, f"{missing} is missing")
     if not IDENT.fullmatch(job):
         return refusal(
             Reason.INVALID_FENCING_TOKEN, "Fencing-Job must be 1-256 visible ASCII characters"
@@ -92,6 +91,13 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
             "Fencing-Token must be a decimal integer from 1 to 2^63-1 without sign or leading zero",
         )
     return job, generation
+
+
+# The job locks the running request holds (its task's context): the same request
+# passing a second fence middleware takes none of them again.
+_HELD: ContextVar[frozenset[tuple[asyncio.AbstractEventLoop, str]]] = ContextVar(
+    "sinkgate_fence_held", default=frozenset()
+)
 
 
 class JobLocks:
@@ -109,11 +115,21 @@ class JobLocks:
     @asynccontextmanager
     async def hold(self, job_id: str) -> AsyncIterator[None]:
         key = (asyncio.get_running_loop(), job_id)
+        held = _HELD.get()
+        if key in held:
+            # A fence inside a fence (a sub-app's middleware, a wrapped ASGI app):
+            # this request holds the job's lock already, and would wait for itself.
+            yield
+            return
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
-                yield
+                mark = _HELD.set(held | {key})
+                try:
+                    yield
+                finally:
+                    _HELD.reset(mark)
         finally:
             lock, users = self._locks[key]
             if users == 1:

@@ -304,9 +304,14 @@ def starlette_app(ledger: Ledger) -> Any:
 
 
 async def asgi_call(
-    app: Any, path: str, headers: dict[str, str], body: bytes = b""
+    app: Any,
+    path: str,
+    headers: dict[str, str],
+    body: bytes = b"",
+    raw: list[tuple[bytes, bytes]] | None = None,
 ) -> tuple[int, Any, bytes]:
-    """One HTTP POST through the ASGI interface."""
+    """One HTTP POST through the ASGI interface (`raw`: header lines as the server
+    would pass them, in place of `headers`)."""
     sent: list[dict[str, Any]] = []
     scope = {
         "type": "http",
@@ -318,7 +323,9 @@ async def asgi_call(
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "headers": raw
+        if raw is not None
+        else [(k.lower().encode(), v.encode()) for k, v in headers.items()],
         "client": ("127.0.0.1", 1234),
         "server": ("127.0.0.1", 80),
     }
@@ -407,6 +414,68 @@ async def test_two_middlewares_in_one_process_serialise_one_job_together(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_fence_inside_a_fence_does_not_wait_for_itself(tmp_path: Path) -> None:
+    """An ASGIFence around another (a mounted app with its own): the request holds
+    its job's lock from the outer one, and waited for itself in the inner one."""
+    ledger = Ledger()
+    inner = ASGIFence(bare_app(ledger), Fence(), f"sqlite:///{tmp_path / 'inner.db'}")
+    outer = ASGIFence(inner, Fence(), f"sqlite:///{tmp_path / 'outer.db'}")
+    headers = {"Fencing-Job": "job-1", "Fencing-Token": "3"}
+    try:
+        for _ in range(2):  # nothing left held for the next request of the job
+            status, _, _ = await asyncio.wait_for(asgi_call(outer, "/e", headers), 5)
+            assert status == 201
+        stale = {"Fencing-Job": "job-1", "Fencing-Token": "2"}
+        problem(*(await asgi_call(outer, "/e", stale)), "stale_generation")
+        problem(*(await asgi_call(inner, "/e", stale)), "stale_generation")  # both marked
+        assert ledger.effects == [("job-1", "3"), ("job-1", "3")]
+        assert len(outer.gate.locks) == 0
+    finally:
+        await outer.close()
+        await inner.close()
+
+
+async def test_aiohttp_a_fence_on_the_app_and_its_sub_app_does_not_wait_for_itself(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger()
+    outer = aiohttp_middleware(Fence(), f"sqlite:///{tmp_path / 'outer.db'}")
+    inner = aiohttp_middleware(Fence(), f"sqlite:///{tmp_path / 'inner.db'}")
+    sub = web.Application(middlewares=[inner])
+    sub.router.add_post("/e", ledger.aiohttp_handler)
+    app = web.Application(middlewares=[outer])
+    app.add_subapp("/sub", sub)
+    app.on_cleanup.extend([outer.close, inner.close])
+    headers = {"Fencing-Job": "job-1", "Fencing-Token": "3"}
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+        async with session.post(base + "/sub/e", headers=headers, timeout=5) as resp:
+            assert resp.status == 201
+    assert ledger.effects == [("job-1", "3")]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        # U+00A0 and U+0085 are no space in a field value (str.strip() took them).
+        [(b"fencing-job", b"a\xa0"), (b"fencing-token", b"3")],
+        [(b"fencing-job", b"\x85a"), (b"fencing-token", b"3")],
+        # A second, empty line: the gateway reads `job-1, ` and refuses it.
+        [(b"fencing-job", b"job-1"), (b"fencing-job", b""), (b"fencing-token", b"3")],
+        [(b"fencing-job", b"job-1"), (b"fencing-token", b"3"), (b"fencing-token", b"")],
+    ],
+)
+async def test_asgi_a_value_outside_the_alphabet_or_sent_twice_is_refused(
+    tmp_path: Path, lines: list[tuple[bytes, bytes]]
+) -> None:
+    ledger = Ledger()
+    fenced = ASGIFence(bare_app(ledger), Fence(), f"sqlite:///{tmp_path / 'l.db'}")
+    try:
+        problem(*(await asgi_call(fenced, "/e", {}, raw=lines)), "invalid_fencing_token")
+        assert ledger.effects == []
+    finally:
+        await fenced.close()
 
 
 async def test_asgi_lifespan_passes_through_and_shutdown_closes_the_database(
