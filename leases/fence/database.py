@@ -128,7 +128,10 @@ class FenceDatabase:
             return
         from ..postgres import ACQUIRE_TIMEOUT_S, transaction
 
-        async with transaction(conn, ACQUIRE_TIMEOUT_S) as pg:
+        # READ COMMITTED whatever the database's default: the check is one upsert
+        # that locks the job's row, and under SERIALIZABLE two requests of one job
+        # failed each other (503) where one waits for the other here.
+        async with transaction(conn, ACQUIRE_TIMEOUT_S, isolation="read_committed") as pg:
             await self.fence.check(pg, job_id, token)
 
     async def close(self) -> None:

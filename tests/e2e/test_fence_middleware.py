@@ -455,6 +455,52 @@ async def test_aiohttp_a_fence_on_the_app_and_its_sub_app_does_not_wait_for_itse
     assert ledger.effects == [("job-1", "3")]
 
 
+@pytest.mark.postgres
+async def test_a_database_serializable_by_default_makes_the_check_wait_not_fail() -> None:
+    """Another process's check of the job, committed while ours waits for the row:
+    under SERIALIZABLE (the database's default here) ours failed, 503; the
+    middleware's one upsert runs READ COMMITTED, waits, and decides on the mark."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from tests.pg import fresh_database
+
+    async with fresh_database() as url:
+        name = url.rsplit("/", 1)[1]
+        admin = await asyncpg.connect(url)
+        try:
+            await admin.execute(
+                f'ALTER DATABASE "{name}" SET default_transaction_isolation = serializable'
+            )
+        finally:
+            await admin.close()
+        other = await asyncpg.connect(url)  # the other process
+        watcher = await asyncpg.connect(url)
+        try:
+            await Fence().setup(other)
+            async with other.transaction(isolation="read_committed"):
+                await Fence().check(other, "job-1", 1)
+            async with aiohttp_ledger(url) as (ledger, send, _):
+                async with other.transaction():
+                    await Fence().check(other, "job-1", 5)  # holds the job's row
+                    ours = asyncio.create_task(send("6"))
+                    for _ in range(200):  # read outside the transaction: a fresh view
+                        waiting = await watcher.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                            "'Lock' AND datname = current_database()"
+                        )
+                        if waiting:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert waiting, "the middleware's check never waited for the row"
+                status, _, body = await asyncio.wait_for(ours, 10)
+                assert status == 201, body
+                assert ledger.effects == [("job-1", "6")]
+                problem(*(await send("5")), "stale_generation")
+        finally:
+            await other.close()
+            await watcher.close()
+
+
 @pytest.mark.parametrize(
     "lines",
     [
