@@ -153,6 +153,14 @@ class Fence:
         """
         job_id, token = validate_ident(job_id, "job_id"), validate_token(token)
         driver = driver_of(conn)
+        if driver == ASYNCPG and type(conn).__name__ == "Pool":
+            # A pool runs the check on a connection of its own, in autocommit: the
+            # mark commits apart from the effect, which may then land after a newer
+            # generation's. (`setup` takes a pool: it joins no transaction.)
+            raise ValueError(
+                "conn must be the connection of the effect's transaction, not an asyncpg "
+                "Pool: async with pool.acquire() as conn, conn.transaction(): ..."
+            )
         if driver == SQLITE:
             self.check_sync(conn, job_id, token)
             return _DONE

@@ -325,9 +325,10 @@ def test_a_fence_in_its_own_table(tmp_path: Path) -> None:
         assert db.execute("SELECT job_id, highest FROM ledger_fence").fetchall() == [("job", 4)]
 
 
-async def test_setup_and_check_accept_an_asyncpg_pool() -> None:
-    """A pool is not a transaction: setup takes a connection of its own, a check on
-    the pool commits by itself (there is no caller's transaction to join)."""
+async def test_setup_accepts_an_asyncpg_pool_and_check_refuses_it() -> None:
+    """A pool is not a transaction: setup takes a connection of its own; a check
+    on the pool would commit the mark by itself, apart from the effect it fences,
+    which could then land after a newer generation's."""
     import asyncpg
 
     from tests.pg import fresh_database
@@ -336,8 +337,12 @@ async def test_setup_and_check_accept_an_asyncpg_pool() -> None:
         pool = await asyncpg.create_pool(url, min_size=1, max_size=2)
         try:
             await FENCE.setup(pool)
-            await FENCE.check(pool, "job", 3)
-            with pytest.raises(StaleToken):
-                await FENCE.check(pool, "job", 2)
+            with pytest.raises(ValueError, match="not an asyncpg Pool"):
+                FENCE.check(pool, "job", 3)
+            async with pool.acquire() as conn, conn.transaction():
+                await FENCE.check(conn, "job", 3)  # a pooled connection, in a transaction
+            async with pool.acquire() as conn, conn.transaction():
+                with pytest.raises(StaleToken):
+                    await FENCE.check(conn, "job", 2)
         finally:
             await pool.close()
