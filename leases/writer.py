@@ -366,7 +366,9 @@ def _applied_wait(headers: CIMultiDictProxy[str]) -> float | None:
         return None
     for name, value in preferences(values):
         if name == "wait" and value is not None and _SECONDS.fullmatch(value):
-            return float(value)
+            # 0 held nothing, and added to the sum would never count a retry:
+            # asked again at once, for ever. Counted as a whole retry instead.
+            return float(value) if int(value) > 0 else math.inf
     return math.inf
 
 

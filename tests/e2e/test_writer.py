@@ -546,12 +546,19 @@ async def test_a_short_max_wait_leaves_the_writer_as_patient_as_polling(
 
 
 async def test_holds_that_never_end_still_run_out_of_retries(fake: FakeGateway) -> None:
-    """Holds of 1 s count a retry per 5 s held: max_retries=1 gives up after 10."""
-    fake.script = [_held(1, 10) for _ in range(20)]
+    """Holds of 1 s count a retry per 5 s held: max_retries=1 gives up after 10.
+    A `wait=0` (from no gateway of ours) held nothing: a whole retry each."""
+    fake.script = [*(_held(1, 10) for _ in range(20)), web.Response(status=201)]
     async with FencedWriter(fake.url, LEASE, max_retries=1) as w:
         with pytest.raises(DuplicateWrite):
             await w.post("d", "/x", step="s")
     assert len(fake.seen) == 10
+    fake.seen.clear()
+    fake.script = [*(_held(0, 10) for _ in range(20)), web.Response(status=201)]
+    async with FencedWriter(fake.url, LEASE, max_retries=1) as w:
+        with pytest.raises(DuplicateWrite):
+            await w.post("d", "/x", step="s")
+    assert len(fake.seen) == 2
 
 
 async def test_max_retries_zero_raises_at_once(fake: FakeGateway) -> None:

@@ -84,9 +84,10 @@ const APPLIED = /(?:^|,)[ \t]*wait[ \t]*=[ \t]*"?([0-9]{1,12})"?[ \t]*(?:[;,]|$)
 
 /** The seconds a `Preference-Applied` value says the gateway held the write:
  * `undefined` without the header, `Infinity` (a whole retry's worth) when its
- * `wait=M` cannot be read. */
+ * `wait=M` cannot be read or is 0 (which, summed, would never count a retry). */
 export function appliedWait(value: string | null): number | undefined {
   if (value === null) return undefined;
   const found = APPLIED.exec(value);
-  return found === null ? Number.POSITIVE_INFINITY : Number(found[1]);
+  const seconds = found === null ? 0 : Number(found[1]);
+  return seconds > 0 ? seconds : Number.POSITIVE_INFINITY;
 }

@@ -100,6 +100,11 @@ describe("the writer's retries", () => {
     gateway.script = Array(20).fill(held);
     await assert.rejects(writer.post("d", "/x", { json: {}, step: "s" }), { reason: "request_in_progress" });
     assert.equal(gateway.seen, 10); // holds that never end still run out of retries
+
+    gateway.seen = 0; // a wait=0 (from no gateway of ours) held nothing: a whole retry each
+    gateway.script = Array(20).fill({ "Retry-After": "10", "Preference-Applied": "wait=0" });
+    await assert.rejects(writer.post("d", "/x", { json: {}, step: "s" }), { reason: "request_in_progress" });
+    assert.equal(gateway.seen, 2);
     gateway.script = [];
   });
 
