@@ -98,12 +98,36 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
         return {"sinkgate": str(found.reason), "job_id": job_id}
     if found.action == "stop":
         raise Ignore()
-    retries: dict[str, int] = {}
-    if found.reason == Reason.LEASE_HELD and not task.request.is_eager:
+    request = task.request
+    waits = waits_for_holders(request)
+    options: dict[str, Any] = {}
+    if request.is_eager:
+        pass  # every retry counts: an eager run would otherwise spin on the spot
+    elif found.reason == Reason.LEASE_HELD:
         # A held lease has a live holder that renews it: wait for it as long as it
-        # takes (its run ends in done or stop). Other retries count against the
-        # task's own max_retries; so does every retry of an eager run, which
-        # would otherwise spin on the spot.
-        retries["max_retries"] = task.request.retries + 1
+        # takes (its run ends in done or stop), and say how many such waits there
+        # were, which Celery counts in `retries` with the others.
+        options["max_retries"] = request.retries + 1
+        options["headers"] = {**(request.headers or {}), WAITS_HEADER: waits + 1}
+    elif task.max_retries is not None:
+        # Other retries count against the task's own max_retries, less the waits
+        # for holders: a run that waited max_retries times still has them all.
+        options["max_retries"] = task.max_retries + waits
+        options["headers"] = {**(request.headers or {}), WAITS_HEADER: waits}
     # No exc=: Celery would pickle it, and lease errors do not round-trip.
-    raise task.retry(countdown=found.delay, **retries)
+    raise task.retry(countdown=found.delay, **options)
+
+
+# How many of a message's retries waited for a lease held elsewhere, carried from
+# one retry to the next in the message's headers.
+WAITS_HEADER = "sinkgate_waits_for_holders"
+
+
+def waits_for_holders(request: Any) -> int:
+    """The `WAITS_HEADER` count of a task's request (0 when it has none): Celery
+    gives a message's custom header as an attribute of the request (`headers`
+    holds them too on some versions)."""
+    value = getattr(request, WAITS_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(WAITS_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

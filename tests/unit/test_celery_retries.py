@@ -1,0 +1,74 @@
+"""How a Celery run's end becomes `task.retry(...)`: waits for a lease held
+elsewhere are unlimited and do not use up the task's own `max_retries` (real
+Celery carries the count in the message's headers; a worker run of this, on
+Redis, passed 4 waits then 2 store outages with max_retries=3)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from leases.integrations.celery import WAITS_HEADER, _apply, waits_for_holders
+from leases.integrations.gate import Verdict
+from leases.reasons import Reason
+
+
+class Retried(Exception):
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+
+class FakeTask:
+    name = "shop.charge"
+
+    def __init__(self, retries: int, waits: int | None = None, max_retries: int | None = 3):
+        self.max_retries = max_retries
+        headers = {WAITS_HEADER: waits} if waits is not None else None
+        self.request = SimpleNamespace(id="t-1", retries=retries, is_eager=False, headers=headers)
+        if waits is not None:
+            setattr(self.request, WAITS_HEADER, waits)
+
+    def retry(self, **options: Any) -> Retried:
+        return Retried(options)
+
+
+HELD = Verdict("retry", Reason.LEASE_HELD, 2.0)
+DOWN = Verdict("retry", Reason.STORE_UNAVAILABLE, 1.0)
+
+
+def retry_of(task: FakeTask, found: Verdict) -> dict[str, Any]:
+    with pytest.raises(Retried) as raised:
+        _apply(task, found, "order-1")  # type: ignore[arg-type]
+    return raised.value.options
+
+
+def test_a_wait_for_a_holder_is_unlimited_and_counted_in_the_headers() -> None:
+    options = retry_of(FakeTask(retries=7, waits=7), HELD)
+    assert options["max_retries"] == 8  # always one more than it has had
+    assert options["headers"][WAITS_HEADER] == 8
+    assert options["countdown"] == 2.0
+
+
+def test_waits_for_holders_leave_the_tasks_own_retries_whole() -> None:
+    """Seven waits, then the store is down: three retries are still there (Celery
+    refuses a retry once its `retries` passes `max_retries`)."""
+    options = retry_of(FakeTask(retries=7, waits=7), DOWN)
+    assert options["max_retries"] == 3 + 7
+    assert options["headers"][WAITS_HEADER] == 7  # carried on to the next retry
+    assert retry_of(FakeTask(retries=2), DOWN)["max_retries"] == 3  # no waits: as set
+
+
+def test_a_task_without_a_limit_keeps_none_and_an_eager_run_counts_every_retry() -> None:
+    assert "max_retries" not in retry_of(FakeTask(retries=9, waits=2, max_retries=None), DOWN)
+    eager = FakeTask(retries=1, waits=1)
+    eager.request.is_eager = True
+    assert retry_of(eager, HELD) == {"countdown": 2.0}
+
+
+@pytest.mark.parametrize("value", [None, -1, True, "3", 2.5])
+def test_a_header_that_is_no_count_reads_as_none(value: object) -> None:
+    request = SimpleNamespace(headers={WAITS_HEADER: value})
+    assert waits_for_holders(request) == 0
+    assert waits_for_holders(SimpleNamespace(**{WAITS_HEADER: 4}, headers=None)) == 4
