@@ -28,7 +28,7 @@ import structlog
 from arq import Retry
 
 from ..errors import LeaseError
-from ..writer import StaleWrite
+from ..writer import GatewayUnavailable, StaleWrite
 from .gate import TaskGate, job_id_from
 
 __all__ = ["fenced_job", "job_job_id"]
@@ -61,7 +61,7 @@ def fenced_job(
             try:
                 async with gate.run(jid) as run:
                     return await fn(ctx, run, *args, **kwargs)
-            except (LeaseError, StaleWrite) as exc:
+            except (LeaseError, StaleWrite, GatewayUnavailable) as exc:
                 found = await gate.verdict(exc, jid)
                 if found is None:
                     raise

@@ -28,7 +28,7 @@ from celery.exceptions import Ignore  # type: ignore[import-untyped]
 
 from ..errors import LeaseError
 from ..reasons import Reason
-from ..writer import StaleWrite
+from ..writer import GatewayUnavailable, StaleWrite
 from .gate import TaskGate, Verdict, job_id_from
 from .sync import _THREAD, run_sync
 
@@ -73,7 +73,7 @@ def fenced_task(
             jid = job_id_from(job_id(*args, **kwargs)) if job_id else task_job_id(self)
             try:
                 return run_sync(gate, jid, fn, *args, **kwargs)
-            except (LeaseError, StaleWrite) as exc:
+            except (LeaseError, StaleWrite, GatewayUnavailable) as exc:
                 found = _THREAD.call(gate.verdict(exc, jid))
                 if found is None:
                     raise

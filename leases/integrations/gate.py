@@ -28,7 +28,7 @@ from ..hold import HeldLease, hold
 from ..model import IDENT, VISIBLE, default_owner, validate_ident, validate_ttl
 from ..reasons import Reason
 from ..store import LeaseStore, open_store
-from ..writer import FencedWriter, StaleWrite, derive_key
+from ..writer import FencedWriter, GatewayUnavailable, StaleWrite, derive_key
 
 __all__ = ["TaskGate", "TaskRun", "Verdict", "job_id_from", "verdict"]
 
@@ -222,4 +222,9 @@ def verdict(error: BaseException, retry_delay: float = 1.0) -> Verdict | None:
         return Verdict("retry", error.reason, retry_delay)
     if isinstance(error, StoreUnavailable):
         return Verdict("retry", Reason.STORE_UNAVAILABLE, retry_delay)
+    if isinstance(error, GatewayUnavailable):
+        # "Retry later with the same key" (the writer's own advice): the run again,
+        # its earlier writes replayed by their keys. An outcome that stayed unknown
+        # comes back as DuplicateWrite(outcome_unknown), for an operator.
+        return Verdict("retry", error.reason, retry_delay)
     return None

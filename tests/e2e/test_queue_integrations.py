@@ -25,7 +25,7 @@ from leases.integrations import (
     run_sync,
     verdict,
 )
-from leases.writer import StaleWrite, derive_key
+from leases.writer import DuplicateWrite, GatewayUnavailable, StaleWrite, derive_key
 from tests.harness import (
     Gateway,
     RecordingUpstream,
@@ -90,6 +90,11 @@ def test_verdicts_map_each_end_of_a_run_to_one_idiom() -> None:
     assert verdict(LeaseLost("j", 1, "lease_expired")).action == "retry"  # type: ignore[union-attr]
     assert verdict(StaleWrite("owner_mismatch", 409)).action == "stop"  # type: ignore[union-attr]
     assert verdict(StoreUnavailable("down")).action == "retry"  # type: ignore[union-attr]
+    # The writer's "retry later with the same key": the run again, replayed by key.
+    for reason in ("gateway_unreachable", "upstream_unreachable", "overloaded"):
+        found = verdict(GatewayUnavailable(reason, None))
+        assert found is not None and (found.action, found.reason) == ("retry", reason)
+    assert verdict(DuplicateWrite("outcome_unknown", 409)) is None  # an operator's
     assert verdict(ValueError("the task's own")) is None
 
 
