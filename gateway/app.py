@@ -18,6 +18,7 @@ from aiohttp import hdrs, web
 
 from gateway.admin.app import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
+from gateway.config.reader import is_loopback
 from gateway.config.tls import server_context
 from gateway.errors import GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
@@ -177,7 +178,7 @@ def create_app(
     # write (about 4 % of the event loop's time). A path that only normalises
     # into /to/... gets the same 404 as before.
     app.router.add_route("*", "/to/{tail:.*}", _not_a_write)
-    add_lease_routes(app, tokens=config.lease_tokens)
+    add_lease_routes(app, tokens=config.lease_tokens, loopback_only=is_loopback(config.listen[0]))
     app[ADMIN_BOUND] = []
     add_openapi_route(app, _listeners(config, app[ADMIN_BOUND]))
     add_health_routes(app, lambda: app[STORE])

@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import re
 import secrets
-import socket
 from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
@@ -30,9 +29,8 @@ from aiohttp import web
 from gateway.admin.query import DECIMAL_ID
 from gateway.admin.throttle import FailureThrottle
 from gateway.config.keys import SHARED_OPERATOR
-from gateway.config.reader import is_loopback
 from gateway.errors import Rejection
-from gateway.http.auth import authorization, cross_site
+from gateway.http.auth import authorization, cross_site, loopback_host
 from gateway.http.problem import problem_response
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.refusals import LineBudget
@@ -229,20 +227,3 @@ def operator_of(request: web.Request) -> str | None:
 
 def _forbidden(detail: str) -> web.Response:
     return problem_response(Rejection(Reason.UNAUTHORIZED, detail, status=403))
-
-
-_HOSTNAME = socket.gethostname().lower()
-
-
-def loopback_host(host: str) -> bool:
-    """Whether a `Host` header names this machine's loopback: `localhost` (or a name
-    below it), the machine's own name, a 127.0.0.0/8 address or `[::1]`, with any
-    port. Not a name resolved: a rebound name resolves to loopback too."""
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name[1:].partition("]")[0]
-    else:
-        name = name.rpartition(":")[0] if name.count(":") == 1 else name
-    if name.endswith(".localhost") or name == _HOSTNAME:
-        return True  # the machine's own name: its /etc/hosts points it at loopback
-    return is_loopback(name)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hmac
+import socket
 from collections.abc import Iterable
+from functools import lru_cache
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
+
+from gateway.config.reader import is_loopback
 
 
 def authorization(headers: CIMultiDictProxy[str]) -> str:
@@ -74,3 +78,29 @@ def cross_site(request: web.Request, *, null_origin_is_own: bool = True) -> bool
         return not null_origin_is_own
     scheme, _, rest = origin.partition("://")
     return rest.lower() != request.host.lower() or scheme.lower() != request.scheme
+
+
+_HOSTNAME = socket.gethostname().lower()
+NOT_LOOPBACK = (
+    "this listener is on loopback only and serves loopback host names only "
+    "(a page whose name a DNS rebinding points here sends its own)"
+)
+
+
+@lru_cache(maxsize=256)  # a listener sees a few Host values; parsing one takes ~8 us
+def loopback_host(host: str) -> bool:
+    """Whether a `Host` header names this machine's loopback: `localhost` (or a name
+    below it), the machine's own name, a 127.0.0.0/8 address or `[::1]`, with any
+    port. Not a name resolved: a rebound name resolves to loopback too.
+
+    A listener on loopback only serves these: a page whose host name a DNS
+    rebinding points at 127.0.0.1 sends its own name, and from a plain-HTTP host
+    that is not loopback a browser sends no `Sec-Fetch-*` (nor `Origin` on a GET)."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    else:
+        name = name.rpartition(":")[0] if name.count(":") == 1 else name
+    if name.endswith(".localhost") or name == _HOSTNAME:
+        return True  # the machine's own name: its /etc/hosts points it at loopback
+    return is_loopback(name)

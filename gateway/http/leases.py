@@ -23,7 +23,13 @@ from aiohttp import web
 from gateway.errors import WORKER_CHALLENGE, Rejection
 from gateway.http import models
 from gateway.http.appkeys import METRICS, STORE
-from gateway.http.auth import authorization, bearer_matches, sent_for_a_page
+from gateway.http.auth import (
+    NOT_LOOPBACK,
+    authorization,
+    bearer_matches,
+    loopback_host,
+    sent_for_a_page,
+)
 from gateway.http.bodies import read_uncoded_body
 from gateway.http.models import ClaimRequest, HeldRequest, LeaseRequest, RenewRequest, rfc3339
 from gateway.http.problem import invalid_request, problem_response
@@ -54,15 +60,21 @@ LEASE_REQUESTS: dict[str, type[LeaseRequest]] = {
 
 
 LEASE_TOKENS: web.AppKey[tuple[str, ...]] = web.AppKey("lease_tokens", tuple)
+# The listener is on loopback only: a Host naming anything else is a rebound page's.
+LOOPBACK_ONLY: web.AppKey[bool] = web.AppKey("loopback_only", bool)
 
 
-def add_lease_routes(app: web.Application, *, tokens: tuple[str, ...] | None = None) -> None:
+def add_lease_routes(
+    app: web.Application, *, tokens: tuple[str, ...] | None = None, loopback_only: bool = False
+) -> None:
     """Register the lease API on `app`, which must hold `STORE` and `METRICS`.
 
-    With `tokens`, every call needs `Authorization: Bearer <one of them>`.
+    With `tokens`, every call needs `Authorization: Bearer <one of them>`; with
+    `loopback_only` (the listener's address is loopback), a loopback `Host`.
     """
     if tokens:
         app[LEASE_TOKENS] = tokens
+    app[LOOPBACK_ONLY] = loopback_only
     traced = traces.traced_lease_handler  # the handler itself when tracing is off
     app.router.add_get(f"/leases/{JOB_SEGMENT}", traced(_get))
     app.router.add_post(f"/leases/{JOB_SEGMENT}/{{op}}", traced(_post))
@@ -99,6 +111,9 @@ def _authorize(request: web.Request) -> None:
         raise Rejection(
             Reason.UNAUTHORIZED, "missing or wrong lease API token", headers=WORKER_CHALLENGE
         )
+    if not tokens and request.app.get(LOOPBACK_ONLY) and not loopback_host(request.host):
+        # No token to tell a worker from a rebound page (whose name it sends).
+        raise Rejection(Reason.UNAUTHORIZED, NOT_LOOPBACK, status=403)
     if sent_for_a_page(request.headers):
         # A page in a browser can POST a JSON text as text/plain without asking
         # first: without tokens it could claim (or complete) a job, and read a

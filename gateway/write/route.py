@@ -19,8 +19,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config.model import Config, DestinationConfig
+from gateway.config.reader import is_loopback
 from gateway.errors import WORKER_CHALLENGE, Rejection
-from gateway.http.auth import authorization, bearer_matches, sent_for_a_page
+from gateway.http.auth import (
+    NOT_LOOPBACK,
+    authorization,
+    bearer_matches,
+    loopback_host,
+    sent_for_a_page,
+)
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
@@ -86,6 +93,8 @@ class WriteGateway:
         waiters: Waiters | None = None,
     ) -> None:
         self.config = config
+        # A listener address is read at start only (a reload cannot change it).
+        self._loopback_only = is_loopback(config.listen[0])
         self.store = store
         self.upstreams = upstreams
         self.metrics = metrics
@@ -218,7 +227,12 @@ class WriteGateway:
 
     async def _authorize(self, request: web.Request, destination: DestinationConfig) -> None:
         tokens = destination.worker_tokens
-        if sent_for_a_page(request.headers):
+        if tokens is None and self._loopback_only and not loopback_host(request.host):
+            # No token to tell a worker from a rebound page (whose name it sends).
+            rejection = Rejection(
+                Reason.UNAUTHORIZED, NOT_LOOPBACK, status=403, destination=destination.name
+            )
+        elif sent_for_a_page(request.headers):
             # A page in a browser (a DNS rebinding makes it same-origin, custom
             # headers and all) writing with a lease it claimed or read.
             rejection = Rejection(

@@ -381,7 +381,7 @@ async def test_a_header_that_is_not_utf8_is_a_400_not_a_500(
     host, port = gw.url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
+        b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
         b"Idempotency-Key: k-8\r\nContent-Length: 2\r\n" + header + b"\r\n\r\n{}"
     )
     head, _, body = (await reader.read(65536)).partition(b"\r\n\r\n")
@@ -496,7 +496,7 @@ async def test_a_write_refused_before_its_body_gets_no_100_continue(
     await gw.claim("job-1")
     first, rest = await expect_continue(
         gw,
-        f"POST {path} HTTP/1.1\r\nHost: gw\r\n".encode()
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
         + b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-e\r\n"
         + headers,
     )
@@ -512,7 +512,7 @@ async def test_an_unknown_expectation_is_a_417_problem(
     host, port = gw.url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
+        b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nFencing-Job: job-1\r\nFencing-Token: 1\r\n"
         b"Idempotency-Key: k-e\r\nExpect: 200-ok\r\nContent-Length: 2\r\n"
         b"Connection: close\r\n\r\n{}"
     )

@@ -61,8 +61,13 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
 
 @asynccontextmanager
 async def gateway_with_limits(
-    tmp_path: Path, upstream: RecordingUpstream, **limits: Any
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    listen: tuple[str, int] = ("127.0.0.1", 0),
+    **limits: Any,
 ) -> AsyncIterator[Gateway]:
+    """The gateway on a loopback port; `listen` is what its config says it listens
+    on (a wildcard: it serves any host name, as one reached by name must)."""
     config = make_config(
         tmp_path,
         destination("pay", upstream.url + "/api"),
@@ -70,6 +75,7 @@ async def gateway_with_limits(
         destination("mono", upstream.url + "/api", fencing=Fencing.MONOTONIC),
         destination("secure", upstream.url + "/api", worker_tokens=(WORKER_TOKEN,)),
         destination("narrow", upstream.url + "/api", max_in_flight=2),
+        listen=listen,
     )
     clock = FakeClock()
     store = await SQLiteStore.open(config.store_url, clock=clock)
@@ -90,6 +96,13 @@ async def gateway_with_limits(
 @pytest.fixture
 async def gw(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
     async with gateway_with_limits(tmp_path, upstream) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def gw_by_name(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[Gateway]:
+    """A gateway whose config listens on every address: any Host is served."""
+    async with gateway_with_limits(tmp_path, upstream, listen=("0.0.0.0", 8480)) as gateway:
         yield gateway
 
 
@@ -144,7 +157,7 @@ def head_and_body(response: bytes) -> tuple[dict[str, str], bytes]:
 
 def write_head(path: str, job: bytes, *, key: bytes = b"k-1", extra: bytes = b"") -> bytes:
     return (
-        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: 2\r\n"
         b"Fencing-Job: "
         + job
@@ -271,7 +284,7 @@ async def test_a_transfer_coding_other_than_chunked_is_501(
     await gw.claim("job-1")
     body = b"2\r\n{}\r\n0\r\n\r\n"
     request = (
-        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-te\r\n"
         b"Transfer-Encoding: " + coding + b"\r\n\r\n" + body
     )
@@ -323,7 +336,7 @@ async def test_bodies_still_arriving_are_held_within_max_body_buffer(
         async def started(key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             reader, writer = await asyncio.open_connection(url.host, url.port)
             writer.write(
-                b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\n"
+                b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nFencing-Job: job-1\r\n"
                 + f"Fencing-Token: 1\r\nIdempotency-Key: {key}\r\n".encode()
                 + b"Content-Length: 1000\r\n\r\n"
                 + b"x" * 10
@@ -365,7 +378,7 @@ async def test_a_client_gone_mid_body_is_one_quiet_line_not_a_traceback(
     with log_records() as records:
         reader, writer = await asyncio.open_connection(url.host, url.port)
         writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: gw\r\nFencing-Job: job-1\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nFencing-Job: job-1\r\n".encode()
             + b"Fencing-Token: 1\r\nIdempotency-Key: k-gone\r\n"
             + b"Content-Type: application/json\r\nContent-Length: 100\r\n"
             + b"Expect: 100-continue\r\n\r\n"
@@ -397,7 +410,7 @@ async def test_a_write_body_slower_than_the_deadline_is_408_and_changes_nothing(
     reader, writer = await asyncio.open_connection(url.host, url.port)
     try:
         writer.write(
-            b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nContent-Length: 1000\r\n"
+            b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n"
             b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\n\r\n" + b"x" * 10
         )
         await writer.drain()
@@ -422,7 +435,7 @@ async def test_a_lease_body_slower_than_the_deadline_is_408_with_connection_clos
     reader, writer = await asyncio.open_connection(url.host, url.port)
     try:
         writer.write(
-            b"POST /leases/job-1/claim HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{"
+            b"POST /leases/job-1/claim HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"
         )
         await writer.drain()
         response = await asyncio.wait_for(read_response(reader), 10)
@@ -445,7 +458,7 @@ async def test_slowloris_headers_are_cut_off_at_the_keepalive_deadline(
         started = time.monotonic()
         closed_after = None
         try:
-            writer.write(b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\n")
+            writer.write(b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             for i in range(100):  # one header line every 50 ms: never a complete head
                 try:
                     writer.write(f"X-Trickle-{i}: 1\r\n".encode())
@@ -593,7 +606,7 @@ async def test_bad_job_ids_in_lease_paths_are_400_and_claim_nothing(
 
 async def test_raw_invalid_utf8_in_a_lease_path_is_a_4xx(gw: Gateway) -> None:
     request = (
-        b"POST /leases/j\xffb/claim HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"POST /leases/j\xffb/claim HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: 25\r\n\r\n"
         b'{"owner": "a", "ttl": 10}'
     )
@@ -606,7 +619,7 @@ async def test_a_control_character_in_a_lease_api_header_is_an_invalid_request_p
     gw: Gateway,
 ) -> None:
     request = (
-        b"POST /leases/job-1/claim HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+        b"POST /leases/job-1/claim HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"X-Request-Id: r\x01" + LEAK + b"\r\n"
         b"Content-Type: application/json\r\nContent-Length: 25\r\n\r\n"
         b'{"owner": "a", "ttl": 10}'
@@ -632,7 +645,7 @@ async def test_a_malformed_request_line_is_an_invalid_request_problem(
     await gw.claim("job-1")
     before = await table_counts(gw.store)
     request = (
-        request_line + b"\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        request_line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 2\r\n"
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-line\r\n\r\n{}"
     )
     await refused_by_the_parser(gw.url, request)
@@ -821,17 +834,20 @@ async def test_the_same_key_on_another_destination_never_replays_its_answer(
     ],
 )
 async def test_no_request_can_point_the_gateway_at_another_host(
-    gw: Gateway, upstream: RecordingUpstream, request_line: bytes
+    gw: Gateway, gw_by_name: Gateway, upstream: RecordingUpstream, request_line: bytes
 ) -> None:
     """Absolute-form targets and a hostile Host header: whatever is forwarded goes to
-    the configured upstream and its base path, nowhere else."""
-    await gw.claim("job-1")
+    the configured upstream and its base path, nowhere else; a gateway on loopback
+    only forwards nothing for a name that is not loopback's."""
     request = (
         request_line + b"\r\nHost: evil.invalid:80\r\nConnection: close\r\n"
         b"X-Forwarded-Host: evil.invalid\r\nContent-Length: 2\r\n"
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: k-host\r\n\r\n{}"
     )
-    response = await raw_request(gw, request)
+    await gw.claim("job-1")
+    assert_problem(await raw_request(gw, request), 403, "unauthorized")
+    assert upstream.received == []
+    response = await raw_request(gw_by_name, request)  # one store: the lease claimed above
     assert status_of(response) == 201, response[:300]
     (seen,) = upstream.received
     assert seen.raw_path == "/api/x"
@@ -839,13 +855,16 @@ async def test_no_request_can_point_the_gateway_at_another_host(
 
 
 async def test_an_absolute_form_target_keeps_its_raw_path_and_its_checks(
-    gw: Gateway, upstream: RecordingUpstream
+    gw_by_name: Gateway, upstream: RecordingUpstream
 ) -> None:
     """The path checks see the absolute-form target's path as sent: percent-encoding
-    and query kept on the way through, `..` above the base still refused."""
+    and query kept on the way through, `..` above the base still refused. (Its
+    authority is the request's host, RFC 9112 3.2.2: a gateway on loopback only
+    refuses one that is not loopback's.)"""
+    gw = gw_by_name
     await gw.claim("job-1")
     head = (
-        b"\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        b"\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 2\r\n"
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nIdempotency-Key: "
     )
     sent = b"POST https://evil.invalid:8443/to/pay/a%2Fb?q=1 HTTP/1.1" + head + b"k-abs\r\n\r\n{}"
@@ -865,7 +884,7 @@ async def test_the_upstream_gets_the_workers_headers_not_client_defaults(
     an empty fencing header, which counts as missing, is not passed on."""
     await gw.claim("job-1")
     request = (
-        b"POST /to/pay/x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 2\r\n"
+        b"POST /to/pay/x HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 2\r\n"
         b"Fencing-Job: job-1\r\nFencing-Token: 1\r\nFencing-Owner: \r\n"
         b"Idempotency-Key: k-defaults\r\nX-Worker: w1\r\n\r\n{}"
     )

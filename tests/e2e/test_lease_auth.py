@@ -69,10 +69,8 @@ async def test_a_page_in_a_browser_cannot_call_the_lease_api(
         config = make_config(tmp_path, destination("pay", upstream.url))
         async with running_gateway(config) as gw:
             url = f"{gw.url}/leases/job-1/claim"
-            rebound = {**page, "Host": "rebound.example:8480", "Content-Type": "text/plain"}
-            async with gw.session.post(
-                url, data='{"owner": "a", "ttl": 5}', headers=rebound
-            ) as resp:
+            text = {**page, "Content-Type": "text/plain"}
+            async with gw.session.post(url, data='{"owner": "a", "ttl": 5}', headers=text) as resp:
                 assert resp.status == 403
                 assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
             assert await gw.store.get("job-1") is None  # nothing claimed
@@ -105,7 +103,7 @@ async def test_a_rebound_page_cannot_write_with_a_lease_it_read(
                 "Idempotency-Key": "job-1:charge",
             }
             url = f"{gw.url}/to/pay/charges"
-            headers = {**page, **fencing, "Host": "rebound.example:8480"}
+            headers = {**page, **fencing}
             async with gw.session.post(url, json={"amount": 1}, headers=headers) as resp:
                 assert resp.status == 403
                 assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
@@ -113,6 +111,41 @@ async def test_a_rebound_page_cannot_write_with_a_lease_it_read(
             async with gw.session.post(url, json={"amount": 1}, headers=fencing) as resp:
                 assert resp.status == 201  # the worker's own write, same key, goes on
             assert len(upstream.received) == 1
+
+
+async def test_on_loopback_a_host_name_that_is_not_loopbacks_is_refused(tmp_path: Path) -> None:
+    """A rebound page on a plain-HTTP name sends no Sec-Fetch-* (and no Origin on
+    a GET): the name it sends is what tells it, on a listener that is loopback's
+    alone. Nothing read, claimed or written; loopback's own names go on."""
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("pay", upstream.url))
+        async with running_gateway(config) as gw:
+            lease = await gw.store.claim("job-1", owner="worker-a", ttl=30)
+            rebound = {"Host": "rebound.example:8480"}
+            fencing = {
+                "Fencing-Job": "job-1",
+                "Fencing-Token": str(lease.generation),
+                "Fencing-Owner": "worker-a",
+                "Idempotency-Key": "job-1:charge",
+            }
+            async with gw.session.get(f"{gw.url}/leases/job-1", headers=rebound) as resp:
+                assert resp.status == 403
+                assert "worker-a" not in await resp.text()
+            claim = f"{gw.url}/leases/job-2/claim"
+            async with gw.session.post(
+                claim, json={"owner": "a", "ttl": 5}, headers=rebound
+            ) as resp:
+                assert resp.status == 403
+            assert await gw.store.get("job-2") is None
+            write = f"{gw.url}/to/pay/charges"
+            async with gw.session.post(write, json={}, headers={**rebound, **fencing}) as resp:
+                assert resp.status == 403
+                assert resp.headers["Sinkgate-Rejected"] == "unauthorized"
+            assert upstream.received == []
+            port = gw.url.rsplit(":", 1)[1]
+            for host in (f"localhost:{port}", f"127.0.0.1:{port}", "app.localhost"):
+                async with gw.session.get(f"{gw.url}/leases/job-1", headers={"Host": host}) as resp:
+                    assert resp.status == 200, host
 
 
 def _write(tmp_path: Path, server: str) -> Path:
