@@ -8,14 +8,17 @@ it received.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -399,3 +402,18 @@ async def stop_serve(process: asyncio.subprocess.Process, within: float) -> int:
             await process.wait()
     assert process.returncode is not None
     return process.returncode
+
+
+@contextmanager
+def repository_build() -> Iterator[None]:
+    """Hold the lock for building this repository with pip (`pip install <repo>`,
+    `pip wheel <repo>`): pip builds in the tree (`build/`, `*.egg-info`), and two
+    test processes building at once collide there ("File exists")."""
+    repo = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(str(repo).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"sinkgate-build-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

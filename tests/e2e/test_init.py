@@ -16,6 +16,7 @@ import pytest
 from gateway.config import keys
 from gateway.config.model import load_config
 from gateway.config.starter import template
+from tests.harness import repository_build
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -172,6 +173,15 @@ def test_the_operators_table_of_the_written_file_can_be_filled_in(tmp_path: Path
 
 @pytest.mark.slow
 def test_the_wheel_carries_the_templates(tmp_path: Path) -> None:
+    with repository_build():  # another test process may be building it now
+        _wheel(tmp_path)
+    (wheel,) = tmp_path.glob("sinkgate-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gateway/config/templates/gateway.toml" in names
+    assert "gateway/config/templates/example.toml" in names
+
+
+def _wheel(into: Path) -> None:
     subprocess.run(
         [
             sys.executable,
@@ -180,17 +190,13 @@ def test_the_wheel_carries_the_templates(tmp_path: Path) -> None:
             "wheel",
             "--no-deps",
             "-w",
-            str(tmp_path),
+            str(into),
             str(REPO),
         ],
         check=True,
         capture_output=True,
         timeout=300,
     )
-    (wheel,) = tmp_path.glob("sinkgate-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "gateway/config/templates/gateway.toml" in names
-    assert "gateway/config/templates/example.toml" in names
 
 
 def test_a_key_appended_to_the_destination_template_is_never_a_header(tmp_path: Path) -> None:

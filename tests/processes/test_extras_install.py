@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import repository_build
 from tests.processes.queue_stack import REDIS_URL, require_redis
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +86,8 @@ def test_the_queue_extras_installed_one_after_the_other_both_start(
     venv.create(tmp_path / "venv", with_pip=True)
     python = tmp_path / "venv" / "bin" / "python"
     for extra in order:
-        _pip(python, f"{REPO}[{extra}]")
+        with repository_build():  # another test process may be building it now
+            _pip(python, f"{REPO}[{extra}]")
     (tmp_path / "apps.py").write_text(APPS, encoding="utf-8")
     env = {**os.environ, "QUEUE_REDIS": REDIS_URL, "PYTHONPATH": ""}
     env.pop("VIRTUAL_ENV", None)
