@@ -117,7 +117,8 @@ class Metrics:
         self.waits = Counter(
             "sinkgate_waits_total",
             "Writes held under Prefer: wait, by result (replayed, forwarded, refused, "
-            "timed_out, disconnected, stopped; full: not held, max_waiting were).",
+            "timed_out, disconnected, stopped, failed: a decision again failed; "
+            "full: not held, max_waiting were).",
             ["result"],
             registry=r,
         )

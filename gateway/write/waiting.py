@@ -173,15 +173,24 @@ class Waiters:
             self._enter()
             try:
                 verdict, result = await self._hold(verdict, waiter, decide)
+            except Exception:
+                # A decision again failed (the store down, too many being decided):
+                # the write gets that refusal, and the wait is counted as ended so.
+                self._count(started, "failed")
+                raise
             finally:
                 self._leave()
         finally:
             self._unwatch(waiter)
+        return Waited(verdict, result=result, seconds=self._count(started, result))
+
+    def _count(self, started: float, result: str) -> float:
+        """Count a wait that ended in `result`; how long it took."""
         waited = time.monotonic() - started
         metrics = self._metrics
         metrics.tally.add(metrics.child(metrics.waits, result))
         metrics.tally.observe(metrics.wait_seconds, waited)
-        return Waited(verdict, result=result, seconds=waited)
+        return waited
 
     async def _hold(self, verdict: Verdict, waiter: _Waiter, decide: Decide) -> tuple[Verdict, str]:
         """Wait and decide again until the verdict is no waitable refusal, the cap

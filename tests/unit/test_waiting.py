@@ -174,6 +174,26 @@ async def test_at_its_cap_the_write_is_answered_as_if_it_had_just_arrived() -> N
     assert nothing_left(waiters)
 
 
+async def test_a_decision_again_that_fails_fails_the_write_and_is_counted() -> None:
+    """At the cap the store is down: the write gets the store's refusal (as one
+    arriving then would), and its wait is counted `failed`, not left out."""
+    metrics = Metrics()
+    waiters = Waiters(limit=10, metrics=metrics)
+    calls = 0
+
+    async def decide() -> Verdict:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return IN_PROGRESS
+        raise RuntimeError("store down")
+
+    with pytest.raises(RuntimeError, match="store down"):
+        await asyncio.wait_for(waiters.decide(FACTS, 1, decide, never_gone), 5)
+    assert b'sinkgate_waits_total{result="failed"} 1.0' in metrics.render()[0]
+    assert nothing_left(waiters)
+
+
 class Starter:
     """A `WokenStart` the test plays: each started decision's answer kept for the
     test to settle; `can` False: nothing starts (the write decides on its own)."""
