@@ -260,7 +260,10 @@ RUN_ELSEWHERE: dict[str, tuple[str, str]] = {
     ),
     "sinkgate keys resolve payments inv-45-charge --not-applied "
     '--note "no charge for inv-45 at the PSP"': ("tests/e2e/test_keys_cli.py", '"--not-applied"'),
-    "CI=true python3 -m pytest -q": (".ci/run", "python3 -m pytest -q"),
+    "CI=true python3 -m pytest -q -n 2 --dist worksteal": (
+        ".ci/run",
+        "python3 -m pytest -q -n 2 --dist worksteal",
+    ),
     "npm --prefix clients/typescript ci": (".ci/run", "npm --prefix clients/typescript ci"),
     "(cd clients/typescript && npm ci && npm pack)": (
         "clients/typescript/test/package.test.ts",

@@ -110,26 +110,26 @@ export class LeaseClient {
   /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
   async renew(lease: LeaseRef, options: { ttl?: number | undefined } & CallOptions = {}): Promise<Lease> {
     // async, as every call: a bad argument is a rejected promise, never a synchronous throw
-    validateOptions(options, "options");
-    const ttl = options.ttl === undefined ? undefined : validateTtl(options.ttl);
-    return this.#held("renew", lease, ttl, options.signal);
+    const given = validateOptions(options ?? {}, "options"); // null: none, as before
+    const ttl = given.ttl === undefined ? undefined : validateTtl(given.ttl);
+    return this.#held("renew", lease, ttl, given.signal);
   }
 
   /** Mark the job done (it can never be claimed again); throws `LeaseLost`. */
   async complete(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("complete", lease, undefined, validateOptions(options, "options").signal);
+    return this.#held("complete", lease, undefined, validateOptions(options ?? {}, "options").signal);
   }
 
   /** Free the job for another claim now; throws `LeaseLost`. */
   async release(lease: LeaseRef, options: CallOptions = {}): Promise<Lease> {
-    return this.#held("release", lease, undefined, validateOptions(options, "options").signal);
+    return this.#held("release", lease, undefined, validateOptions(options ?? {}, "options").signal);
   }
 
   /** The job's lease, or null when it was never claimed. */
   async get(jobId: string, options: CallOptions = {}): Promise<Lease | null> {
     validateIdent(jobId, "jobId");
-    validateOptions(options, "options");
-    const answer = await this.#call("GET", jobId, undefined, undefined, options.signal);
+    const given = validateOptions(options ?? {}, "options");
+    const answer = await this.#call("GET", jobId, undefined, undefined, given.signal);
     if (answer.status === 200) return toLease(answer.doc);
     if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
     throw unexpected(answer.status, answer.doc);
