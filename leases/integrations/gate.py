@@ -45,6 +45,11 @@ def job_id_from(*parts: object) -> str:
     read as JavaScript reads them: a high one followed by a low one is the one
     character they encode, and a lone one (from JSON's `\\ud800`, say) is hashed
     as its own bytes, not refused."""
+    for part in parts:
+        # None would be the job "None" (a `msg.get("id")` that found nothing): every
+        # such task one job, all but the first skipped as done.
+        if isinstance(part, bool) or not isinstance(part, str | int):
+            raise ValueError(f"a job id is made of strings and integers, not {part!r}")
     text = ":".join(str(part) for part in parts)
     if IDENT.fullmatch(text):
         return text

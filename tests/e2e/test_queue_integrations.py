@@ -57,6 +57,10 @@ def test_job_ids_stay_readable_when_valid_and_are_hashed_when_not() -> None:
     assert odd == job_id_from("order", "naïve name")  # stable
     assert odd.startswith("order:na_ve_name:") and odd.isascii() and " " not in odd
     assert len(job_id_from("x" * 300)) <= 256
+    assert job_id_from("order", 42) == "order:42"
+    for nothing in (None, True, 4.2, b"x", ["a"]):  # None was the one job "None"
+        with pytest.raises(ValueError, match="strings and integers"):
+            job_id_from(nothing)
     assert job_id_from("x" * 300) != job_id_from("x" * 301)
 
 
