@@ -24,7 +24,7 @@ import { DelayedError } from "bullmq";
 import { defaultOwner, LeaseClient } from "./client.js";
 import { JobCompleted, LeaseHeld, LeaseLost, StaleWrite, StoreUnavailable } from "./errors.js";
 import { hold } from "./hold.js";
-import { baseUrl, typeName, validateIdent, validateSeconds, validateTtl } from "./validate.js";
+import { baseUrl, typeName, validateIdent, validateOptions, validateSeconds, validateTtl } from "./validate.js";
 import { FencedWriter, type WriterOptions } from "./writer.js";
 
 export interface FencedProcessorOptions<D = unknown> {
@@ -119,10 +119,12 @@ export function fencedProcessor<D = unknown, R = unknown>(
 ): (job: Job<D>, token?: string, signal?: AbortSignal) => Promise<R | Skipped> {
   // Every option checked here, not at each job's run (where each would fail the job).
   if (typeof processor !== "function") throw new TypeError("processor must be a function");
+  validateOptions(options, "options");
   const ttl = validateTtl(options.ttl);
   const retryDelay = validateSeconds(options.retryDelay ?? 1, "retryDelay");
-  const client = new LeaseClient(options.leaseUrl ?? gatewayUrl, { token: options.leaseToken });
   baseUrl(gatewayUrl, "gatewayUrl");
+  if (options.leaseUrl !== undefined) baseUrl(options.leaseUrl, "leaseUrl"); // named as the caller wrote it
+  const client = new LeaseClient(options.leaseUrl ?? gatewayUrl, { token: options.leaseToken });
   const owner = options.owner === undefined ? defaultOwner() : validateIdent(options.owner, "owner");
   if (options.jobId !== undefined && typeof options.jobId !== "function") {
     throw new TypeError(`jobId must be a function, not ${typeName(options.jobId)}`);

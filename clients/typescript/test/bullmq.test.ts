@@ -235,6 +235,11 @@ describe("fencedProcessor's options", () => {
       TypeError,
     );
     assert.throws(() => fencedProcessor("http://gw", "run" as unknown as typeof run, { ttl: 5 }), TypeError);
+    // Each named as the caller wrote it: a bad leaseUrl was reported as gatewayUrl, and
+    // no options at all as "Cannot read properties of undefined (reading 'ttl')".
+    assert.throws(() => fencedProcessor("http://gw", run, { ttl: 5, leaseUrl: "ftp://x" }), /leaseUrl/);
+    const none = undefined as unknown as { ttl: number };
+    assert.throws(() => fencedProcessor("http://gw", run, none), /options must be an object/);
   });
 });
 
