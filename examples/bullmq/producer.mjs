@@ -19,8 +19,10 @@ const queue = new Queue(QUEUE, { connection });
 const events = new QueueEvents(QUEUE, { connection });
 try {
   await events.waitUntilReady();
-  for (let i = 0; i < times; i++) {
-    const job = await queue.add("ship-order", { orderId, amount });
+  // Both jobs enqueued before either is awaited, so two workers may run them at once.
+  const jobs = [];
+  for (let i = 0; i < times; i++) jobs.push(await queue.add("ship-order", { orderId, amount }));
+  for (const job of jobs) {
     console.log(`order ${orderId}, BullMQ job ${job.id}:`, await job.waitUntilFinished(events, 60_000));
   }
 } finally {

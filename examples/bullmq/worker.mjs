@@ -10,6 +10,8 @@
 // one run write at a time, and the step keys make a second run's writes
 // replays of the first's.
 
+import { realpathSync } from "node:fs";
+import { pathToFileURL } from "node:url";
 import { Worker } from "bullmq";
 import { fencedProcessor } from "@sinkgate/leases/bullmq";
 
@@ -51,7 +53,9 @@ const shipOrder = fencedProcessor(
   { ttl: 10, jobId: (job) => `order-${job.data.orderId}` },
 );
 
-if (import.meta.url === `file://${process.argv[1]}`) {
+// Run as a program (not imported): compared as URLs of the real path, so a path
+// with a space or through a symbolic link is still this file.
+if (process.argv[1] && import.meta.url === pathToFileURL(realpathSync(process.argv[1])).href) {
   const worker = new Worker(QUEUE, shipOrder, { connection });
   worker.on("completed", (job, result) => console.log(`job ${job.id} (order ${job.data.orderId}):`, result));
   worker.on("failed", (job, error) => console.log(`job ${job?.id} failed: ${error.message}`));
