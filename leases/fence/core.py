@@ -49,6 +49,12 @@ class StaleToken(LeaseError):
         self.highest = highest
 
 
+class ForeignTable(ValueError):
+    """The fence's table exists with another shape than the fence's own (made by
+    something else): a text `highest` compares as text in SQLite ('9' > '10'),
+    and would let a stale token through."""
+
+
 def validate_token(value: object) -> int:
     """A fencing token: an int (not a bool) from 1 to 2**63-1."""
     return validate_generation(value, "token")
@@ -126,6 +132,23 @@ class Fence:
         """`setup` for synchronous code, on a `sqlite3` connection."""
         _need_sqlite3(conn)
         conn.execute(self._sqlite_ddl)
+        self._sqlite_shape(conn.execute(f"PRAGMA table_info({self.table})").fetchall())
+
+    def _sqlite_shape(self, columns: list[Any]) -> None:
+        """`ForeignTable` unless `job_id` is the primary key alone and `highest` an
+        integer (SQLite's affinity: a declared type containing INT)."""
+        found = {row[1].lower(): (str(row[2]).upper(), int(row[5])) for row in columns}
+        keys = [name for name, (_, pk) in found.items() if pk]
+        if keys != ["job_id"] or "INT" not in found.get("highest", ("", 0))[0]:
+            self._foreign({name: kind for name, (kind, _) in found.items()}, keys)
+
+    def _foreign(self, columns: dict[str, str], keys: list[str]) -> None:
+        shown = ", ".join(f"{name} {kind}" for name, kind in columns.items())
+        raise ForeignTable(
+            f"table {self.table} exists as ({shown}; primary key {', '.join(keys) or 'none'}): "
+            "the fence needs (job_id text PRIMARY KEY, highest integer); "
+            "give the fence another table: Fence(table=...)"
+        )
 
     async def _setup_async(self, driver: str, conn: Any) -> None:
         if driver == ASYNCPG and not hasattr(conn, "transaction"):  # an asyncpg pool
@@ -134,6 +157,9 @@ class Fence:
             return
         if driver == AIOSQLITE:
             await conn.execute_fetchall(self._sqlite_ddl)
+            self._sqlite_shape(
+                list(await conn.execute_fetchall(f"PRAGMA table_info({self.table})"))
+            )
             return
         # CREATE TABLE IF NOT EXISTS is not atomic in PostgreSQL: processes starting
         # at once take the lock every sinkgate component takes around its DDL.
@@ -142,6 +168,11 @@ class Fence:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK_KEY)
             await conn.execute(self._pg_ddl)
+            rows = await conn.fetch(_PG_SHAPE, self.table)
+        columns = {row["name"]: row["kind"] for row in rows}
+        keys = [row["name"] for row in rows if row["key"]]
+        if keys != ["job_id"] or columns.get("highest") not in ("bigint", "integer"):
+            self._foreign(columns, keys)
 
     # --- check ---------------------------------------------------------------------
 
@@ -178,6 +209,18 @@ class Fence:
         else:
             highest = await raise_mark_asyncpg(conn, self._pg_upsert, job_id, token)
         _verdict(job_id, token, highest)
+
+
+# The columns of the table the name resolves to (search_path), and which of them
+# make up its primary key.
+_PG_SHAPE = """
+SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS kind,
+       coalesce(a.attnum = ANY(i.indkey), false) AS key
+FROM pg_attribute a
+LEFT JOIN pg_index i ON i.indrelid = a.attrelid AND i.indisprimary
+WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
+"""
 
 
 def _need_sqlite3(conn: object) -> None:

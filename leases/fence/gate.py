@@ -18,7 +18,7 @@ from typing import Any
 
 from ..model import IDENT, generation_of
 from ..reasons import Reason, status_of, title_of
-from .core import Fence, StaleToken
+from .core import Fence, ForeignTable, StaleToken
 from .database import FenceDatabase
 
 PROBLEM_JSON = "application/problem+json"
@@ -164,7 +164,7 @@ class FenceGate:
             await self.database.check(job_id, token)
         except StaleToken as exc:
             return stale_refusal(exc)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ForeignTable) as exc:
             return unavailable(exc)
         except Exception as exc:
             if _is_driver_error(exc):  # the database failed: fail closed, never a 500

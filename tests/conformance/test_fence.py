@@ -16,6 +16,7 @@ import aiosqlite
 import pytest
 
 from leases.fence import Fence, StaleToken, core
+from leases.fence.core import ForeignTable
 
 FENCE = Fence()
 MAX = 2**63 - 1
@@ -67,6 +68,16 @@ class Conn:
             await self.rollback()
             raise
         await self.commit()
+
+    async def execute(self, sql: str) -> None:
+        if self.kind == "asyncpg":
+            await self.raw.execute(sql)
+        elif self.kind == "aiosqlite":
+            await self.raw.execute_fetchall(sql)
+            await self.raw.commit()
+        else:
+            self.raw.execute(sql)
+            self.raw.commit()
 
     async def highest(self, job: str) -> int | None:
         sql = "SELECT highest FROM sinkgate_fence WHERE job_id = "
@@ -315,6 +326,28 @@ async def test_other_connections_and_names_are_refused(tmp_path: Path) -> None:
     for table in ("", "1abc", "a;drop", "x" * 64, None):
         with pytest.raises(ValueError):
             Fence(table)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sqlite_ddl", "pg_ddl"),
+    [
+        # highest as text: SQLite compares '9' above '10', and a stale 9 passed
+        ("job_id TEXT PRIMARY KEY, highest TEXT", "job_id text PRIMARY KEY, highest text"),
+        ("job_id TEXT, highest INTEGER", "job_id text, highest bigint"),  # no key
+        (
+            "id INTEGER PRIMARY KEY, job_id TEXT, highest INTEGER",
+            "id int PRIMARY KEY, job_id text, highest bigint",
+        ),
+    ],
+)
+async def test_setup_refuses_a_table_of_another_shape(
+    connect: Opener, sqlite_ddl: str, pg_ddl: str
+) -> None:
+    conn = await connect()
+    ddl = pg_ddl if conn.kind == "asyncpg" else sqlite_ddl
+    await conn.execute(f"CREATE TABLE sinkgate_fence ({ddl})")
+    with pytest.raises(ForeignTable, match="the fence needs"):
+        await FENCE.setup(conn.raw)
 
 
 def test_a_fence_in_its_own_table(tmp_path: Path) -> None:

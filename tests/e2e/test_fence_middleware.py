@@ -160,6 +160,20 @@ async def test_aiohttp_an_unusable_database_fails_closed_with_503(tmp_path: Path
         assert ledger.effects == [(None, None)]
 
 
+async def test_aiohttp_a_fence_table_of_another_shape_fails_closed_with_503(
+    tmp_path: Path,
+) -> None:
+    """Another program's `sinkgate_fence` with a text `highest`: SQLite would
+    compare tokens as text ('9' above '10'); the middleware refuses to use it."""
+    path = tmp_path / "ledger.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE sinkgate_fence (job_id TEXT PRIMARY KEY, highest TEXT)")
+    async with aiohttp_ledger(f"sqlite:///{path}") as (ledger, send, _):
+        status, headers, body = await send("10")
+        assert "ForeignTable" in problem(status, headers, body, "store_unavailable")["detail"]
+        assert ledger.effects == []
+
+
 async def test_a_check_cancelled_while_it_begins_leaves_no_transaction_open(
     tmp_path: Path,
 ) -> None:
