@@ -108,12 +108,12 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
         # takes (its run ends in done or stop), and say how many such waits there
         # were, which Celery counts in `retries` with the others.
         options["max_retries"] = request.retries + 1
-        options["headers"] = {**(request.headers or {}), WAITS_HEADER: waits + 1}
-    elif task.max_retries is not None:
+        options["headers"] = {**_carried_headers(request), WAITS_HEADER: waits + 1}
+    elif task.max_retries is not None and waits:
         # Other retries count against the task's own max_retries, less the waits
         # for holders: a run that waited max_retries times still has them all.
         options["max_retries"] = task.max_retries + waits
-        options["headers"] = {**(request.headers or {}), WAITS_HEADER: waits}
+        options["headers"] = {**_carried_headers(request), WAITS_HEADER: waits}
     # No exc=: Celery would pickle it, and lease errors do not round-trip.
     raise task.retry(countdown=found.delay, **options)
 
@@ -121,6 +121,15 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
 # How many of a message's retries waited for a lease held elsewhere, carried from
 # one retry to the next in the message's headers.
 WAITS_HEADER = "sinkgate_waits_for_holders"
+
+
+def _carried_headers(request: Any) -> dict[str, Any]:
+    """The headers Celery's own retry carries on to the next message, which leaves
+    out what must not be published again (RabbitMQ's `x-death`, whose return
+    makes RabbitMQ before 4.0.1 drop the message as a dead-letter cycle)."""
+    options = getattr(request, "as_execution_options", None)
+    headers = options().get("headers") if callable(options) else getattr(request, "headers", None)
+    return dict(headers or {})
 
 
 def waits_for_holders(request: Any) -> int:
