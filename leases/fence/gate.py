@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from ..model import IDENT, generation_of
@@ -93,10 +94,13 @@ def fencing_of(jobs: list[str], tokens: list[str]) -> tuple[str, int] | Refusal 
     return job, generation
 
 
-# The job locks the running request holds (its task's context): the same request
-# passing a second fence middleware takes none of them again.
-_HELD: ContextVar[frozenset[tuple[asyncio.AbstractEventLoop, str]]] = ContextVar(
-    "sinkgate_fence_held", default=frozenset()
+# The job locks the running request holds, each with the mark of that holding
+# (its task's context). A task the request starts copies the context, and may
+# outlive the holding: only a mark that is still the lock's current holder lets
+# a second fence pass without taking the lock.
+_LockKey = tuple[asyncio.AbstractEventLoop, str]
+_HELD: ContextVar[Mapping[_LockKey, object]] = ContextVar(
+    "sinkgate_fence_held", default=MappingProxyType({})
 )
 
 
@@ -110,26 +114,31 @@ class JobLocks:
     """
 
     def __init__(self) -> None:
-        self._locks: dict[tuple[asyncio.AbstractEventLoop, str], tuple[asyncio.Lock, int]] = {}
+        self._locks: dict[_LockKey, tuple[asyncio.Lock, int]] = {}
+        self._holders: dict[_LockKey, object] = {}  # the mark of each lock's holding
 
     @asynccontextmanager
     async def hold(self, job_id: str) -> AsyncIterator[None]:
         key = (asyncio.get_running_loop(), job_id)
         held = _HELD.get()
-        if key in held:
+        mine = held.get(key)
+        if mine is not None and self._holders.get(key) is mine:
             # A fence inside a fence (a sub-app's middleware, a wrapped ASGI app):
-            # this request holds the job's lock already, and would wait for itself.
+            # this request holds the job's lock now, and would wait for itself.
             yield
             return
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
-                mark = _HELD.set(held | {key})
+                holding = object()
+                self._holders[key] = holding
+                mark = _HELD.set({**held, key: holding})
                 try:
                     yield
                 finally:
                     _HELD.reset(mark)
+                    del self._holders[key]
         finally:
             lock, users = self._locks[key]
             if users == 1:

@@ -451,6 +451,50 @@ async def test_a_fence_inside_a_fence_does_not_wait_for_itself(tmp_path: Path) -
         await inner.close()
 
 
+async def test_a_task_a_request_started_waits_for_the_lock_once_the_request_ended(
+    tmp_path: Path,
+) -> None:
+    """A handler starts a task that later calls the fenced app for the same job (the
+    task copies the request's context, its 'I hold job-1' too). Run after the
+    request ended, while another request of the job holds the lock, the call
+    waits its turn instead of passing as if it were still the holder."""
+    ledger = Ledger()
+    inner = bare_app(ledger)
+    go = asyncio.Event()
+    spawned: list[asyncio.Task[Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/spawn":
+
+            async def later() -> Any:
+                await go.wait()
+                return await asgi_call(fenced, "/e", {"Fencing-Job": "job-1", "Fencing-Token": "3"})
+
+            spawned.append(asyncio.create_task(later()))
+            await send({"type": "http.response.start", "status": 202, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await inner(scope, receive, send)
+
+    fenced = ASGIFence(app, Fence(), f"sqlite:///{tmp_path / 'l.db'}")
+    headers = {"Fencing-Job": "job-1", "Fencing-Token": "3"}
+    try:
+        assert (await asgi_call(fenced, "/spawn", headers))[0] == 202
+        holder = asyncio.create_task(asgi_call(fenced, "/slow", headers))
+        await asyncio.wait_for(ledger.started.wait(), 5)
+        go.set()
+        await asyncio.sleep(0.2)  # time enough for the call to run, were it let in
+        assert ledger.effects == []  # it waits for the holder
+        ledger.release.set()
+        await asyncio.wait_for(asyncio.gather(holder, *spawned), 5)
+        assert not ledger.overlapped
+        assert len(ledger.effects) == 2
+    finally:
+        ledger.release.set()
+        go.set()
+        await fenced.close()
+
+
 async def test_aiohttp_a_fence_on_the_app_and_its_sub_app_does_not_wait_for_itself(
     tmp_path: Path,
 ) -> None:
