@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import socket
 from collections.abc import Iterable
 from functools import lru_cache
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
-
-from gateway.config.reader import is_loopback
 
 
 def authorization(headers: CIMultiDictProxy[str]) -> str:
@@ -82,8 +81,9 @@ def cross_site(request: web.Request, *, null_origin_is_own: bool = True) -> bool
 
 _HOSTNAME = socket.gethostname().lower()
 NOT_LOOPBACK = (
-    "this listener is on loopback only and serves loopback host names only "
-    "(a page whose name a DNS rebinding points here sends its own)"
+    "this listener is on loopback only and, without a token, serves loopback host "
+    "names only (a page whose name a DNS rebinding points here sends its own): a "
+    "proxy in front passes a loopback Host, or set lease/worker tokens"
 )
 
 
@@ -101,6 +101,13 @@ def loopback_host(host: str) -> bool:
         name = name[1:].partition("]")[0]
     else:
         name = name.rpartition(":")[0] if name.count(":") == 1 else name
-    if name.endswith(".localhost") or name == _HOSTNAME:
+    name = name.removesuffix(".")  # a fully qualified name: `localhost.`
+    if name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
         return True  # the machine's own name: its /etc/hosts points it at loopback
-    return is_loopback(name)
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # [::ffff:127.0.0.1], which Python reads as no loopback
+    return address.is_loopback

@@ -64,8 +64,13 @@ THROTTLED = problem(
 )
 NOT_FOUND = problem("nothing with this id", Reason.NOT_FOUND)
 # The main listener refuses what a browser sends for a web page (`Sec-Fetch-Site`
-# or `Origin`): no page of ours calls it, and a rebound one would be same-origin.
-FROM_A_PAGE = problem("a request a browser sent for a web page", Reason.UNAUTHORIZED)
+# or `Origin`): no page of ours calls it, and a rebound one would be same-origin;
+# on loopback only, without a token, a host name that is not loopback's too.
+FROM_A_PAGE = problem(
+    "a request a browser sent for a web page, or, on a listener on loopback only "
+    "and without a token, one naming a host that is not loopback's",
+    Reason.UNAUTHORIZED,
+)
 
 
 def or_empty(schema: dict[str, Any]) -> dict[str, Any]:
