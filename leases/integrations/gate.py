@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -48,8 +49,8 @@ def job_id_from(*parts: object) -> str:
     for part in parts:
         # None would be the job "None" (a `msg.get("id")` that found nothing): every
         # such task one job, all but the first skipped as done.
-        if isinstance(part, bool) or not isinstance(part, str | int):
-            raise ValueError(f"a job id is made of strings and integers, not {part!r}")
+        if isinstance(part, bool) or not isinstance(part, str | int | uuid.UUID):
+            raise ValueError(f"a job id is made of strings, integers and UUIDs, not {part!r}")
     text = ":".join(str(part) for part in parts)
     if IDENT.fullmatch(text):
         return text

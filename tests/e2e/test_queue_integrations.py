@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,10 @@ def test_job_ids_stay_readable_when_valid_and_are_hashed_when_not() -> None:
     assert odd.startswith("order:na_ve_name:") and odd.isascii() and " " not in odd
     assert len(job_id_from("x" * 300)) <= 256
     assert job_id_from("order", 42) == "order:42"
+    order = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    assert job_id_from("order", order) == f"order:{order}"  # a primary key as it prints
     for nothing in (None, True, 4.2, b"x", ["a"]):  # None was the one job "None"
-        with pytest.raises(ValueError, match="strings and integers"):
+        with pytest.raises(ValueError, match="strings, integers and UUIDs"):
             job_id_from(nothing)
     assert job_id_from("x" * 300) != job_id_from("x" * 301)
 
