@@ -264,6 +264,49 @@ async def test_arq_maps_completed_and_held_runs(gw: Any) -> None:
     await gate.close()
 
 
+async def test_a_write_the_gateway_could_not_make_is_a_retry_in_both_adapters(
+    tmp_path: Path,
+) -> None:
+    """GatewayUnavailable from a write (here: an upstream that is not there, 502
+    upstream_unreachable) is the writer's "retry later with the same key": the
+    run again, not the task failed for good."""
+    pytest.importorskip("celery")
+    pytest.importorskip("arq")
+    config = make_config(tmp_path, destination("nowhere", f"http://127.0.0.1:{free_port()}"))
+    async with running_gateway(config) as gateway:
+        await _retried_in_both(gateway)
+
+
+async def _retried_in_both(gateway: Gateway) -> None:
+    from arq import Retry
+    from celery import Celery
+    from celery.exceptions import MaxRetriesExceededError
+
+    from leases.integrations.arq import fenced_job
+    from leases.integrations.celery import fenced_task
+
+    gate = TaskGate(gateway.url, ttl=5)
+
+    @fenced_job(gate)
+    async def book(ctx: dict[str, Any], run: TaskRun) -> int:
+        return (await run.writer.post("nowhere", "/x", json={}, step="book")).status
+
+    with pytest.raises(Retry):
+        await book({"job_id": "gu", "job_try": 1})
+    app = Celery("t", broker="memory://")
+
+    @fenced_task(app, gate, job_id=lambda: "c-gu", max_retries=0)
+    def charge(run: SyncRun) -> int:
+        return run.writer.post("nowhere", "/x", json={}, step="charge").status
+
+    failed = await asyncio.to_thread(lambda: charge.apply())
+    # eagerly a retry runs on the spot, and max_retries=0 ends it: it took that path
+    assert (failed.state, type(failed.result)) == ("FAILURE", MaxRetriesExceededError)
+    assert (await gateway.store.get("c-gu")).state == "free"  # its lease given back
+    await gate.close()
+    await asyncio.to_thread(close_sync, gate)
+
+
 def readme_celery_example() -> str:
     text = (Path(__file__).resolve().parents[2] / "docs" / "queues.md").read_text(encoding="utf-8")
     marker = text.index("<!-- celery-example")

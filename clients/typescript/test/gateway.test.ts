@@ -167,6 +167,8 @@ describe("through a real gateway", { skip }, () => {
       /signal must be an AbortSignal/,
     );
     assert.equal(await client.get(job), null, "nothing was claimed");
+    // null options read as none, as before options were checked
+    assert.equal(await client.get(job, null as unknown as Record<string, never>), null);
     assert.throws(() => new LeaseClient("ftp://x"), RangeError);
     assert.throws(() => new LeaseClient("http://u:p@127.0.0.1:1"), RangeError);
     const lease = await client.claim(job, { owner: "w", ttl: 5 });
