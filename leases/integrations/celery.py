@@ -114,8 +114,15 @@ def _apply(task: Task, found: Verdict, job_id: str) -> Any:
         # for holders: a run that waited max_retries times still has them all.
         options["max_retries"] = task.max_retries + waits
         options["headers"] = {**_carried_headers(request), WAITS_HEADER: waits}
-    # No exc=: Celery would pickle it, and lease errors do not round-trip.
-    raise task.retry(countdown=found.delay, **options)
+    try:
+        # No exc=: Celery would pickle it, and lease errors do not round-trip.
+        raise task.retry(countdown=found.delay, **options)
+    finally:
+        # Celery keeps a retry's max_retries on the task object, which every run
+        # in the process shares, until an autoretry_for retry reads it there:
+        # another message's autoretry would then be bounded by this run's count.
+        if "max_retries" in options and hasattr(task, "override_max_retries"):
+            del task.override_max_retries
 
 
 # How many of a message's retries waited for a lease held elsewhere, carried from

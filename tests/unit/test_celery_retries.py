@@ -35,6 +35,8 @@ class FakeTask:
         self.request = Context(id="t-1", retries=retries, is_eager=False, headers=headers, **custom)
 
     def retry(self, **options: Any) -> Retried:
+        if "max_retries" in options:  # as Celery's Task.retry does
+            self.override_max_retries = options["max_retries"]
         return Retried(options)
 
 
@@ -79,3 +81,11 @@ def test_a_header_that_is_no_count_reads_as_none(value: object) -> None:
     request = SimpleNamespace(headers={WAITS_HEADER: value})
     assert waits_for_holders(request) == 0
     assert waits_for_holders(SimpleNamespace(**{WAITS_HEADER: 4}, headers=None)) == 4
+
+
+def test_a_retrys_max_retries_is_not_left_on_the_shared_task_object() -> None:
+    """Celery keeps it there for autoretry_for, which would bound another message's
+    retries by this run's count of waits."""
+    task = FakeTask(retries=7, waits=7)
+    retry_of(task, HELD)
+    assert not hasattr(task, "override_max_retries")
