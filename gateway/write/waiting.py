@@ -98,8 +98,8 @@ class _Waiter:
 @dataclass(frozen=True, slots=True)
 class Waited:
     """A write's final verdict and how its wait went. `applied`: the preference
-    was honoured (False: one more than `max_waiting`, answered at once);
-    `result` None: it did not have to wait."""
+    was honoured (False: one more than `max_waiting`, answered at once, `result`
+    "full"; or the gateway stopping); `result` None: it did not have to wait."""
 
     verdict: Verdict
     applied: bool = True
