@@ -90,8 +90,9 @@ NOT_LOOPBACK = (
 @lru_cache(maxsize=256)  # a listener sees a few Host values; parsing one takes ~8 us
 def loopback_host(host: str) -> bool:
     """Whether a `Host` header names this machine's loopback: `localhost` (or a name
-    below it), the machine's own name, a 127.0.0.0/8 address or `[::1]`, with any
-    port. Not a name resolved: a rebound name resolves to loopback too.
+    below it), the machine's own name, a 127.0.0.0/8 address, `[::1]`, or `0.0.0.0`
+    and `[::]` (which a client can connect to), with any port. Not a name resolved:
+    a rebound name resolves to loopback too.
 
     A listener on loopback only serves these: a page whose host name a DNS
     rebinding points at 127.0.0.1 sends its own name, and from a plain-HTTP host
@@ -110,4 +111,6 @@ def loopback_host(host: str) -> bool:
         return False
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped  # [::ffff:127.0.0.1], which Python reads as no loopback
-    return address.is_loopback
+    # 0.0.0.0 and [::] reach this machine too, as a destination: no name a
+    # rebinding could have put there (its page sends the attacker's own name).
+    return address.is_loopback or address.is_unspecified

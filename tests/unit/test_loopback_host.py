@@ -19,6 +19,8 @@ from gateway.http.auth import loopback_host
         "app.localhost:1",
         "[::1]:8480",
         "[::ffff:127.0.0.1]:8480",  # IPv4 in IPv6: a real client of a 127.0.0.1 listener
+        "0.0.0.0:8480",  # a client may connect to it, and a rebound page sends a name
+        "[::]:8480",
     ],
 )
 def test_loopbacks_own_names(host: str) -> None:
