@@ -192,6 +192,13 @@ class Fence:
                 "conn must be the connection of the effect's transaction, not an asyncpg "
                 "Pool: async with pool.acquire() as conn, conn.transaction(): ..."
             )
+        if driver == ASYNCPG and not conn.is_in_transaction():
+            # asyncpg runs a statement outside a transaction in autocommit: the mark
+            # would commit apart from the effect. (SQLite's drivers begin one at
+            # the check's own INSERT, so there is nothing to tell there.)
+            raise ValueError(
+                "check runs inside the effect's transaction: async with conn.transaction(): ..."
+            )
         if driver == SQLITE:
             self.check_sync(conn, job_id, token)
             return _DONE

@@ -350,6 +350,24 @@ async def test_setup_refuses_a_table_of_another_shape(
         await FENCE.setup(conn.raw)
 
 
+async def test_an_asyncpg_check_outside_a_transaction_is_refused() -> None:
+    """asyncpg runs it in autocommit: the mark would commit apart from the effect
+    (the docs' first rule), with nothing to say so."""
+    import asyncpg
+
+    from tests.pg import fresh_database
+
+    async with fresh_database() as url:
+        conn = await asyncpg.connect(url)
+        try:
+            await FENCE.setup(conn)
+            with pytest.raises(ValueError, match="inside the effect's transaction"):
+                FENCE.check(conn, "job", 3)
+            assert await conn.fetchval("SELECT count(*) FROM sinkgate_fence") == 0
+        finally:
+            await conn.close()
+
+
 def test_a_fence_in_its_own_table(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "d.db") as db:
         mine = Fence("ledger_fence")
