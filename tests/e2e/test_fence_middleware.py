@@ -18,7 +18,7 @@ from aiohttp import web
 
 from leases.fence import ASGIFence, Fence, aiohttp_middleware
 from leases.fence import gate as fence_gate
-from tests.harness import serving
+from tests.harness import eventually, serving
 
 BAD_TOKENS = ["0", "05", "-3", "+3", "abc", "1.5", "9223372036854775808", "1 2"]
 
@@ -541,15 +541,13 @@ async def test_a_database_serializable_by_default_makes_the_check_wait_not_fail(
                 async with other.transaction():
                     await Fence().check(other, "job-1", 5)  # holds the job's row
                     ours = asyncio.create_task(send("6"))
-                    for _ in range(200):  # read outside the transaction: a fresh view
-                        waiting = await watcher.fetchval(
+                    await eventually(  # read outside the transaction: a fresh view
+                        lambda: watcher.fetchval(
                             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
                             "'Lock' AND datname = current_database()"
-                        )
-                        if waiting:
-                            break
-                        await asyncio.sleep(0.02)
-                    assert waiting, "the middleware's check never waited for the row"
+                        ),
+                        what="the middleware's check waiting for the row",
+                    )
                 status, _, body = await asyncio.wait_for(ours, 10)
                 assert status == 201, body
                 assert ledger.effects == [("job-1", "6")]
