@@ -338,7 +338,7 @@ async def _body(request: web.Request, op: str) -> LeaseRequest:
     except (ValueError, RecursionError):
         raise invalid_request("the body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):
-        raise invalid_request(f"the body must be a JSON object, not {type(body).__name__}")
+        raise invalid_request(f"the body must be a JSON object, not {json_kind(body)}")
     shape = LEASE_REQUESTS[op]
     allowed = field_names(shape)
     unknown = sorted(set(body) - set(allowed))
@@ -347,15 +347,34 @@ async def _body(request: web.Request, op: str) -> LeaseRequest:
             f"unknown field {unknown[0]!r}; {op} takes {', '.join(allowed)}", field=unknown[0]
         )
     for name in required_names(shape):
-        if body.get(name) is None:
+        if name not in body:  # a null one is refused by its check, as renew's null ttl
             raise invalid_request(f"missing field {name!r}", field=name)
     checks = field_checks(shape)  # as gateway.http.models documents each field
     parsed: dict[str, Any] = {}
     for name in allowed:
         if name not in body:
             continue  # only an optional field can be absent here (renew's ttl)
+        value = body[name]
         try:
-            parsed[name] = checks[name](body[name], name)
+            parsed[name] = checks[name](value, name)
         except ValueError as exc:
-            raise invalid_request(str(exc), field=name) from None
+            # The checks are the Python API's, which name Python's types; a JSON
+            # client sent JSON's ("not null", not "not NoneType").
+            detail = str(exc).replace(f"not {type(value).__name__}", f"not {json_kind(value)}")
+            raise invalid_request(detail, field=name) from None
     return shape(**parsed)
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, float):
+        return repr(value)  # "generation must be an integer, not 1.0"
+    if isinstance(value, int):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"

@@ -567,3 +567,38 @@ async def test_lease_ops_are_counted_by_op_and_result(
         await api.call("DELETE", f"/leases/j/drop-{n}")
     assert value(name, {"op": "(other)", "result": "not_found"}) == 6
     assert value(name, {"op": "steal-0", "result": "not_found"}) is None
+
+
+@pytest.mark.parametrize(
+    ("op", "body", "detail"),
+    [
+        (
+            "renew",
+            {"owner": "a", "generation": 1, "ttl": None},
+            "ttl must be a number of seconds, not null",
+        ),
+        ("claim", {"owner": "b", "ttl": None}, "ttl must be a number of seconds, not null"),
+        ("claim", {"owner": None, "ttl": 10}, "owner must be a string, not null"),
+        ("claim", {"owner": "b", "ttl": "10"}, "ttl must be a number of seconds, not a string"),
+        ("claim", {"owner": "b", "ttl": [10]}, "ttl must be a number of seconds, not an array"),
+        ("claim", {"owner": 7, "ttl": 10}, "owner must be a string, not a number"),
+        ("claim", {"owner": {}, "ttl": 10}, "owner must be a string, not an object"),
+        (
+            "renew",
+            {"owner": "a", "generation": True},
+            "generation must be an integer, not a boolean",
+        ),
+        ("renew", {"owner": "a", "generation": 1.0}, "generation must be an integer, not 1.0"),
+    ],
+)
+async def test_a_wrongly_typed_field_is_named_in_jsons_words(
+    api: Api, op: str, body: dict[str, Any], detail: str
+) -> None:
+    # The checks are shared with the Python API; a JSON client is told JSON's types.
+    status, doc = await api.post("j", op, body)
+    assert status == 400 and doc["detail"] == detail, doc
+
+
+async def test_a_body_that_is_no_object_is_named_in_jsons_words(api: Api) -> None:
+    status, headers, doc = await api.call("POST", "/leases/j/claim", raw=b"[1]")
+    assert status == 400 and doc["detail"] == "the body must be a JSON object, not an array"
