@@ -600,5 +600,5 @@ async def test_a_wrongly_typed_field_is_named_in_jsons_words(
 
 
 async def test_a_body_that_is_no_object_is_named_in_jsons_words(api: Api) -> None:
-    status, headers, doc = await api.call("POST", "/leases/j/claim", raw=b"[1]")
+    status, _, doc = await api.call("POST", "/leases/j/claim", raw=b"[1]")
     assert status == 400 and doc["detail"] == "the body must be a JSON object, not an array"
