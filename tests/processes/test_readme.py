@@ -51,3 +51,27 @@ async def test_the_worker_example_charges_once_through_the_gateway(tmp_path: Pat
             assert charge.headers["Fencing-Token"] == "1"
             lease = await gw.store.get("order-1001")
             assert lease is not None and lease.state == "done"
+
+
+async def test_the_worker_example_releases_the_job_when_the_upstream_answers_retryably(
+    tmp_path: Path,
+) -> None:
+    # A 503 is relayed, not stored (SPEC 2 step 8): completing the job would lose
+    # the charge for good. The example raises, so `hold` gives the job back.
+    async with recording_upstream() as upstream:
+        config = make_config(tmp_path, destination("payments", upstream.url + "/x/status/503"))
+        async with running_gateway(config) as gw:
+            source = worker_example().replace("http://127.0.0.1:8480", gw.url)
+            script = tmp_path / "worker.py"
+            script.write_text(source, encoding="utf-8")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode != 0 and b"payments answered 503" in err, err.decode()
+            assert len(upstream.received) == 1
+            lease = await gw.store.get("order-1001")
+            assert lease is not None and lease.state == "free"
