@@ -1,12 +1,15 @@
 """The examples' destination: a ledger that records every entry it applies.
 
-    python3 -m examples.ledger [--port 9100] [--record ledger.jsonl]
+    python3 -m examples.ledger [--port 9100] [--record ledger.jsonl] [--busy N]
 
 `POST /entries` applies an entry (its JSON body) and answers 201 with it; each
 applied entry is one line of the record file, with the fencing headers the
 gateway forwarded. `GET /entries` lists them, those of earlier runs recorded in
 the same file too. Nothing here deduplicates: the
-record shows every effect that reached the destination.
+record shows every effect that reached the destination. With `--busy N` the
+first N entries are answered `503` and not applied, as an overloaded ledger
+would: the gateway relays such an answer without storing it, and the
+examples' tasks have the queue run them again.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from typing import Any
 from aiohttp import web
 
 
-def make_app(record: Path) -> web.Application:
+def make_app(record: Path, busy: int = 0) -> web.Application:
     """The ledger's app, appending applied entries to `record`; the entries a
-    run before this one recorded there are its first ones (numbered on)."""
+    run before this one recorded there are its first ones (numbered on). The
+    first `busy` entries are refused with 503."""
     entries: list[dict[str, Any]] = _recorded(record)
+    refused = 0
 
     async def apply(request: web.Request) -> web.Response:
+        nonlocal refused
+        if refused < busy:
+            refused += 1
+            return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "1"})
         try:
             body = await request.json()
         except ValueError:
@@ -60,8 +69,8 @@ def _recorded(record: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-async def serve(port: int, record: Path) -> None:
-    runner = web.AppRunner(make_app(record))
+async def serve(port: int, record: Path, busy: int = 0) -> None:
+    runner = web.AppRunner(make_app(record, busy))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     print(f"ledger on http://127.0.0.1:{port}, recording to {record}", flush=True)
@@ -79,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=9100)
     parser.add_argument("--record", type=Path, default=Path("ledger.jsonl"))
+    parser.add_argument(
+        "--busy", type=int, default=0, metavar="N", help="answer the first N entries 503"
+    )
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.port, args.record))
+    asyncio.run(serve(args.port, args.record, args.busy))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from arq import Retry
 from arq.connections import RedisSettings
 
 from leases.integrations import TaskGate, TaskRun
 from leases.integrations.arq import fenced_job
+from leases.writer import WriteResult
 
 BROKER = os.environ.get("EXAMPLE_BROKER", "redis://127.0.0.1:6379/0")
 GATEWAY = os.environ.get("EXAMPLE_GATEWAY", "http://127.0.0.1:8480")
@@ -24,14 +26,30 @@ GATEWAY = os.environ.get("EXAMPLE_GATEWAY", "http://127.0.0.1:8480")
 gate = TaskGate(GATEWAY, ttl=10)
 
 
+# The destination's `retryable_statuses`: such an answer is relayed, not stored.
+RETRYABLE = (429, 502, 503, 504)
+
+
+def booked(result: WriteResult) -> WriteResult:
+    # Returning would complete the job with the entry never booked: `Retry` gives
+    # the lease back and has arq run the job again (within `max_tries`).
+    if result.status in RETRYABLE:
+        raise Retry(defer=1)
+    return result
+
+
 @fenced_job(gate, job_id=lambda order_id, amount: f"order-{order_id}")
 async def ship_order(ctx: dict[str, Any], run: TaskRun, order_id: int, amount: int) -> dict:
     """Charge the order, then book its receipt: two effects, each at most once."""
-    charge = await run.writer.post(
-        "ledger", "/entries", json={"order": order_id, "charge": amount}, step="charge"
+    charge = booked(
+        await run.writer.post(
+            "ledger", "/entries", json={"order": order_id, "charge": amount}, step="charge"
+        )
     )
-    receipt = await run.writer.post(
-        "ledger", "/entries", json={"order": order_id, "receipt": True}, step="receipt"
+    receipt = booked(
+        await run.writer.post(
+            "ledger", "/entries", json={"order": order_id, "receipt": True}, step="receipt"
+        )
     )
     return {"charge": charge.status, "receipt": receipt.status, "replayed": charge.replayed}
 

@@ -21,7 +21,9 @@ try {
   await events.waitUntilReady();
   // Both jobs enqueued before either is awaited, so two workers may run them at once.
   const jobs = [];
-  for (let i = 0; i < times; i++) jobs.push(await queue.add("ship-order", { orderId, amount }));
+  // `attempts`: a run that met a busy ledger throws, and BullMQ runs it again.
+  const retried = { attempts: 5, backoff: { type: "exponential", delay: 1000 } };
+  for (let i = 0; i < times; i++) jobs.push(await queue.add("ship-order", { orderId, amount }, retried));
   for (const job of jobs) {
     console.log(`order ${orderId}, BullMQ job ${job.id}:`, await job.waitUntilFinished(events, 60_000));
   }

@@ -42,12 +42,25 @@ export const connection = {
 };
 const GATEWAY = process.env.EXAMPLE_GATEWAY ?? "http://127.0.0.1:8480";
 
+// The destination's `retryable_statuses`: such an answer is relayed, not stored.
+const RETRYABLE = new Set([429, 502, 503, 504]);
+// Returning would complete the job with the entry never booked: throw, so the
+// lease is given back and BullMQ runs the job again (the producer sets `attempts`).
+const booked = (result) => {
+  if (RETRYABLE.has(result.status)) throw new Error(`the ledger answered ${result.status}`);
+  return result;
+};
+
 const shipOrder = fencedProcessor(
   GATEWAY,
   async (job, writer) => {
     const { orderId, amount } = job.data;
-    const charge = await writer.post("ledger", "/entries", { json: { order: orderId, charge: amount }, step: "charge" });
-    const receipt = await writer.post("ledger", "/entries", { json: { order: orderId, receipt: true }, step: "receipt" });
+    const charge = booked(
+      await writer.post("ledger", "/entries", { json: { order: orderId, charge: amount }, step: "charge" }),
+    );
+    const receipt = booked(
+      await writer.post("ledger", "/entries", { json: { order: orderId, receipt: true }, step: "receipt" }),
+    );
     return { charge: charge.status, receipt: receipt.status, replayed: charge.replayed };
   },
   { ttl: 10, jobId: (job) => `order-${job.data.orderId}` },

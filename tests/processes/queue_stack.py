@@ -173,8 +173,9 @@ def _answers(url: str) -> bool:
 
 
 @asynccontextmanager
-async def queue_stack(tmp: Path) -> AsyncIterator[Stack]:
-    """A ledger and a gateway in front of it, stopped (and any worker with them) at the end."""
+async def queue_stack(tmp: Path, *, busy: int = 0) -> AsyncIterator[Stack]:
+    """A ledger (answering its first `busy` entries 503) and a gateway in front of
+    it, stopped (and any worker with them) at the end."""
     require_redis()
     port = free_port()
     ledger = f"http://127.0.0.1:{port}"
@@ -182,7 +183,8 @@ async def queue_stack(tmp: Path) -> AsyncIterator[Stack]:
     stack = Stack(tmp, f"sgt{secrets.token_hex(6)}:", gateway, admin, ledger, tmp / "ledger.jsonl")
     try:
         stack.start(
-            "ledger", "-m", "examples.ledger", "--port", str(port), "--record", str(stack.record)
+            *("ledger", "-m", "examples.ledger", "--port", str(port)),
+            *("--record", str(stack.record), "--busy", str(busy)),
         )
         stack.start(
             "gateway", "-m", "gateway", "serve", "--config", str(config), "--log-format", "json"

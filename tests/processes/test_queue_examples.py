@@ -52,8 +52,13 @@ def forget(db: int, patterns: tuple[str, ...]) -> None:
             client.delete(*keys)
 
 
-async def test_the_celery_example_charges_an_order_sent_twice_once(tmp_path: Path) -> None:
-    async with queue_stack(tmp_path) as stack:
+# busy=1: the ledger answers the first charge 503, relayed and not stored; a task
+# that returned then would complete the job with nothing charged.
+@pytest.mark.parametrize("busy", [0, 1], ids=["ledger-ok", "ledger-busy-once"])
+async def test_the_celery_example_charges_an_order_sent_twice_once(
+    tmp_path: Path, busy: int
+) -> None:
+    async with queue_stack(tmp_path, busy=busy) as stack:
         env = {"EXAMPLE_BROKER": broker(14), "EXAMPLE_GATEWAY": stack.gateway}
         try:
             stack.start(
@@ -67,8 +72,11 @@ async def test_the_celery_example_charges_an_order_sent_twice_once(tmp_path: Pat
             forget(14, ("celery*", "_kombu*", "unacked*"))
 
 
-async def test_the_arq_example_charges_an_order_enqueued_twice_once(tmp_path: Path) -> None:
-    async with queue_stack(tmp_path) as stack:
+@pytest.mark.parametrize("busy", [0, 1], ids=["ledger-ok", "ledger-busy-once"])
+async def test_the_arq_example_charges_an_order_enqueued_twice_once(
+    tmp_path: Path, busy: int
+) -> None:
+    async with queue_stack(tmp_path, busy=busy) as stack:
         env = {"EXAMPLE_BROKER": broker(15), "EXAMPLE_GATEWAY": stack.gateway}
         try:
             stack.start("arq-example", "-m", "arq", "examples.arq.jobs.WorkerSettings", env=env)
