@@ -32,6 +32,7 @@ from gateway.config.model import (
     redact_url,
     short_tokens,
 )
+from gateway.config.reader import is_loopback
 from gateway.errors import ConfigError, GatewayError
 from gateway.supervisor import Slot, Supervisor, reserve
 from gateway.telemetry import traces
@@ -227,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json=json)
     log = structlog.get_logger("gateway.cli")
     log.info("config_loaded", config=str(config.source), destinations=sorted(config.destinations))
-    for warning in config_warnings(config):
+    for warning in config_warnings(config) + open_access_warnings(config):
         log.warning("config_warning", warning=warning)
     # `--workers` overrides the file for everything that reads the count.
     if args.workers:
@@ -417,6 +418,31 @@ def config_warnings(config: Config) -> list[str]:
                 f"like the destination key {header!r}, sent on every forward; a key written "
                 "below the [upstream_headers] table belongs to it: move it above the table"
             )
+    return found
+
+
+def open_access_warnings(config: Config) -> list[str]:
+    """What `serve` lets in without a token, said once at start (check-config's
+    summary says it on its own lines)."""
+    found = []
+    if config.admin_token is None and not config.admin_operators:
+        found.append(
+            f"the admin listener has no token (${config.admin_token_env} is not set): any "
+            "user or process on this machine can reload, resolve keys and read the logs"
+        )
+    host = config.listen[0]
+    if is_loopback(host):
+        return found
+    if not config.lease_tokens:
+        found.append(
+            f"the lease API is open to whoever reaches {host}: set [server] lease_tokens_env"
+        )
+    open_destinations = [name for name, d in config.destinations.items() if not d.worker_tokens]
+    if open_destinations:
+        found.append(
+            f"destinations {', '.join(sorted(open_destinations))} take writes from whoever "
+            f"reaches {host}: set worker_tokens_env in their files"
+        )
     return found
 
 

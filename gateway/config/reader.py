@@ -330,7 +330,14 @@ class Table:
     def env_name(self, key: str, default: str = "") -> str:
         name = self.string(key, default)
         if not _ENV_NAME.fullmatch(name):
-            raise self.error(key, f"expected an environment variable name, got {show(name)}")
+            # Not quoted: a `*_env` holding something else most often holds the
+            # token itself, pasted in, and errors reach logs and reload answers.
+            raise self.error(
+                key,
+                "expected an environment variable name (letters, digits and _, not "
+                "starting with a digit); the value is not shown: the variable's "
+                "name belongs here, never the secret itself",
+            )
         return name
 
 

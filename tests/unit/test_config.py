@@ -531,6 +531,11 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[admin]\ntoken_env = "not a name"\n',
             "admin.token_env: expected an environment variable name",
         ),
+        (  # a token pasted in by mistake is never repeated
+            '[admin]\ntoken_env = "f00dbabe-my-admin-secret"\n',
+            "admin.token_env: expected an environment variable name (letters, digits and _, "
+            "not starting with a digit); the value is not shown",
+        ),
         (
             "[retention]\nidempotency_ttl = 3600\n",
             'retention.idempotency_ttl: expected a duration like "10s"',
@@ -794,3 +799,9 @@ def test_missing_config_file_is_named_as_given(tmp_path: Path) -> None:
         config_error(tmp_path / "nope.toml")
         == f"{tmp_path / 'nope.toml'}: cannot read: no such file"
     )
+
+
+def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None:
+    # The value is most likely the secret itself; errors go to logs and reload answers.
+    error = config_error(write_config(tmp_path, '[admin]\ntoken_env = "f00dbabe-my-admin-secret"\n'))
+    assert "f00dbabe" not in error

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import config_warnings
+from gateway.cli import config_warnings, open_access_warnings
 from gateway.config.keys import RESTART_ONLY
 from gateway.config.model import load_config, reread_config
 from gateway.errors import ConfigError
@@ -184,3 +184,19 @@ def test_a_reload_judges_a_worker_tokens_reach_by_the_address_still_served(
     assert load_config(tmp_path / "gateway.toml", env)  # on its own address: a warning
     with pytest.raises(ConfigError, match="worker_tokens_env: a token is shorter than 16"):
         reread_config(running, env)
+
+
+def test_serve_says_at_start_what_it_lets_in_without_a_token(tmp_path: Path) -> None:
+    destination = 'upstream = "http://127.0.0.1:9/"\n'
+    on_loopback = load_config(write_config(tmp_path, "", pay=destination), {})
+    (admin,) = open_access_warnings(on_loopback)
+    assert admin.startswith("the admin listener has no token ($SINKGATE_ADMIN_TOKEN is not set)")
+    assert open_access_warnings(
+        load_config(write_config(tmp_path, "", pay=destination), {"SINKGATE_ADMIN_TOKEN": LONG})
+    ) == []
+    wide = write_config(tmp_path, '[server]\nlisten = "0.0.0.0:8480"\n', pay=destination)
+    assert open_access_warnings(load_config(wide, {"SINKGATE_ADMIN_TOKEN": LONG})) == [
+        "the lease API is open to whoever reaches 0.0.0.0: set [server] lease_tokens_env",
+        "destinations pay take writes from whoever reaches 0.0.0.0: set worker_tokens_env "
+        "in their files",
+    ]
