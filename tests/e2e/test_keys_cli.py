@@ -140,3 +140,32 @@ async def test_an_unknown_reason_names_the_valid_ones(live):
     code, out, err = await sinkgate("rejections", "--admin", url, "--reason", "invalid_path")
     assert code == 1 and out == ""
     assert "'invalid_path' is never in the rejection log" in err
+
+
+async def test_a_long_key_and_job_are_shown_whole_to_be_copied(live, monkeypatch):
+    # A derived key (job:step:<32 hex>) is longer than a cell; `keys resolve` and
+    # `--job` need it whole.
+    url, store = live
+    job, key = "order-" + "7" * 60, "order-1001:charge:" + "0123456789abcdef" * 2
+    f = facts(job, 1, key)
+    verdict = await store.decide_write(f, CONTEXT)
+    await store.record_outcome(f, verdict.attempt, Outcome("unknown"))
+    code, out, err = await sinkgate("keys", "--admin", url, "--job", job)
+    assert code == 0, err
+    (row,) = out.splitlines()[1:]
+    assert row.split()[4:6] == [key, job]
+
+
+async def test_an_admin_url_in_the_environment_passing_over_config_is_said(
+    live, monkeypatch, tmp_path
+):
+    url, _ = live
+    config = tmp_path / "other.toml"
+    config.write_text('[server]\nadmin_listen = "127.0.0.1:9"\n')
+    monkeypatch.setenv("SINKGATE_ADMIN_URL", url)
+    for command in ("keys", "rejections"):
+        code, _, err = await sinkgate(command, "--config", str(config))
+        assert code == 0
+        assert f"asking $SINKGATE_ADMIN_URL ({url}), not --config's admin_listen" in err
+        code, _, err = await sinkgate(command)
+        assert code == 0 and err == ""

@@ -34,6 +34,7 @@ from gateway.admin.cli import PAGE_MAX
 from gateway.admin.durations import seconds_back
 from gateway.errors import GatewayError
 from leases.model import VISIBLE
+from leases.urls import redact_url
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8481"
 TOKEN_ENV = "SINKGATE_ADMIN_TOKEN"
@@ -86,6 +87,23 @@ def connect(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
         raise CliError(f"{source} must be an http:// or https:// URL, not {base!r}")
     tls = _tls_context(getattr(args, "cacert", None)) if parts.scheme == "https" else None
     return Admin(base, source, tls)
+
+
+def passed_over_config(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """A line for stderr when `--config` was given but `$SINKGATE_ADMIN_URL` wins
+    (SPEC 6's order): a --config typed now losing to a variable set long ago would
+    otherwise ask another gateway without a word."""
+    env = os.environ if environ is None else environ
+    if getattr(args, "admin", None) or not getattr(args, "config", None):
+        return None
+    if not env.get(ADMIN_URL_ENV):
+        return None
+    return (
+        f"asking ${ADMIN_URL_ENV} ({redact_url(env[ADMIN_URL_ENV])}), not --config's "
+        "admin_listen: unset it, or pass --admin"
+    )
 
 
 def _from_config(option: str | None, env: Mapping[str, str]) -> tuple[str, str]:
@@ -283,19 +301,26 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
     return moment.isoformat(timespec=precision).replace("+00:00", "Z")
 
 
+# Columns shown whole however long: an operator copies them into `--job`, `keys
+# resolve` or a query, and a derived key is longer than a cell (`job:step:<32 hex>`).
+WHOLE = frozenset({"KEY", "JOB"})
+
+
 def format_rows(columns: tuple[str, ...], cells: list[tuple[Any, ...]], *, empty: str) -> str:
-    """Aligned columns under a header; control characters are shown as `?`."""
+    """Aligned columns under a header; control characters are shown as `?`; a
+    cell longer than `CELL_MAX` is cut, but never in a `WHOLE` column."""
     if not cells:
         return empty
-    rows = [columns, *(tuple(cell(v) for v in row) for row in cells)]
+    whole = tuple(name in WHOLE for name in columns)
+    rows = [columns, *(tuple(map(cell, row, whole)) for row in cells)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 
-def cell(value: object) -> str:
+def cell(value: object, whole: bool = False) -> str:
     text = _UNPRINTABLE.sub("?", dash(value))
-    return text if len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
+    return text if whole or len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
 
 
 def dash(value: object) -> str:

@@ -23,6 +23,7 @@ from gateway.admin.cli.client import (
     format_rows,
     page_hint,
     page_limit,
+    passed_over_config,
     to_rfc3339,
 )
 
@@ -36,6 +37,8 @@ def main(
     """Run `sinkgate keys [resolve]`; returns the exit status."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     command = "keys resolve" if getattr(args, "keys_command", None) == "resolve" else "keys"
+    if notice := passed_over_config(args):
+        print(f"sinkgate {command}: {notice}", file=err)
     try:
         if command == "keys resolve":
             print(resolve(args), file=out)

@@ -15,13 +15,13 @@ from typing import Any, TextIO
 
 from gateway.admin.cli.client import (
     CliError,
-    cell,
     connect,
     dash,
     follow_pages,
     format_rows,
     page_hint,
     page_limit,
+    passed_over_config,
     to_rfc3339,
 )
 
@@ -50,6 +50,8 @@ def main(
     """Run `sinkgate rejections`; returns the exit status."""
     out = stdout or sys.stdout
     err = stderr or sys.stderr
+    if notice := passed_over_config(args):
+        print(f"sinkgate rejections: {notice}", file=err)
     try:
         check_reason(args.reason)
         items, more = fetch(args, now or datetime.now(UTC))
@@ -88,21 +90,18 @@ def format_table(items: list[dict[str, Any]]) -> str:
     return format_rows(COLUMNS, [_cells(item) for item in items], empty="no rejections match")
 
 
-def _cells(item: dict[str, Any]) -> tuple[str, ...]:
+def _cells(item: dict[str, Any]) -> tuple[Any, ...]:
     current = item.get("current_generation")
     if current is None:
         current = item.get("highest_generation")
     when = str(item.get("at") or "")[:19].replace("T", " ")
     request = f"{item.get('method') or ''} {item.get('path') or ''}".strip()
-    return tuple(
-        cell(v)
-        for v in (
-            when,
-            item.get("reason"),
-            item.get("job_id"),
-            f"{dash(item.get('generation'))}/{dash(current)}",
-            item.get("destination"),
-            request,
-            item.get("idempotency_key"),
-        )
+    return (  # format_rows cleans and cuts them, the key and the job never
+        when,
+        item.get("reason"),
+        item.get("job_id"),
+        f"{dash(item.get('generation'))}/{dash(current)}",
+        item.get("destination"),
+        request,
+        item.get("idempotency_key"),
     )
