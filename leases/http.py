@@ -107,7 +107,7 @@ class HTTPLeaseStore(Closing):
                 )
         elif reason == Reason.JOB_COMPLETED:
             raise JobCompleted(job_id)
-        raise _unexpected(status, doc)
+        raise _unexpected(status, doc, self._base)
 
     async def get(self, job_id: str) -> Lease | None:
         model.validate_ident(job_id, "job_id")
@@ -116,7 +116,7 @@ class HTTPLeaseStore(Closing):
             return _lease(doc)
         if status == 404 and _reason(doc) == Reason.LEASE_NOT_HELD:
             return None
-        raise _unexpected(status, doc)
+        raise _unexpected(status, doc, self._base)
 
     async def close(self) -> None:
         self._closed = True
@@ -140,7 +140,7 @@ class HTTPLeaseStore(Closing):
                 reason,
                 current_generation=current if _is_int(current) else None,
             )
-        raise _unexpected(status, doc)
+        raise _unexpected(status, doc, self._base)
 
     async def _call(
         self, method: str, job_id: str, op: str | None, body: dict[str, Any] | None
@@ -186,7 +186,8 @@ class HTTPLeaseStore(Closing):
             doc = None
         if not isinstance(doc, dict):
             raise StoreUnavailable(
-                f"lease API {method} {path} answered {status} without a JSON object",
+                f"lease API {method} {path} answered {status} without a JSON object: "
+                + _not_the_lease_api(self._base),
                 status=status,
             )
         return status, doc
@@ -216,7 +217,7 @@ def _reason(doc: dict[str, Any]) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def _unexpected(status: int, doc: dict[str, Any]) -> Exception:
+def _unexpected(status: int, doc: dict[str, Any], base: str) -> Exception:
     reason = _reason(doc)
     detail = doc.get("detail")
     if status == 400 and reason == Reason.INVALID_REQUEST:
@@ -224,8 +225,22 @@ def _unexpected(status: int, doc: dict[str, Any]) -> Exception:
         return ValueError(str(detail or "invalid request"))
     if reason == Reason.STORE_UNAVAILABLE:
         return StoreUnavailable(f"the gateway's store is unavailable: {detail}", status=status)
+    if reason is None or reason == Reason.NOT_FOUND:
+        # Not the lease API's answer: most often the URL is the admin listener's or
+        # the upstream's.
+        return StoreUnavailable(
+            f"unexpected answer {status} to a lease API call: {_not_the_lease_api(base)}",
+            status=status,
+        )
     return StoreUnavailable(
-        f"unexpected lease API answer {status} {reason or ''}: {detail}", status=status
+        f"unexpected lease API answer {status} {reason}: {detail}", status=status
+    )
+
+
+def _not_the_lease_api(base: str) -> str:
+    return (
+        f"is {redact_url(base)} the gateway's main listener (its [server] listen), "
+        "not the admin listener or an upstream?"
     )
 
 

@@ -301,6 +301,24 @@ async def test_answers_it_cannot_use_are_store_unavailable(
     assert claimed.value.status == status
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (404, b'{"reason": "not_found", "detail": "no route /leases/j/claim"}'),  # admin's
+        (201, b'{"ok": true}'),  # an upstream's
+        (404, b"Not Found"),  # no JSON at all
+    ],
+)
+async def test_a_url_that_is_not_the_lease_apis_is_named_as_the_likely_cause(
+    odd_server: tuple[TestServer, dict[str, Any]], status: int, body: bytes
+) -> None:
+    srv, state = odd_server
+    state.update(status=status, body=body, ctype="application/json")
+    async with await HTTPLeaseStore.open(str(srv.make_url("/"))) as store:
+        with pytest.raises(StoreUnavailable, match=r"is http://.* the gateway's main listener"):
+            await store.claim("j", owner="a", ttl=10)
+
+
 async def test_gateway_store_closed_underneath_is_store_unavailable(
     store: HTTPLeaseStore, backing: SQLiteStore
 ) -> None:

@@ -104,7 +104,7 @@ export class LeaseClient {
     } else if (reason === "job_completed") {
       throw new JobCompleted(jobId, sent(answer));
     }
-    throw unexpected(answer.status, answer.doc);
+    throw unexpected(answer.status, answer.doc, this.url);
   }
 
   /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
@@ -132,7 +132,7 @@ export class LeaseClient {
     const answer = await this.#call("GET", jobId, undefined, undefined, given.signal);
     if (answer.status === 200) return toLease(answer.doc);
     if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
-    throw unexpected(answer.status, answer.doc);
+    throw unexpected(answer.status, answer.doc, this.url);
   }
 
   async #held(op: string, lease: LeaseRef, ttl: number | undefined, signal: AbortSignal | undefined): Promise<Lease> {
@@ -149,7 +149,7 @@ export class LeaseClient {
       const current = answer.doc.current_generation;
       throw new LeaseLost(jobId, generation, reason, isInt(current) ? current : undefined, sent(answer));
     }
-    throw unexpected(answer.status, answer.doc);
+    throw unexpected(answer.status, answer.doc, this.url);
   }
 
   async #call(
@@ -189,7 +189,9 @@ export class LeaseClient {
       throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`, fields);
     }
     if (doc === undefined) {
-      throw new StoreUnavailable(`lease API ${method} ${path} answered ${status} without a JSON object`);
+      throw new StoreUnavailable(
+        `lease API ${method} ${path} answered ${status} without a JSON object: ${notTheLeaseApi(this.url)}`,
+      );
     }
     return { status, doc, retryAfter };
   }
@@ -268,7 +270,13 @@ function sent(answer: { status: number; doc: Problem }): LeaseErrorFields {
   return { status: answer.status, detail: typeof detail === "string" ? detail : "", problem: answer.doc };
 }
 
-function unexpected(status: number, doc: Problem): Error {
+/** Where to look when an answer is no lease API's: most often the URL is the
+ * admin listener's or an upstream's. */
+function notTheLeaseApi(url: string): string {
+  return `is ${url} the gateway's main listener (its [server] listen), not the admin listener or an upstream?`;
+}
+
+function unexpected(status: number, doc: Problem, url: string): Error {
   const reason = typeof doc.reason === "string" ? doc.reason : "";
   // The answer goes along: a wrong lease token (401) is told from an outage by `status` and `problem`.
   const fields = sent({ status, doc });
@@ -279,6 +287,8 @@ function unexpected(status: number, doc: Problem): Error {
   }
   if (reason === "store_unavailable")
     return new StoreUnavailable(`the gateway's store is unavailable: ${detail}`, fields);
+  if (reason === "" || reason === "not_found")
+    return new StoreUnavailable(`unexpected answer ${status} to a lease API call: ${notTheLeaseApi(url)}`, fields);
   return new StoreUnavailable(`unexpected lease API answer ${status} ${reason}: ${detail}`, fields);
 }
 

@@ -295,6 +295,31 @@ describe("a lease API answer the client does not expect", () => {
     }
   });
 
+  for (const [status, body, what] of [
+    [404, '{"reason":"not_found","detail":"no route /leases/job-1/claim"}', "the admin listener's"],
+    [201, '{"ok":true}', "an upstream's"],
+    [404, "Not Found", "no JSON"],
+  ] as const) {
+    it(`names the URL as the likely cause of an answer no lease API gives (${what})`, async () => {
+      const server = http.createServer((_req, res) => {
+        res.writeHead(status, { "Content-Type": "application/json" });
+        res.end(body);
+      });
+      server.listen(0, "127.0.0.1");
+      await once(server, "listening");
+      const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+      try {
+        await assert.rejects(new LeaseClient(url).claim("job-1", { ttl: 30 }), (e: unknown) => {
+          assert.ok(e instanceof StoreUnavailable);
+          assert.match(e.message, /is http:\/\/127\.0\.0\.1:\d+ the gateway's main listener/);
+          return true;
+        });
+      } finally {
+        server.close();
+      }
+    });
+  }
+
   it("is StoreUnavailable for a lease_until without an offset, which Date would read as local time", async () => {
     const lease = { job_id: "job-1", owner: "w", generation: 1, state: "active", expires_in: 30 };
     const server = http.createServer((req, res) => {
