@@ -276,7 +276,14 @@ class _TracedUpstreams:
         return getattr(self._upstreams, name)
 
     async def send(
-        self, destination: Any, method: str, url: Any, headers: Any, body: bytes, buffer_limit: int
+        self,
+        destination: Any,
+        method: str,
+        url: Any,
+        headers: Any,
+        body: bytes,
+        buffer_limit: int,
+        until: float | None = None,
     ) -> Any:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -289,7 +296,7 @@ class _TracedUpstreams:
                 span.set_attributes(_client_attributes(destination.name, method, url))
             try:
                 answer = await self._upstreams.send(
-                    destination, method, url, headers, body, buffer_limit
+                    destination, method, url, headers, body, buffer_limit, until
                 )
             except Exception as exc:
                 failure = getattr(exc, "failure", None)

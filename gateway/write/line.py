@@ -35,6 +35,10 @@ class Decided:
     prefer_wait: int | None = None
     wait: str | None = None
     waited_ms: float | None = None
+    # When the verdict was asked for (`time.perf_counter`): the store read its clock
+    # after it, so a forward ended by `asked_at + timeout` ends before the barrier
+    # and the reservation's deadline, however late the verdict arrived.
+    asked_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

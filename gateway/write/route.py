@@ -306,8 +306,9 @@ class WriteGateway:
             return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
         try:
+            await self._in_time(destination, facts, decided)
             await self._admit(destination, facts, verdict.attempt)
-        except Rejection as rejection:  # the wire filled up while it was decided
+        except Rejection as rejection:  # too late to send, or the wire filled up
             if decided.prefer_wait is not None:
                 _say_applied(rejection, decided.prefer_wait)
             raise
@@ -344,7 +345,7 @@ class WriteGateway:
         finally:
             store_ms = self._decided(store_started)
         assert verdict is not None  # None only for a dropped decision: cancelled here
-        return Decided(verdict, store_ms)
+        return Decided(verdict, store_ms, asked_at=store_started)
 
     def _decided(self, store_started: float) -> float:
         """A decision begun at `store_started` (perf_counter) is over: no longer
@@ -375,7 +376,9 @@ class WriteGateway:
         buffer is relayed once its outcome is recorded."""
         attempt = decided.verdict.attempt
         assert attempt is not None
-        task = asyncio.ensure_future(self._forward(request, destination, checked, attempt))
+        task = asyncio.ensure_future(
+            self._forward(request, destination, checked, attempt, decided.asked_at)
+        )
         self.forwards[task] = checked.facts
         task.add_done_callback(lambda done: self.forwards.pop(done, None))
         try:
@@ -422,7 +425,28 @@ class WriteGateway:
             prefer_wait=cap if waited.applied else None,
             wait=waited.result,
             waited_ms=None if waited.result is None else round(waited.seconds * 1000, 3),
+            asked_at=deciding.asked_at,
         )
+
+    async def _in_time(
+        self, destination: DestinationConfig, facts: WriteFacts, decided: Decided
+    ) -> None:
+        """Refuse, its reservation released, a write whose verdict came too late to
+        be sent: the barrier it set (and its reservation's deadline) count the
+        destination's `timeout` from the store's clock when it decided, and a
+        forward begun later could still be on the wire when a newer generation is
+        let through (a slow or lost answer from the store, a paused process)."""
+        if time.perf_counter() - decided.asked_at < destination.timeout - MIN_FORWARD_S:
+            return
+        attempt = decided.verdict.attempt
+        assert attempt is not None
+        await self._record_outcome(facts, attempt, RELEASED)
+        self.waiters.settled(facts.destination, facts.key, facts.job_id)
+        self.metrics.store_errors.labels("decide").inc()
+        store_unavailable(
+            "decide", "the verdict came after the destination's timeout", **_write_members(facts)
+        )
+        raise Rejection(Reason.STORE_UNAVAILABLE, TOO_LATE_DETAIL, **_write_members(facts))
 
     def _full(self, destination: DestinationConfig) -> bool:
         """Whether `max_in_flight` writes are on the wire already (to `destination`,
@@ -452,7 +476,12 @@ class WriteGateway:
             self.metrics.child(self.metrics.in_flight, destination.name).dec()
 
     async def _forward(
-        self, request: web.Request, destination: DestinationConfig, checked: Checked, attempt: str
+        self,
+        request: web.Request,
+        destination: DestinationConfig,
+        checked: Checked,
+        attempt: str,
+        asked_at: float,
     ) -> tuple[web.StreamResponse | UpstreamAnswer, str | None, Sent]:
         """Forward and record the outcome: the answer (one too long to buffer comes
         back as the `UpstreamAnswer` still to be relayed), the refusal's reason
@@ -464,7 +493,13 @@ class WriteGateway:
         result: Answered | NotAnswered
         try:
             answer = await self.upstreams.send(
-                destination, facts.method, url, headers, checked.body, destination.max_replay_body
+                destination,
+                facts.method,
+                url,
+                headers,
+                checked.body,
+                destination.max_replay_body,
+                until=asked_at + destination.timeout,
             )
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
@@ -563,6 +598,13 @@ class WriteGateway:
 
 # What a worker is told when the store could not decide its write.
 STORE_DOWN_DETAIL = "the store could not decide this write; nothing was forwarded: retry"
+# ... and when the verdict came too late to be sent within the destination's timeout.
+TOO_LATE_DETAIL = (
+    "the store's verdict came too late to send this write within the destination's "
+    "timeout; nothing was forwarded: retry"
+)
+# A forward is sent only with at least this much of the destination's timeout left.
+MIN_FORWARD_S = 0.05
 
 
 class _Deciding:
@@ -582,6 +624,7 @@ class _Deciding:
         "_facts",
         "_gateway",
         "_started_at",
+        "asked_at",
         "store_ms",
     )
 
@@ -599,6 +642,7 @@ class _Deciding:
         self._started_at = 0.0
         self._again = False  # decided once already: woken since
         self.store_ms = 0.0
+        self.asked_at = 0.0  # the last decision's, as `Decided.asked_at`
 
     async def __call__(self) -> Verdict:
         decided = await self._gateway._decide(
@@ -606,6 +650,7 @@ class _Deciding:
         )
         self._again = True
         self.store_ms = decided.store_ms
+        self.asked_at = decided.asked_at
         return decided.verdict
 
     def start(self, answer: Woken) -> bool:
@@ -613,7 +658,7 @@ class _Deciding:
         start = gateway.start_woken
         if start is None or gateway.deciding >= gateway.config.max_deciding:
             return False
-        self._started_at = time.perf_counter()
+        self._started_at = self.asked_at = time.perf_counter()
         start(self._facts, self._context, answer)
         gateway.deciding += 1  # counted once started (`finish` or `abandon` counts it out)
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -244,15 +245,24 @@ class Upstreams:
         headers: CIMultiDict[str],
         body: bytes,
         buffer_limit: int,
+        until: float | None = None,
     ) -> UpstreamAnswer:
         """Send and read the answer: at most `buffer_limit` + 1 bytes of its body are
         read here; an answer longer than that comes back with `rest` set, for the
-        caller to relay and then close."""
+        caller to relay and then close. `until` (`time.perf_counter`): the answer's
+        deadline, before the destination's `timeout` from now."""
         pool = self._pool(destination)
         pool.users += 1
         try:
+            if until is None:
+                timeout = pool.session.timeout
+            else:
+                left = max(until - time.perf_counter(), 0.001)
+                timeout = aiohttp.ClientTimeout(
+                    total=left, sock_connect=min(destination.connect_timeout, left)
+                )
             response = await pool.session.request(
-                method, url, headers=headers, data=body, allow_redirects=False
+                method, url, headers=headers, data=body, allow_redirects=False, timeout=timeout
             )
             if response.status < 200:
                 # A final 1xx (101 to a request that asked for no upgrade) cannot

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -1187,3 +1188,54 @@ async def test_a_refusal_before_the_fence_is_one_log_line_with_the_workers_addre
         "POST",
     )
     assert line["remote"] == "127.0.0.1"
+
+
+def late_verdicts(gw: Gateway, monkeypatch: pytest.MonkeyPatch, late_by: float) -> None:
+    """The store's verdicts reach the gateway `late_by` seconds after they were
+    made (a slow or lost answer from the database, a paused process)."""
+    decide = gw.store.decide_write
+
+    async def late(*args: object) -> object:
+        verdict = await decide(*args)  # type: ignore[arg-type]
+        await asyncio.sleep(late_by)
+        return verdict
+
+    monkeypatch.setattr(gw.store, "decide_write", late)
+    monkeypatch.setattr(gw.store, "start_decision", None, raising=False)
+
+
+async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key_released(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write's barrier counts the destination's timeout from the store's clock
+    when it decided: a forward begun after it could still be on the wire when a
+    newer generation is let through (SPEC 2 step 6, SPEC 8). "quick": 0.3 s."""
+    await gw.claim("job-1")
+    late_verdicts(gw, monkeypatch, 0.4)
+    result = await gw.write("/to/quick/x", key="late-1")
+    doc = assert_rejected(result, 503, "store_unavailable")
+    assert "too late" in doc["detail"] and "nothing was forwarded" in doc["detail"]
+    assert upstream.received == []
+    monkeypatch.undo()
+    # released, not left in flight: the same key is forwarded at once
+    assert (await gw.write("/to/quick/x", key="late-1"))[0] == 201
+    assert len(upstream.received) == 1
+
+
+async def test_a_verdict_arriving_late_leaves_the_forward_only_the_rest_of_the_timeout(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await gw.claim("job-1")
+    writes = gw.app[WRITES]
+    send = writes.upstreams.send
+    left: list[float] = []
+
+    async def spied(*args: object, until: float, **kwargs: object) -> object:
+        left.append(until - time.perf_counter())
+        return await send(*args, until=until, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writes.upstreams, "send", spied)
+    late_verdicts(gw, monkeypatch, 0.15)
+    assert (await gw.write("/to/quick/x", key="late-2"))[0] == 201
+    (seconds,) = left
+    assert 0 < seconds <= 0.3 - 0.15
