@@ -430,6 +430,13 @@ def open_access_warnings(config: Config) -> list[str]:
             f"the admin listener has no token (${config.admin_token_env} is not set): any "
             "user or process on this machine can reload, resolve keys and read the logs"
         )
+    admin_host = config.admin_listen[0]
+    if config.tls_cert is None and not is_loopback(admin_host):
+        found.append(
+            f"the admin listener on {admin_host} serves plain HTTP beyond loopback: its "
+            "tokens and session cookies cross the network in clear (set tls_cert and "
+            "tls_key, or reach it through a TLS proxy on this machine)"
+        )
     host = config.listen[0]
     if is_loopback(host):
         return found

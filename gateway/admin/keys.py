@@ -40,10 +40,16 @@ log = structlog.get_logger("gateway.admin")
 
 KEY_FILTERS = ("destination", "state", "job_id", "since", "until", "limit", "cursor")
 RESOLVE_BODY_MAX = 1024 * 1024  # the stored answer; the request may be a little larger
-RESOLVE_REQUEST_MAX = RESOLVE_BODY_MAX * 2 + 16 * 1024  # JSON escaping can double it
+# JSON's escapes can make a body six times as long (`\u00e9` for `é`; a character
+# outside the BMP, four UTF-8 bytes, is two of them: 12 bytes).
+RESOLVE_REQUEST_MAX = RESOLVE_BODY_MAX * 6 + 16 * 1024
 _RESOLVE_FIELDS = set(field_names(ResolveRequest))
 _CONTENT_TYPE = re.compile(CONTENT_TYPE)
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Control characters (C0 but tab and line ends, DEL, C1) and the bidirectional
+# controls, which would make a note read otherwise than it was written.
+_CONTROL = re.compile(
+    r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
 _KEY_CURSOR_PREFIX = "k1:"
 
 
@@ -209,6 +215,8 @@ def decode_key_cursor(cursor: str) -> tuple[float, str, str]:
         if not (isinstance(at, float | int) and math.isfinite(at)):
             raise ValueError("time")
         if not (isinstance(destination, str) and isinstance(key, str)):
+            raise ValueError("names")
+        if not could_be_stored(destination, key):  # a NUL or a lone surrogate: no store takes it
             raise ValueError("names")
     except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError):
         raise invalid_request("cursor is not one this server handed out") from None

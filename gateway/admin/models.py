@@ -19,7 +19,12 @@ from gateway.store import admin_records
 from gateway.store.admin_records import AUDIT_ACTIONS, MAX_BUCKETS, RESOLVE_OUTCOMES
 
 NOTE_MAX = 1000
-CONTENT_TYPE = r"[\x21-\x7e][\x20-\x7e]{0,254}"  # a media type, as a header carries it
+# A media type as a header carries it (RFC 9110 8.3.1): type/subtype, then any
+# parameters; at most 255 characters.
+CONTENT_TYPE = (
+    r"(?=[\x20-\x7e]{3,255}$)[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+    r"(?:[ \t]*;[\x20-\x7e]*)?"
+)
 
 Count = Annotated[int, Meta(minimum=0)]
 Counts = dict[str, Count]

@@ -52,6 +52,7 @@ from gateway.config.reader import (
 from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
 from gateway.errors import ConfigError, EnvironmentConfigError
 from gateway.policy.decision import Fencing
+from leases.model import VISIBLE
 from leases.urls import redact_url
 
 __all__ = [
@@ -324,6 +325,16 @@ def _admin_token(
     audit log would not know whom to name."""
     token_env = admin["token_env"]
     admin_token = env.get(token_env, "").strip() or None
+    if admin_token is not None and not VISIBLE.fullmatch(admin_token):
+        # As an operator's: a header cannot carry it (the CLI could never send it),
+        # and the token itself is never echoed.
+        server.problems.append(
+            EnvironmentConfigError(
+                f"{server.file}: admin.token_env: the token has characters other than "
+                f"visible ASCII (environment variable {token_env})",
+                key="admin.token_env",
+            )
+        )
     if admin_token is None and not admin["operators"] and not is_loopback(admin_host):
         error = server.environment_error(
             "admin_listen",

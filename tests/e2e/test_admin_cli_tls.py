@@ -136,3 +136,13 @@ async def test_an_http_url_against_tls_says_it_speaks_https(tls_admin):
     assert code == 1
     assert f"this listener speaks HTTPS: use https://127.0.0.1:{port}" in err
     assert "Remote end closed" not in err and err.count("\n") == 1
+
+
+async def test_a_name_the_certificate_lacks_says_to_use_one_it_has(tls_admin):
+    # The CA is the right one: naming it again would not help (`127.1` is
+    # 127.0.0.1 to the resolver, but not a name the certificate carries).
+    port, _, ca = tls_admin
+    code, _, err = await run("--admin", f"https://127.1:{port}", "--cacert", str(ca))
+    assert code == 1
+    assert "its certificate does not name 127.1" in err and "--cacert" not in err, err
+    assert "(from --admin)" in err

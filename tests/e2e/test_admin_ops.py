@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin.app import create_admin_app
+from gateway.admin.keys import encode_key_cursor
 from gateway.policy.decision import RESERVATION_GRACE_S
 from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store.admin_records import AuditQuery
@@ -515,3 +516,60 @@ async def test_the_gauge_refreshes_on_its_own(tmp_path, fake_clock):
             await eventually(refreshed, what="the unknown-keys gauge to count the key")
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        encode_key_cursor(1.0, "payments", "a\x00b"),
+        encode_key_cursor(1.0, "payments", "\ud800"),
+        encode_key_cursor(1.0, "pay ments", "k-1"),
+    ],
+    ids=["nul", "lone-surrogate", "space"],
+)
+async def test_a_cursor_naming_a_key_no_write_could_have_stored_is_400_on_every_store(
+    store_backend, cursor
+):
+    """Such a cursor was a 500 with a traceback on SQLite and a 503 with the
+    driver's words on PostgreSQL: no server hands one out."""
+    app = create_admin_app(store_backend.store, Metrics(), token=TOKEN, gauge_interval=None)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.get(f"/admin/keys?cursor={cursor}", headers=AUTH)
+        problem = await response.json(content_type=None)
+    assert response.status == 400, problem
+    assert problem["detail"] == "cursor is not one this server handed out"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"outcome": "applied", "attempt": "A", "note": "x", "content_type": "not a type"},
+        {"outcome": "applied", "attempt": "A", "note": "x", "content_type": "json"},
+        {"outcome": "applied", "attempt": "A", "note": "checked PSP \u202eEVITAGEN\u202c ok"},
+        {"outcome": "applied", "attempt": "A", "note": "next line\x85here"},
+        {"outcome": "applied", "attempt": "A", "note": "isolate \u2066x\u2069"},
+    ],
+    ids=["content-type-words", "content-type-no-slash", "bidi-override", "c1", "bidi-isolate"],
+)
+async def test_a_content_type_no_header_could_mean_or_a_note_that_reads_otherwise_is_400(
+    client, store, body
+):
+    attempt = await unknown(store, "k-1")
+    response = await post_resolve(client, "k-1", {**body, "attempt": attempt})
+    assert response.status == 400, await response.text()
+    assert (await store.key_record("payments", "k-1")).attempt == attempt
+    assert await store.list_audit(AuditQuery()) == []
+
+
+async def test_a_body_of_a_megabyte_of_non_ascii_text_is_taken_however_it_is_escaped(client, store):
+    """`\\u00e9` is six bytes of JSON for two of UTF-8: a body under the limit,
+    escaped as the standard library escapes it, was refused 413."""
+    attempt = await unknown(store, "k-1")
+    body = "é" * (1024 * 1024 // 2)  # 1 MiB of UTF-8
+    response = await post_resolve(
+        client,
+        "k-1",
+        json.dumps({"outcome": "applied", "attempt": attempt, "note": "x", "body": body}),
+    )
+    assert response.status == 200, await response.text()
+    assert (await store.key_record("payments", "k-1")).body == body.encode()

@@ -803,5 +803,6 @@ def test_missing_config_file_is_named_as_given(tmp_path: Path) -> None:
 
 def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None:
     # The value is most likely the secret itself; errors go to logs and reload answers.
-    error = config_error(write_config(tmp_path, '[admin]\ntoken_env = "f00dbabe-my-admin-secret"\n'))
+    pasted = '[admin]\ntoken_env = "f00dbabe-my-admin-secret"\n'
+    error = config_error(write_config(tmp_path, pasted))
     assert "f00dbabe" not in error

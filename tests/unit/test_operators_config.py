@@ -191,12 +191,33 @@ def test_serve_says_at_start_what_it_lets_in_without_a_token(tmp_path: Path) -> 
     on_loopback = load_config(write_config(tmp_path, "", pay=destination), {})
     (admin,) = open_access_warnings(on_loopback)
     assert admin.startswith("the admin listener has no token ($SINKGATE_ADMIN_TOKEN is not set)")
-    assert open_access_warnings(
-        load_config(write_config(tmp_path, "", pay=destination), {"SINKGATE_ADMIN_TOKEN": LONG})
-    ) == []
+    assert (
+        open_access_warnings(
+            load_config(write_config(tmp_path, "", pay=destination), {"SINKGATE_ADMIN_TOKEN": LONG})
+        )
+        == []
+    )
     wide = write_config(tmp_path, '[server]\nlisten = "0.0.0.0:8480"\n', pay=destination)
     assert open_access_warnings(load_config(wide, {"SINKGATE_ADMIN_TOKEN": LONG})) == [
         "the lease API is open to whoever reaches 0.0.0.0: set [server] lease_tokens_env",
         "destinations pay take writes from whoever reaches 0.0.0.0: set worker_tokens_env "
         "in their files",
     ]
+
+
+@pytest.mark.parametrize("token", ["has space inside token 12345", "tökén-long-enough-0123456"])
+def test_a_shared_admin_token_a_header_cannot_carry_is_refused_as_an_operators_is(
+    tmp_path: Path, token: str
+) -> None:
+    # The CLI could never send it; curl and the page's form could.
+    error = config_error(write_config(tmp_path, ""), {"SINKGATE_ADMIN_TOKEN": token})
+    assert "admin.token_env: the token has characters other than visible ASCII" in error
+    assert token not in error
+
+
+def test_serve_says_an_admin_listener_beyond_loopback_without_tls_sends_tokens_in_clear(
+    tmp_path: Path,
+) -> None:
+    path = write_config(tmp_path, '[server]\nadmin_listen = "0.0.0.0:8481"\n')
+    (warning,) = open_access_warnings(load_config(path, {"SINKGATE_ADMIN_TOKEN": LONG}))
+    assert warning.startswith("the admin listener on 0.0.0.0 serves plain HTTP beyond loopback")

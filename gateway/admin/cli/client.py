@@ -147,7 +147,7 @@ def admin_request(admin: Admin, path: str, body: dict[str, Any] | None = None) -
     base = admin.base
     request = urllib.request.Request(base + path, headers={"Accept": "application/json"})
     if body is not None:
-        request.data = json.dumps(body).encode()
+        request.data = json.dumps(body, ensure_ascii=False).encode()  # é: 2 bytes, not 6
         request.add_header("Content-Type", "application/json")
         request.method = "POST"
     # Stripped as the gateway strips the variable it reads (a token file's newline).
@@ -166,7 +166,9 @@ def admin_request(admin: Admin, path: str, body: dict[str, Any] | None = None) -
     except urllib.error.HTTPError as exc:
         raise _refused(exc, base, token) from exc
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise CliError(f"cannot reach the admin listener at {base}: {_why(admin, exc)}") from exc
+        raise CliError(
+            f"cannot reach the admin listener at {base} (from {admin.source}): {_why(admin, exc)}"
+        ) from exc
     except ValueError as exc:
         raise CliError(f"{base} did not answer JSON: {exc}") from exc
 
@@ -214,6 +216,12 @@ def _why(admin: Admin, exc: BaseException) -> str:
     reason = getattr(exc, "reason", exc)
     parts = urlsplit(admin.base)
     if isinstance(reason, ssl.SSLCertVerificationError):
+        if "hostname mismatch" in str(reason.verify_message).lower():
+            # The chain was trusted: another CA would not help, another name would.
+            return (
+                f"its certificate does not name {parts.hostname} ({reason.verify_message}): "
+                "use an admin URL with a name the certificate has (--admin)"
+            )
         return (
             f"its certificate was not accepted ({reason.verify_message}): "
             "name the CA it chains to with --cacert FILE"
