@@ -411,6 +411,10 @@ def config_warnings(config: Config) -> list[str]:
     """What is valid but most likely not meant; `check-config` prints it and exits 0,
     `serve` logs it."""
     found = [short.message for short in short_tokens(config) if not short.exposed]
+    found += [
+        f"{path}: not read: a destination file's name ends in .toml, in lower case"
+        for path in config.unread_files
+    ]
     for _, dest in sorted(config.destinations.items()):
         for header in dest.headers_named_like_keys:
             found.append(

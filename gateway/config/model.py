@@ -175,6 +175,9 @@ class Config:
     # Fields the command line set over the file (`serve --workers`): a reload
     # neither applies nor refuses what the file says of them.
     overridden: frozenset[str] = field(default=frozenset(), compare=False)
+    # Files of the destinations directory that look meant as destinations but are
+    # not read (`Payments.TOML`, `pay.tml`), as shown in messages.
+    unread_files: tuple[str, ...] = field(default=(), compare=False)
 
 
 # --- the gateway file ------------------------------------------------------------
@@ -250,7 +253,7 @@ def _load(
             f"must be at least rejections_ttl ({format_duration(ret['rejections_ttl'])}): "
             "operators' actions outlive the rejections",
         )
-    destinations = _destinations(dirs, source.parent, os.path.dirname(file))
+    destinations, unread_files = _destinations(dirs, source.parent, os.path.dirname(file))
     # A reload refuses what only this process's variables fail where it applies
     # nothing; any other error fails it, said with every one, as check-config says.
     unread = [p for p in problems if _refusable(p, running)]
@@ -265,6 +268,7 @@ def _load(
         admin_token=admin_token,
         destinations=MappingProxyType(destinations),
         display=file,
+        unread_files=unread_files,
     )
     refused = []
     for short in short_tokens(config, running):
@@ -410,28 +414,38 @@ def _absolute_sqlite(url: str, base: Path) -> str:
     return "sqlite:///" + os.path.normpath(base / rest)
 
 
-def _destinations(section: Table, base: Path, shown_dir: str) -> dict[str, DestinationConfig]:
+def _destinations(
+    section: Table, base: Path, shown_dir: str
+) -> tuple[dict[str, DestinationConfig], tuple[str, ...]]:
+    """The destinations by name, and the files that look meant as ones but are not
+    read (by the name they are shown with)."""
     given = keys.DESTINATIONS.read(section)["dir"]
     directory = base / given
     if not directory.is_dir():
         if "dir" in section.data:
             what = "a file, not a directory" if directory.exists() else "no such directory"
             section.report("dir", f"{what}: {show(given)}, next to this file")
-        return {}
+        return {}, ()
     try:  # glob would read a directory it may not list as empty: no destinations
         names = os.listdir(directory)
     except OSError as exc:
         section.report("dir", f"cannot read {show(given)}: {exc.strerror or exc}")
-        return {}
+        return {}, ()
     destinations: dict[str, DestinationConfig] = {}
     # Dot files are skipped: editors leave lock files like `.#payments.toml`.
-    files = (directory / n for n in names if n.endswith(".toml") and not n.startswith("."))
-    for path in sorted(files):
+    read = sorted(n for n in names if n.endswith(".toml") and not n.startswith("."))
+    for name in read:
+        path = directory / name
         display = os.path.join(shown_dir, _relative(path, base))
         destination = _destination(path, section.env, display, section.problems)
         if destination is not None:
             destinations[destination.name] = destination
-    return destinations
+    unread = sorted(
+        os.path.join(shown_dir, _relative(directory / n, base))
+        for n in names
+        if n not in read and not n.startswith(".") and n.lower().endswith((".toml", ".tml"))
+    )
+    return destinations, tuple(unread)
 
 
 def _relative(path: Path, base: Path) -> str:

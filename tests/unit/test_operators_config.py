@@ -221,3 +221,16 @@ def test_serve_says_an_admin_listener_beyond_loopback_without_tls_sends_tokens_i
     path = write_config(tmp_path, '[server]\nadmin_listen = "0.0.0.0:8481"\n')
     (warning,) = open_access_warnings(load_config(path, {"SINKGATE_ADMIN_TOKEN": LONG}))
     assert warning.startswith("the admin listener on 0.0.0.0 serves plain HTTP beyond loopback")
+
+
+def test_a_file_meant_as_a_destination_but_not_read_is_a_warning(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "", pay='upstream = "http://127.0.0.1:9/"\n')
+    for name in ("Refunds.TOML", "mail.tml", "notes.txt", ".#pay.toml", "pay.toml.bak"):
+        (tmp_path / "destinations" / name).write_text('upstream = "http://127.0.0.1:9/"\n')
+    config = load_config(path, {"SINKGATE_ADMIN_TOKEN": LONG})
+    assert sorted(config.destinations) == ["pay"]
+    assert config_warnings(config) == [
+        "destinations/Refunds.TOML: not read: a destination file's name ends in .toml, "
+        "in lower case",
+        "destinations/mail.tml: not read: a destination file's name ends in .toml, in lower case",
+    ]
