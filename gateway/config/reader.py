@@ -126,14 +126,19 @@ def parse_listen(value: object) -> tuple[str, int]:
 
 def parse_upstream(value: object) -> str:
     """An absolute http(s) URL without query, fragment or credentials; trailing `/` dropped."""
-    expected = f"expected an absolute http:// or https:// URL, got {show(value)}"
+    # A value with an `@` may hold a credential: never echoed.
+    shown = "a URL with user info" if isinstance(value, str) and "@" in value else show(value)
+    expected = f"expected an absolute http:// or https:// URL, got {shown}"
     if not isinstance(value, str) or not VISIBLE.fullmatch(value):
         raise ValueError(expected)
     try:
         parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise ValueError(expected) from None
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"{expected}: the port must be 0..65535") from None
     if "@" in parts.netloc:
         # Not echoed: the URL holds a credential.
         raise ValueError("must not contain user info; send credentials with [upstream_headers]")

@@ -432,6 +432,9 @@ def test_parse_upstream_normalises(text: str, url: str) -> None:
         "http://h/x?",
         "http://h/#f",
         "http://u:p@h/x",
+        "http://u:p@h:99999/x",  # the port fails first: the URL was echoed, password and all
+        "ftp://u:p@h/x",
+        "http://u:p @h/x",
         "http://h/a/../b",
         "http://h:99999/",
         "http://h/a b",
@@ -806,3 +809,8 @@ def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None
     pasted = '[admin]\ntoken_env = "f00dbabe-my-admin-secret"\n'
     error = config_error(write_config(tmp_path, pasted))
     assert "f00dbabe" not in error
+
+
+def test_an_upstream_port_out_of_range_is_named() -> None:
+    with pytest.raises(ValueError, match="the port must be 0..65535"):
+        parse_upstream("http://127.0.0.1:99999/pay")
