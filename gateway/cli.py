@@ -245,13 +245,21 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # address in use, or not one of this host's
         _error(str(exc))
         return 1
-    from gateway.telemetry.metrics import forget_process
+    from gateway.telemetry.metrics import (
+        METRICS_DIR_PREFIX,
+        claim_metrics_directory,
+        forget_process,
+        sweep_metrics_directories,
+    )
 
     # The workers' metrics, summed by whichever worker is scraped; removed at exit.
     # In memory where the system has a tmpfs for it: every metric update writes to
     # these files, and on a disk the kernel would write those pages back.
     in_memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    metrics_files = tempfile.TemporaryDirectory(prefix="sinkgate-metrics-", dir=in_memory)
+    for gone in sweep_metrics_directories(in_memory):  # of a parent killed with -9
+        structlog.get_logger("gateway.cli").info("metrics_directory_removed", path=gone)
+    metrics_files = tempfile.TemporaryDirectory(prefix=METRICS_DIR_PREFIX, dir=in_memory)
+    claim_metrics_directory(metrics_files.name)
     applied = _Applied(config)
     with listen, admin_listen, metrics_files as shared:
         supervisor = Supervisor(

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -49,6 +51,43 @@ def forget_process(pid: int, directory: str) -> None:
     Never raises: the supervisor calling it must go on restarting workers."""
     with contextlib.suppress(OSError):  # a file already gone, or the directory
         mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+METRICS_DIR_PREFIX = "sinkgate-metrics-"
+_OWNER = "owner.pid"
+
+
+def claim_metrics_directory(directory: str) -> None:
+    """Say which process shares `directory` (`sweep_metrics_directories` reads it)."""
+    with open(os.path.join(directory, _OWNER), "w", encoding="ascii") as out:
+        out.write(str(os.getpid()))
+
+
+def sweep_metrics_directories(parent: str | None) -> list[str]:
+    """Remove the metrics directories under `parent` (the system's temporary
+    directory for None) whose `serve --workers` parent is gone: killed (-9), it
+    could not remove its own. Only those that name their owner are looked at;
+    one whose owner lives, or that this user may not remove, is left. Returns the
+    removed ones' paths."""
+    base = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(METRICS_DIR_PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            with open(os.path.join(path, _OWNER), encoding="ascii") as owner:
+                pid = int(owner.read().strip())
+            os.kill(pid, 0)
+        except ProcessLookupError:  # the owner is gone
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+        except (OSError, ValueError):  # no owner named, another user's, or alive
+            continue
+    return removed
 
 
 class Metrics:
