@@ -261,7 +261,7 @@ def test_tls_key_errors(
 
 # What the loader computes rather than reads from one key of the gateway file.
 # overridden: set by the command line (`serve --workers`), not by a key
-LOADER_OWN = {"source", "destinations", "admin_token", "display", "overridden"}
+LOADER_OWN = {"source", "destinations", "admin_token", "display", "overridden", "unread_files"}
 
 
 def test_every_config_field_comes_from_one_key_or_the_loader() -> None:
