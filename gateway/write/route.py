@@ -31,7 +31,7 @@ from gateway.http.auth import (
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
-from gateway.policy.outcome import RELEASED, Answered, NotAnswered
+from gateway.policy.outcome import RELEASED, UNKNOWN, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
@@ -305,9 +305,12 @@ class WriteGateway:
             response = self.replays.response(decision, decided.prefer_wait)  # says the wait
             return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
+        # Not sent after all: the key is freed, but one whose earlier attempt's
+        # outcome is unknown stays unknown (an operator still has to settle it).
+        unsent = UNKNOWN if decision.retry_of_unknown else RELEASED
         try:
-            await self._in_time(destination, facts, decided)
-            await self._admit(destination, facts, verdict.attempt)
+            await self._in_time(destination, facts, decided, unsent)
+            await self._admit(destination, facts, verdict.attempt, unsent)
         except Rejection as rejection:  # too late to send, or the wire filled up
             if decided.prefer_wait is not None:
                 _say_applied(rejection, decided.prefer_wait)
@@ -429,18 +432,19 @@ class WriteGateway:
         )
 
     async def _in_time(
-        self, destination: DestinationConfig, facts: WriteFacts, decided: Decided
+        self, destination: DestinationConfig, facts: WriteFacts, decided: Decided, unsent: Outcome
     ) -> None:
         """Refuse, its reservation released, a write whose verdict came too late to
         be sent: the barrier it set (and its reservation's deadline) count the
         destination's `timeout` from the store's clock when it decided, and a
         forward begun later could still be on the wire when a newer generation is
         let through (a slow or lost answer from the store, a paused process)."""
-        if time.perf_counter() - decided.asked_at < destination.timeout - MIN_FORWARD_S:
+        timeout = destination.timeout
+        if time.perf_counter() - decided.asked_at < timeout - min(MIN_FORWARD_S, timeout / 2):
             return
         attempt = decided.verdict.attempt
         assert attempt is not None
-        await self._record_outcome(facts, attempt, RELEASED)
+        await self._record_outcome(facts, attempt, unsent)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
         self.metrics.store_errors.labels("decide").inc()
         store_unavailable(
@@ -456,11 +460,13 @@ class WriteGateway:
             or self.in_flight_total >= self.config.max_in_flight
         )
 
-    async def _admit(self, destination: DestinationConfig, facts: WriteFacts, attempt: str) -> None:
+    async def _admit(
+        self, destination: DestinationConfig, facts: WriteFacts, attempt: str, unsent: Outcome
+    ) -> None:
         """Count a reserved write as on the wire; if the wire filled up while it was
-        decided, release its reservation (it was never sent) and refuse it."""
+        decided, settle its reservation as `unsent` (it was never sent) and refuse it."""
         if self._full(destination):
-            await self._record_outcome(facts, attempt, RELEASED)
+            await self._record_outcome(facts, attempt, unsent)
             self.waiters.settled(facts.destination, facts.key, facts.job_id)
             raise _overloaded(destination, "too many writes in flight")
         name = destination.name
@@ -603,7 +609,8 @@ TOO_LATE_DETAIL = (
     "the store's verdict came too late to send this write within the destination's "
     "timeout; nothing was forwarded: retry"
 )
-# A forward is sent only with at least this much of the destination's timeout left.
+# A forward is sent only with at least this much of the destination's timeout left
+# (half of a timeout shorter than twice this).
 MIN_FORWARD_S = 0.05
 
 

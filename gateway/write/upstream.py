@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import ssl
 import time
 from collections.abc import Mapping
@@ -146,8 +147,24 @@ def _session(dest: DestinationConfig) -> aiohttp.ClientSession:
         # (an Accept-Encoding it never sent would get it a gzip answer).
         skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
         cookie_jar=aiohttp.DummyCookieJar(),
-        timeout=aiohttp.ClientTimeout(total=dest.timeout, sock_connect=dest.connect_timeout),
+        timeout=forward_timeout(dest, dest.timeout),
     )
+
+
+def forward_timeout(dest: DestinationConfig, seconds: float) -> aiohttp.ClientTimeout:
+    """A forward's bound of `seconds` in all. Never rounded up (aiohttp rounds a
+    timeout of 5 s or more to the next whole second by default, and the barrier
+    counts the destination's `timeout` exactly); the connect bound ends before it,
+    so a connection never made is `unreachable` (nothing sent), not a timeout."""
+    return aiohttp.ClientTimeout(
+        total=seconds,
+        sock_connect=min(dest.connect_timeout, max(seconds - CONNECT_MARGIN_S, 0.001)),
+        ceil_threshold=math.inf,
+    )
+
+
+# How much sooner than the whole bound the connect bound ends.
+CONNECT_MARGIN_S = 0.01
 
 
 class _Pool:
@@ -257,10 +274,7 @@ class Upstreams:
             if until is None:
                 timeout = pool.session.timeout
             else:
-                left = max(until - time.perf_counter(), 0.001)
-                timeout = aiohttp.ClientTimeout(
-                    total=left, sock_connect=min(destination.connect_timeout, left)
-                )
+                timeout = forward_timeout(destination, max(until - time.perf_counter(), 0.001))
             response = await pool.session.request(
                 method, url, headers=headers, data=body, allow_redirects=False, timeout=timeout
             )

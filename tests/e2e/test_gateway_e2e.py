@@ -49,6 +49,13 @@ async def gw(store_url: str, tmp_path: Path, upstream: RecordingUpstream) -> Asy
         destination("mono", upstream.url + "/api", fencing=Fencing.MONOTONIC),
         destination("open", upstream.url + "/api", require_idempotency_key=False),
         destination("idem", upstream.url + "/api", upstream_idempotent=True),
+        destination(
+            "idem-quick",
+            upstream.url + "/api",
+            upstream_idempotent=True,
+            timeout=0.3,
+            connect_timeout=0.3,
+        ),
         destination("quick", upstream.url + "/api", timeout=0.3, connect_timeout=0.3),
         destination(
             "small",
@@ -1239,3 +1246,18 @@ async def test_a_verdict_arriving_late_leaves_the_forward_only_the_rest_of_the_t
     assert (await gw.write("/to/quick/x", key="late-2"))[0] == 201
     (seconds,) = left
     assert 0 < seconds <= 0.3 - 0.15
+
+
+async def test_a_late_resend_of_an_unknown_key_leaves_it_unknown(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`upstream_idempotent`: the key's first attempt may have been applied; the
+    re-send that came too late to go out settles nothing, so the key stays for an
+    operator instead of being freed (and dropped from the unknown-keys queue)."""
+    await gw.claim("job-1")
+    assert_rejected(await gw.write("/to/idem-quick/drop/1"), 502, "upstream_disconnected")
+    late_verdicts(gw, monkeypatch, 0.4)  # past "idem-quick"'s timeout (0.3 s)
+    assert_rejected(await gw.write("/to/idem-quick/drop/1"), 503, "store_unavailable")
+    assert len(upstream.received) == 1
+    record = await gw.store.key_record("idem-quick", "key-1")
+    assert record is not None and record.state == "unknown"

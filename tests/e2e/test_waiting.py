@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -19,6 +21,7 @@ from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
 from gateway.policy.decision import Fencing
 from gateway.store.records import RejectionQuery
+from gateway.write import route as route_module
 from gateway.write.line import Decided
 from gateway.write.route import WriteGateway
 from leases.errors import StoreUnavailable
@@ -371,3 +374,27 @@ async def test_a_wire_full_after_the_decision_of_a_waiting_write_says_the_wait_a
     # never sent: no forward's outcome (its reservation was released unsent)
     outcomes = gw.app[METRICS].upstream_outcomes.collect()[0].samples
     assert [s for s in outcomes if s.name.endswith("_total")] == []
+
+
+async def test_a_woken_write_counts_its_timeout_from_its_woken_decision(
+    gw: Gateway, upstream: HeldUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write held longer than its destination's timeout, then woken to be
+    forwarded, is sent: its forward is bounded from the decision the wake
+    started, not from its first one (which, counted from, would leave it no time
+    and answer it 503). The gateway's clock jumps 30 s while it is held."""
+    real = time.perf_counter
+    jump = [0.0]
+    monkeypatch.setattr(
+        route_module, "time", SimpleNamespace(perf_counter=lambda: real() + jump[0])
+    )
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/pay/hold/503")
+    duplicate = asyncio.create_task(gw.write("/to/pay/hold/503", headers=WAIT))
+    await eventually(lambda: waiting(gw) == 1, what="the duplicate waiting")
+    jump[0] = 30.0  # past "pay"'s 5 s since the duplicate's first decision
+    upstream.release.set()
+    assert (await original)[0] == 503
+    status, headers, _ = await duplicate
+    assert status == 503 and "Sinkgate-Rejected" not in headers  # the upstream's own
+    assert len(upstream.received) == 2

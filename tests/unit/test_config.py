@@ -812,5 +812,5 @@ def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None
 
 
 def test_an_upstream_port_out_of_range_is_named() -> None:
-    with pytest.raises(ValueError, match="the port must be 0..65535"):
+    with pytest.raises(ValueError, match=r"the port must be 0\.\.65535"):
         parse_upstream("http://127.0.0.1:99999/pay")
