@@ -30,8 +30,8 @@ from gateway.config.model import (
     format_size,
     load_config,
     redact_url,
-    short_tokens,
 )
+from gateway.config.notices import config_warnings
 from gateway.config.reader import is_loopback
 from gateway.errors import ConfigError, GatewayError
 from gateway.supervisor import Slot, Supervisor, reserve
@@ -413,24 +413,6 @@ async def _connect(config: Config) -> int:
         else:
             print(f"  {name:<{width}}  {dest.upstream}: {result}")
     return failed
-
-
-def config_warnings(config: Config) -> list[str]:
-    """What is valid but most likely not meant; `check-config` prints it and exits 0,
-    `serve` logs it."""
-    found = [short.message for short in short_tokens(config) if not short.exposed]
-    found += [
-        f"{path}: not read: a destination file's name ends in .toml, in lower case"
-        for path in config.unread_files
-    ]
-    for _, dest in sorted(config.destinations.items()):
-        for header in dest.headers_named_like_keys:
-            found.append(
-                f"{os.path.relpath(dest.source)}: [upstream_headers] {header}: a header named "
-                f"like the destination key {header!r}, sent on every forward; a key written "
-                "below the [upstream_headers] table belongs to it: move it above the table"
-            )
-    return found
 
 
 def open_access_warnings(config: Config) -> list[str]:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import config_warnings, open_access_warnings
+from gateway.cli import open_access_warnings
 from gateway.config.keys import RESTART_ONLY
 from gateway.config.model import load_config, reread_config
+from gateway.config.notices import config_warnings
 from gateway.errors import ConfigError
 from tests.unit.test_config import config_error, write_config
 
