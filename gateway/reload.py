@@ -34,6 +34,7 @@ from gateway.config.model import (
     operator_key,
     reread_config,
 )
+from gateway.config.notices import config_warnings
 from gateway.config.reader import format_duration
 from gateway.errors import ConfigError, Rejection, StoreUnavailable
 from gateway.http.problem import problem_response
@@ -160,6 +161,8 @@ class Reloader:
 
     def _applied(self, trigger: str, plan: Plan, operator: str | None) -> None:
         result, applied = plan.result, plan.config
+        for warning in config_warnings(applied):  # a file added as Refunds.TOML, say
+            log.warning("config_warning", trigger=trigger, warning=warning)
         log.info(
             "reload_applied",
             trigger=trigger,

@@ -367,3 +367,18 @@ async def test_sighup_and_admin_reload_apply_and_are_counted(
             text = await resp.text()
         assert 'sinkgate_reloads_total{result="applied"} 2.0' in text
         assert 'sinkgate_reloads_total{result="failed"} 1.0' in text
+
+
+async def test_a_reload_says_what_it_does_not_read(tmp_path: Path, one: RecordingUpstream) -> None:
+    """A file added as `Refunds.TOML` is the one a reload is run for: its warning
+    comes with the reload, not only from check-config."""
+    path = write_files(tmp_path, a=to(one))
+    async with running_gateway(load_config(path, {})) as gw:
+        (tmp_path / "destinations" / "Refunds.TOML").write_text(to(one))
+        with capture_logs() as logs:
+            await gw.app[RELOADER].reload("test")
+        (warning,) = [e for e in logs if e["event"] == "config_warning"]
+        assert warning["warning"].endswith(
+            "Refunds.TOML: not read: a destination file's name ends in .toml, in lower case"
+        )
+        assert warning["trigger"] == "test"
