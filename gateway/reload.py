@@ -86,6 +86,7 @@ def plan_reload(old: Config) -> Plan:
     applied = replace(
         old,
         destinations=MappingProxyType(destinations),
+        unread_files=new.unread_files,
         **{name: getattr(new, name) for name in RELOADED},
     )
     retention = tuple(
