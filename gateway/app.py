@@ -18,7 +18,7 @@ from aiohttp import hdrs, web
 
 from gateway.admin.app import add_health_routes, admin_bind_allowed, create_admin_app
 from gateway.config.model import Config, redact_url
-from gateway.config.reader import is_loopback
+from gateway.config.reader import is_loopback, shown_env
 from gateway.config.tls import server_context
 from gateway.errors import GatewayError, Rejection
 from gateway.http.appkeys import CONFIG, METRICS, STORE
@@ -294,7 +294,8 @@ def refuse_open_admin(config: Config) -> None:
     admin_host = config.admin_listen[0]
     if not admin_bind_allowed(admin_host, config.admin_token or bool(config.admin_operators)):
         raise SystemExit(
-            f"refusing to start: no admin token in ${config.admin_token_env} and the admin "
+            f"refusing to start: no admin token in "
+            f"{shown_env(config.admin_token_env, dollar=True)} and the admin "
             f"listener {admin_host} is not loopback-only"
         )
 

@@ -32,7 +32,7 @@ from gateway.config.model import (
     redact_url,
 )
 from gateway.config.notices import config_warnings
-from gateway.config.reader import is_loopback
+from gateway.config.reader import is_loopback, shown_env
 from gateway.errors import ConfigError, GatewayError
 from gateway.supervisor import Slot, Supervisor, reserve
 from gateway.telemetry import traces
@@ -421,7 +421,8 @@ def open_access_warnings(config: Config) -> list[str]:
     found = []
     if config.admin_token is None and not config.admin_operators:
         found.append(
-            f"the admin listener has no token (${config.admin_token_env} is not set): any "
+            f"the admin listener has no token ({shown_env(config.admin_token_env, dollar=True)} "
+            "is not set): any "
             "user or process on this machine can reload, resolve keys and read the logs"
         )
     admin_host = config.admin_listen[0]
@@ -451,7 +452,7 @@ def _admin_access(config: Config) -> list[str]:
     """Who /admin lets in: the shared token's variable, and the operators by name
     (their tokens are never shown)."""
     shared = "set" if config.admin_token else "not set"
-    token = f"admin token   {shared} (${config.admin_token_env})"
+    token = f"admin token   {shared} ({shown_env(config.admin_token_env, dollar=True)})"
     if not config.admin_operators:
         return [token]
     names = ", ".join(sorted(name for name, _ in config.admin_operators))

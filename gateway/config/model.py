@@ -48,6 +48,7 @@ from gateway.config.reader import (
     parse_upstream,
     read_toml,
     show,
+    shown_env,
 )
 from gateway.config.tls import check_destination_tls, check_server_tls, tls_digest
 from gateway.errors import ConfigError, EnvironmentConfigError
@@ -335,7 +336,7 @@ def _admin_token(
         server.problems.append(
             EnvironmentConfigError(
                 f"{server.file}: admin.token_env: the token has characters other than "
-                f"visible ASCII (environment variable {token_env})",
+                f"visible ASCII (environment variable {shown_env(token_env)})",
                 key="admin.token_env",
             )
         )
@@ -343,7 +344,7 @@ def _admin_token(
         error = server.environment_error(
             "admin_listen",
             f"listens beyond loopback on {show(admin_host)} but no admin token is "
-            f"set (environment variable {token_env} is unset, empty or blank)",
+            f"set (environment variable {shown_env(token_env)} is unset, empty or blank)",
         )
         server.problems.append(error)
     for name, token in admin["operators"]:
@@ -351,7 +352,7 @@ def _admin_token(
             server.problems.append(
                 EnvironmentConfigError(
                     f"{server.file}: {operator_key(name)}: has the same token as "
-                    f"admin.token_env ({token_env})",
+                    f"admin.token_env ({shown_env(token_env)})",
                     key=operator_key(name),
                 )
             )

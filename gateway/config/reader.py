@@ -370,13 +370,26 @@ def dotted(name: str) -> str:
     return name if _BARE_KEY.fullmatch(name) else json.dumps(name)
 
 
+_CONVENTIONAL_ENV = re.compile(r"[A-Z_][A-Z0-9_]*")
+NAME_NOT_SHOWN = "(its name not shown: not in capitals, it may be the secret itself)"
+
+
+def shown_env(name: str, dollar: bool = False) -> str:
+    """A variable's name for a message: as it is when it reads as one (capitals,
+    digits, `_`), else not at all: a `*_env` key holding a secret pasted in by
+    mistake (`f00dbabe4c7d...`) is a valid name too, and messages reach logs."""
+    if _CONVENTIONAL_ENV.fullmatch(name):
+        return f"${name}" if dollar else name
+    return NAME_NOT_SHOWN
+
+
 def secret(t: Table, key: str, var: str, env: Mapping[str, str]) -> str:
     """The value of `var`, stripped; unset or blank is an error at `key` of `t`."""
     value = env.get(var)
     if value is None:
-        raise t.environment_error(key, f"environment variable {var} is not set")
+        raise t.environment_error(key, f"environment variable {shown_env(var)} is not set")
     if not value.strip():
-        raise t.environment_error(key, f"environment variable {var} is empty")
+        raise t.environment_error(key, f"environment variable {shown_env(var)} is empty")
     return value.strip()
 
 
@@ -391,13 +404,13 @@ def bearer_tokens(
     tokens = [tok.strip() for tok in secret(t, key, var, env).split(",")]
     tokens = [tok for tok in tokens if tok]
     if not tokens:
-        raise t.environment_error(key, f"environment variable {var} holds no tokens")
+        raise t.environment_error(key, f"environment variable {shown_env(var)} holds no tokens")
     for number, token in enumerate(tokens, 1):
         if not VISIBLE.fullmatch(token):
             # The token itself is never echoed.
             raise t.environment_error(
                 key,
-                f"environment variable {var}: token {number} has characters other than "
+                f"environment variable {shown_env(var)}: token {number} has characters other than "
                 "visible ASCII",
             )
     return tuple(dict.fromkeys(tokens))

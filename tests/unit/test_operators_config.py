@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import open_access_warnings
+from gateway.cli import open_access_warnings, summary
 from gateway.config.keys import RESTART_ONLY
 from gateway.config.model import load_config, reread_config
 from gateway.config.notices import config_warnings
@@ -235,3 +235,32 @@ def test_a_file_meant_as_a_destination_but_not_read_is_a_warning(tmp_path: Path)
         "in lower case",
         "destinations/mail.tml: not read: a destination file's name ends in .toml, in lower case",
     ]
+
+
+@pytest.mark.parametrize(
+    "gateway",
+    [
+        '[admin]\ntoken_env = "f00dbabe4c7d9e8a6b5c4d3e2f1a0b9c"\n',
+        '[admin.operators]\nalice = "deadbeef0123456789abcdef01234567"\n',
+    ],
+)
+def test_a_variable_name_that_may_be_the_secret_itself_is_never_shown(
+    tmp_path: Path, gateway: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hex token pasted into a `*_env` key is a valid variable name: said unset
+    (or in check-config's summary), it would be printed and logged."""
+    secret = gateway.split('"')[1]
+    path = write_config(tmp_path, gateway)
+    try:
+        config = load_config(path, {})
+    except ConfigError as exc:
+        shown = str(exc)
+    else:
+        shown = "\n".join([*open_access_warnings(config), summary(config)])
+    assert secret not in shown
+    assert "its name not shown" in shown
+
+
+def test_a_variable_name_in_capitals_is_shown(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, ""), {})
+    assert "$SINKGATE_ADMIN_TOKEN" in summary(config)
