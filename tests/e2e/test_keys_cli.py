@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -144,16 +145,17 @@ async def test_an_unknown_reason_names_the_valid_ones(live):
 
 async def test_a_long_key_and_job_are_shown_whole_to_be_copied(live, monkeypatch):
     # A derived key (job:step:<32 hex>) is longer than a cell; `keys resolve` and
-    # `--job` need it whole.
+    # `--job` need it whole, and the destination too.
     url, store = live
     job, key = "order-" + "7" * 60, "order-1001:charge:" + "0123456789abcdef" * 2
-    f = facts(job, 1, key)
+    where = "payments-eu-west-1-primary-ledger-settlement-batch-0001"  # resolve's first word
+    f = replace(facts(job, 1, key), destination=where)
     verdict = await store.decide_write(f, CONTEXT)
     await store.record_outcome(f, verdict.attempt, Outcome("unknown"))
     code, out, err = await sinkgate("keys", "--admin", url, "--job", job)
     assert code == 0, err
     (row,) = out.splitlines()[1:]
-    assert row.split()[4:6] == [key, job]
+    assert row.split()[3:6] == [where, key, job]
 
 
 async def test_an_admin_url_in_the_environment_passing_over_config_is_said(

@@ -311,7 +311,7 @@ def to_rfc3339(value: str | None, now: datetime, option: str) -> str | None:
 
 # Columns shown whole however long: an operator copies them into `--job`, `keys
 # resolve` or a query, and a derived key is longer than a cell (`job:step:<32 hex>`).
-WHOLE = frozenset({"KEY", "JOB"})
+WHOLE = frozenset({"KEY", "JOB", "DESTINATION"})
 
 
 def format_rows(columns: tuple[str, ...], cells: list[tuple[Any, ...]], *, empty: str) -> str:
