@@ -312,9 +312,9 @@ class WriteGateway:
             await self._in_time(destination, facts, decided, unsent)
             await self._admit(destination, facts, verdict.attempt, unsent)
         except Rejection as rejection:  # too late to send, or the wire filled up
-            if decided.prefer_wait is not None:
-                _say_applied(rejection, decided.prefer_wait)
-            raise
+            # With its decision: the line has the store's time (a slow store is why
+            # a verdict comes too late), the answer the wait applied.
+            return replace(self._refused(request, rejection, facts), decided=decided)
         try:
             return await self._forward_shielded(request, destination, checked, decided)
         finally:

@@ -1219,8 +1219,11 @@ async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key
     newer generation is let through (SPEC 2 step 6, SPEC 8). "quick": 0.3 s."""
     await gw.claim("job-1")
     late_verdicts(gw, monkeypatch, 0.4)
-    result = await gw.write("/to/quick/x", key="late-1")
+    with structlog.testing.capture_logs() as logs:
+        result = await gw.write("/to/quick/x", key="late-1")
     doc = assert_rejected(result, 503, "store_unavailable")
+    (line,) = [e for e in logs if e["event"] == "write_decision"]
+    assert line["store_ms"] >= 400  # the line says why: the store was slow
     assert "too late" in doc["detail"] and "nothing was forwarded" in doc["detail"]
     assert upstream.received == []
     monkeypatch.undo()
