@@ -6,7 +6,10 @@ route with the lease's fencing headers and an idempotency key.
             result = await writer.post("payments", "/charges", json=charge, step="charge")
 
 Gateway rejections (answers carrying `Sinkgate-Rejected`) raise one exception per
-family; upstream answers come back untouched as `WriteResult`. Keys derived from
+family; upstream answers come back untouched as `WriteResult`, whatever their
+status: one in the destination's `retryable_statuses` (429, 502-504 by default)
+was not stored, so the caller raises rather than leave `hold` (which would
+complete the job with nothing done). Keys derived from
 (job id, step) are the same for every worker redoing the job, so a second
 worker gets the first one's stored result instead of producing a second effect.
 """
