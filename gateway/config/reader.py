@@ -136,9 +136,11 @@ def parse_upstream(value: object) -> str:
     except ValueError:
         raise ValueError(expected) from None
     try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        port = parts.port  # raises ValueError on a port out of range
     except ValueError:
-        raise ValueError(f"{expected}: the port must be 0..65535") from None
+        port = 0
+    if port == 0:  # 0 names no port to connect to
+        raise ValueError(f"{expected}: the port must be 1..65535")
     if "@" in parts.netloc:
         # Not echoed: the URL holds a credential.
         raise ValueError("must not contain user info; send credentials with [upstream_headers]")

@@ -437,6 +437,7 @@ def test_parse_upstream_normalises(text: str, url: str) -> None:
         "http://u:p @h/x",
         "http://h/a/../b",
         "http://h:99999/",
+        "http://h:0/",
         "http://h/a b",
         "http://a..b/api",
         "http://.h/",
@@ -812,5 +813,5 @@ def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None
 
 
 def test_an_upstream_port_out_of_range_is_named() -> None:
-    with pytest.raises(ValueError, match=r"the port must be 0\.\.65535"):
+    with pytest.raises(ValueError, match=r"the port must be 1\.\.65535"):
         parse_upstream("http://127.0.0.1:99999/pay")
