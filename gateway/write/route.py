@@ -309,7 +309,8 @@ class WriteGateway:
         # outcome is unknown stays unknown (an operator still has to settle it).
         unsent = UNKNOWN if decision.retry_of_unknown else RELEASED
         try:
-            await self._in_time(destination, facts, decided, unsent)
+            if _too_late(destination, decided):  # checked here: no coroutine per write
+                await self._refuse_late(facts, decided, unsent)
             await self._admit(destination, facts, verdict.attempt, unsent)
         except Rejection as rejection:  # too late to send, or the wire filled up
             # With its decision: the line has the store's time (a slow store is why
@@ -431,17 +432,9 @@ class WriteGateway:
             asked_at=deciding.asked_at,
         )
 
-    async def _in_time(
-        self, destination: DestinationConfig, facts: WriteFacts, decided: Decided, unsent: Outcome
-    ) -> None:
-        """Refuse, its reservation released, a write whose verdict came too late to
-        be sent: the barrier it set (and its reservation's deadline) count the
-        destination's `timeout` from the store's clock when it decided, and a
-        forward begun later could still be on the wire when a newer generation is
-        let through (a slow or lost answer from the store, a paused process)."""
-        timeout = destination.timeout
-        if time.perf_counter() - decided.asked_at < timeout - min(MIN_FORWARD_S, timeout / 2):
-            return
+    async def _refuse_late(self, facts: WriteFacts, decided: Decided, unsent: Outcome) -> None:
+        """Refuse a write whose verdict came too late to be sent (`_too_late`), its
+        reservation settled as `unsent`."""
         attempt = decided.verdict.attempt
         assert attempt is not None
         await self._record_outcome(facts, attempt, unsent)
@@ -683,6 +676,16 @@ class _Deciding:
 
     def abandon(self) -> None:
         self._gateway.deciding -= 1
+
+
+def _too_late(destination: DestinationConfig, decided: Decided) -> bool:
+    """Whether a verdict came too late to be sent: the barrier it set (and its
+    reservation's deadline) count the destination's `timeout` from the store's
+    clock when it decided, and a forward begun later could still be on the wire
+    when a newer generation is let through (a slow or lost answer from the store,
+    a paused process)."""
+    timeout = destination.timeout
+    return time.perf_counter() - decided.asked_at >= timeout - min(MIN_FORWARD_S, timeout / 2)
 
 
 def _preference_applied(
