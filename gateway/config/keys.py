@@ -498,7 +498,14 @@ DESTINATION = Section(
     Key("require_idempotency_key", boolean, True, "refuse writes without Idempotency-Key"),
     Key("upstream_idempotent", boolean, False, "the upstream dedups Idempotency-Key itself"),
     Key("methods", methods, DEFAULT_METHODS, "methods forwarded"),
-    Key("timeout", duration(), 10.0, "for the whole upstream request"),
+    Key(
+        "timeout",
+        duration(),
+        10.0,
+        "for the whole upstream request, counted from when the gateway asked the store for "
+        "the write's verdict (with under 50 ms of it left it is not sent: 503 "
+        "store_unavailable)",
+    ),
     Key("connect_timeout", duration(), 2.0, "for the connection; at most timeout"),
     Key("max_body", size(), MiB, "largest request body"),
     Key("max_replay_body", size(allow_zero=True), MiB, "largest answer body stored for replays"),
