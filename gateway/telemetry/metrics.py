@@ -58,18 +58,31 @@ _OWNER = "owner.pid"
 
 
 def claim_metrics_directory(directory: str) -> None:
-    """Say which process shares `directory` (`sweep_metrics_directories` reads it)."""
+    """Say which process shares `directory` (`sweep_metrics_directories` reads it):
+    its pid, and the pid namespace that pid is of."""
     with open(os.path.join(directory, _OWNER), "w", encoding="ascii") as out:
-        out.write(str(os.getpid()))
+        out.write(f"{os.getpid()} {_pid_namespace()}")
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (`pid:[4026531836]`), or "" where none is told."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def sweep_metrics_directories(parent: str | None) -> list[str]:
     """Remove the metrics directories under `parent` (the system's temporary
     directory for None) whose `serve --workers` parent is gone: killed (-9), it
     could not remove its own. Only those that name their owner are looked at;
-    one whose owner lives, or that this user may not remove, is left. Returns the
-    removed ones' paths."""
+    one whose owner lives, is of another pid namespace (another container sharing
+    the tmpfs: its pids mean nothing here), or that this user may not remove, is
+    left. Returns the removed ones' paths."""
     base = parent or tempfile.gettempdir()
+    namespace = _pid_namespace()
+    if not namespace:  # no way to tell this system's pids from another's
+        return []
     removed = []
     try:
         names = [n for n in os.listdir(base) if n.startswith(METRICS_DIR_PREFIX)]
@@ -79,8 +92,10 @@ def sweep_metrics_directories(parent: str | None) -> list[str]:
         path = os.path.join(base, name)
         try:
             with open(os.path.join(path, _OWNER), encoding="ascii") as owner:
-                pid = int(owner.read().strip())
-            os.kill(pid, 0)
+                pid_text, _, owners_namespace = owner.read().strip().partition(" ")
+            if owners_namespace != namespace:
+                continue
+            os.kill(int(pid_text), 0)
         except ProcessLookupError:  # the owner is gone
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):

@@ -32,13 +32,17 @@ def test_only_a_directory_whose_owner_is_gone_is_removed(tmp_path: Path) -> None
     for directory in (gone, alive, unnamed, other):
         directory.mkdir()
         (directory / "counter_1.db").write_bytes(b"x")
-    (gone / "owner.pid").write_text(str(dead_pid()))
+    namespace = os.readlink("/proc/self/ns/pid")
+    (gone / "owner.pid").write_text(f"{dead_pid()} {namespace}")
     claim_metrics_directory(str(alive))
-    (other / "owner.pid").write_text(str(dead_pid()))
-    assert (alive / "owner.pid").read_text() == str(os.getpid())
+    (other / "owner.pid").write_text(f"{dead_pid()} {namespace}")
+    elsewhere = tmp_path / f"{METRICS_DIR_PREFIX}another-container"
+    elsewhere.mkdir()  # a pid of another namespace means nothing here
+    (elsewhere / "owner.pid").write_text(f"{dead_pid()} pid:[1]")
+    assert (alive / "owner.pid").read_text() == f"{os.getpid()} {namespace}"
     assert sweep_metrics_directories(str(tmp_path)) == [str(gone)]
     assert not gone.exists()
-    assert alive.exists() and unnamed.exists() and other.exists()
+    assert alive.exists() and unnamed.exists() and other.exists() and elsewhere.exists()
 
 
 def test_a_parent_it_cannot_list_is_nothing_to_sweep(tmp_path: Path) -> None:
