@@ -154,15 +154,19 @@ class Reloader:
             if self._writes is not None:
                 await self._writes.apply(plan.config)
             self.config = plan.config
-            self._applied(trigger, plan, operator)
+            self._applied(trigger, plan, operator, warn=record)
             if record:  # with --workers N, one reload is one count, as it is one row
                 self._metrics.reloads.labels("applied").inc()
                 await self._record(trigger, result, (remote, operator), plan.retention)
             return result
 
-    def _applied(self, trigger: str, plan: Plan, operator: str | None) -> None:
+    def _applied(
+        self, trigger: str, plan: Plan, operator: str | None, *, warn: bool = True
+    ) -> None:
+        """Log an applied reload; `warn`: with the config's warnings (a file added
+        as Refunds.TOML, say), by one worker of `--workers N`, as it is audited."""
         result, applied = plan.result, plan.config
-        for warning in config_warnings(applied):  # a file added as Refunds.TOML, say
+        for warning in config_warnings(applied) if warn else ():
             log.warning("config_warning", trigger=trigger, warning=warning)
         log.info(
             "reload_applied",

@@ -87,6 +87,9 @@ class RecordingUpstream:
     """
 
     received: list[Received] = field(default_factory=list)
+    # Behaviours for the next requests, whatever their paths ("drop", "status/503"):
+    # one key's attempts, which share a path, met differently.
+    next: list[str] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -98,6 +101,8 @@ class RecordingUpstream:
         )
         self.arrived.set()
         parts = request.path.split("/")
+        if self.next:
+            parts = ["", "", *self.next.pop(0).split("/")]
         kind = parts[2] if len(parts) > 2 else ""
         if kind == "slow":
             try:

@@ -503,8 +503,8 @@ DESTINATION = Section(
         duration(),
         10.0,
         "for the whole upstream request, counted from when the gateway asked the store for "
-        "the write's verdict (with under 50 ms of it left it is not sent: 503 "
-        "store_unavailable)",
+        "the write's verdict (with under 50 ms of it left, or half of a timeout under "
+        "100 ms, it is not sent: 503 store_unavailable)",
     ),
     Key("connect_timeout", duration(), 2.0, "for the connection; at most timeout"),
     Key("max_body", size(), MiB, "largest request body"),

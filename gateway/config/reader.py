@@ -373,7 +373,7 @@ def dotted(name: str) -> str:
 
 
 _CONVENTIONAL_ENV = re.compile(r"[A-Z_][A-Z0-9_]*")
-NAME_NOT_SHOWN = "(its name not shown: not in capitals, it may be the secret itself)"
+NAME_NOT_SHOWN = "<name not shown: not in capitals, it may be the secret itself>"
 
 
 def shown_env(name: str, dollar: bool = False) -> str:

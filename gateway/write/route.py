@@ -33,7 +33,7 @@ from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
 from gateway.policy.outcome import RELEASED, UNKNOWN, Answered, NotAnswered
 from gateway.policy.outcome import outcome as policy_outcome
-from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
+from gateway.policy.records import Outcome, OutcomeKind, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
@@ -307,7 +307,7 @@ class WriteGateway:
         assert isinstance(decision, Forward) and verdict.attempt is not None
         # Not sent after all: the key is freed, but one whose earlier attempt's
         # outcome is unknown stays unknown (an operator still has to settle it).
-        unsent = UNKNOWN if decision.retry_of_unknown else RELEASED
+        unsent = UNKNOWN if _resends_unknown(decided) else RELEASED
         try:
             if _too_late(destination, decided):  # checked here: no coroutine per write
                 await self._refuse_late(facts, decided, unsent)
@@ -380,9 +380,7 @@ class WriteGateway:
         buffer is relayed once its outcome is recorded."""
         attempt = decided.verdict.attempt
         assert attempt is not None
-        task = asyncio.ensure_future(
-            self._forward(request, destination, checked, attempt, decided.asked_at)
-        )
+        task = asyncio.ensure_future(self._forward(request, destination, checked, attempt, decided))
         self.forwards[task] = checked.facts
         task.add_done_callback(lambda done: self.forwards.pop(done, None))
         try:
@@ -480,7 +478,7 @@ class WriteGateway:
         destination: DestinationConfig,
         checked: Checked,
         attempt: str,
-        asked_at: float,
+        decided: Decided,
     ) -> tuple[web.StreamResponse | UpstreamAnswer, str | None, Sent]:
         """Forward and record the outcome: the answer (one too long to buffer comes
         back as the `UpstreamAnswer` still to be relayed), the refusal's reason
@@ -498,7 +496,7 @@ class WriteGateway:
                 headers,
                 checked.body,
                 destination.max_replay_body,
-                until=asked_at + destination.timeout,
+                until=decided.asked_at + destination.timeout,
             )
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
@@ -514,6 +512,10 @@ class WriteGateway:
                 detail += UNKNOWN_UNTIL_RESOLVED
             rejection = Rejection(str(failure.failure), detail, **_write_members(facts))
         outcome = policy_outcome(result, destination)
+        if outcome.kind is OutcomeKind.RELEASED and _resends_unknown(decided):
+            # The first attempt's effect is still unknown: not sent now (or
+            # answered with a retryable status) settles nothing about it.
+            outcome = UNKNOWN
         upstream_s = time.perf_counter() - sent_at
         metrics = self.metrics
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
@@ -676,6 +678,13 @@ class _Deciding:
 
     def abandon(self) -> None:
         self._gateway.deciding -= 1
+
+
+def _resends_unknown(decided: Decided) -> bool:
+    """Whether the write re-sends a key whose earlier attempt's outcome is unknown
+    (`upstream_idempotent`)."""
+    decision = decided.verdict.decision
+    return isinstance(decision, Forward) and decision.retry_of_unknown
 
 
 def _too_late(destination: DestinationConfig, decided: Decided) -> bool:

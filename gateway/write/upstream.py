@@ -155,11 +155,15 @@ def forward_timeout(dest: DestinationConfig, seconds: float) -> aiohttp.ClientTi
     """A forward's bound of `seconds` in all. Never rounded up (aiohttp rounds a
     timeout of 5 s or more to the next whole second by default, and the barrier
     counts the destination's `timeout` exactly); the connect bound ends before it,
-    so a connection never made is `unreachable` (nothing sent), not a timeout."""
+    so a connection never made is `unreachable` (nothing sent), not a timeout. It
+    bounds the whole of making one (`connect`: the name's lookup and every address
+    tried), and each socket's connect (`sock_connect`) within it."""
+    if seconds > 2 * CONNECT_MARGIN_S:
+        connect = min(dest.connect_timeout, seconds - CONNECT_MARGIN_S)
+    else:  # all but nothing left: still before the whole bound
+        connect = min(dest.connect_timeout, seconds / 2)
     return aiohttp.ClientTimeout(
-        total=seconds,
-        sock_connect=min(dest.connect_timeout, max(seconds - CONNECT_MARGIN_S, 0.001)),
-        ceil_threshold=math.inf,
+        total=seconds, connect=connect, sock_connect=connect, ceil_threshold=math.inf
     )
 
 
@@ -300,7 +304,7 @@ class Upstreams:
             if answer.rest is None:
                 response.release()
             if answer.rest is not None:
-                # The session's total timeout bounds how long the rest is relayed.
+                # The forward's own bound (`timeout`) ends the rest's relaying too.
                 loop = asyncio.get_running_loop()
                 pool.stream_until = loop.time() + destination.timeout + 1
             return answer

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import structlog
@@ -22,6 +23,7 @@ from gateway.policy.decision import Fencing
 from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
 from gateway.store.records import RejectionQuery
+from gateway.write import route as route_module
 from leases.errors import StoreUnavailable
 from tests.harness import (
     Gateway,
@@ -57,6 +59,7 @@ async def gw(store_url: str, tmp_path: Path, upstream: RecordingUpstream) -> Asy
             connect_timeout=0.3,
         ),
         destination("quick", upstream.url + "/api", timeout=0.3, connect_timeout=0.3),
+        destination("tiny", upstream.url + "/api", timeout=0.05, connect_timeout=0.05),
         destination(
             "small",
             upstream.url + "/api",
@@ -1263,4 +1266,32 @@ async def test_a_late_resend_of_an_unknown_key_leaves_it_unknown(
     assert_rejected(await gw.write("/to/idem-quick/drop/1"), 503, "store_unavailable")
     assert len(upstream.received) == 1
     record = await gw.store.key_record("idem-quick", "key-1")
+    assert record is not None and record.state == "unknown"
+
+
+async def test_a_timeout_under_a_tenth_of_a_second_keeps_half_of_itself_to_send_in(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a verdict at once (the gateway's clock stands still), a 50 ms timeout is
+    not all floor: the write goes out (whatever the upstream then makes of 50 ms)
+    instead of every write being refused as too late."""
+    frozen = time.perf_counter()
+    monkeypatch.setattr(route_module, "time", SimpleNamespace(perf_counter=lambda: frozen))
+    await gw.claim("job-1")
+    status, headers, _ = await gw.write("/to/tiny/x", key="tiny-1")
+    assert headers.get("Sinkgate-Rejected") != "store_unavailable", (status, headers)
+
+
+async def test_a_resend_of_an_unknown_key_answered_retryably_leaves_it_unknown(
+    gw: Gateway, upstream: RecordingUpstream
+) -> None:
+    """`upstream_idempotent`: a re-send answered with a retryable status says
+    nothing of the first attempt's effect: the key stays `unknown` (in the
+    operators' queue) instead of being freed."""
+    await gw.claim("job-1")
+    upstream.next = ["drop", "status/503"]
+    assert_rejected(await gw.write("/to/idem/x"), 502, "upstream_disconnected")
+    assert (await gw.write("/to/idem/x"))[0] == 503  # the upstream's own, relayed
+    assert len(upstream.received) == 2
+    record = await gw.store.key_record("idem", "key-1")
     assert record is not None and record.state == "unknown"
