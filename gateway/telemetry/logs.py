@@ -80,27 +80,26 @@ def info_line(log: Any, event: str, fields: dict[str, Any], *, owned: bool = Fal
     structlog.contextvars.merge_contextvars(None, "info", line)
     line["level"] = "info"
     line["timestamp"] = utc_timestamp()
-    rendered = lines.render(None, "info", line)
-    assert isinstance(rendered, bytes)  # the JSON configuration renders bytes
-    lines.buffer.write(rendered + b"\n")
+    lines.buffer.write(_line_bytes(line))
 
 
 class _JsonLines:
-    """The JSON configuration `configure_logging` made: its buffer, its level, its
-    renderer (the chain's last processor), and its processor list, by which
-    `info_line` knows the configuration still holds."""
+    """The JSON configuration `configure_logging` made: its buffer, its level, and
+    its processor list, by which `info_line` knows the configuration still holds
+    (and so that its renderer, the chain's last processor, is `_JSON_RENDERER`,
+    whose bytes `_line_bytes` makes)."""
 
-    __slots__ = ("buffer", "chain", "level_no", "render")
+    __slots__ = ("buffer", "chain", "level_no")
 
     def __init__(self, buffer: TurnBuffer, processors: list[Processor], level_no: int) -> None:
         self.buffer = buffer
-        self.chain = tuple(processors)
+        self.chain = list(processors)
         self.level_no = level_no
-        self.render = processors[-1]
 
     def in_force(self) -> bool:
         # By content: `capture_logs` and others change the configured list in place.
-        return tuple(structlog.get_config()["processors"]) == self.chain
+        processors: list[Processor] = structlog.get_config()["processors"]
+        return processors == self.chain
 
 
 _JSON_LINES: _JsonLines | None = None
@@ -139,7 +138,9 @@ def _renderers(json: bool, shared: list[Processor]) -> tuple[Processor, Processo
         transformer = ExceptionDictTransformer(show_locals=False)
         shared.append(structlog.processors.ExceptionRenderer(transformer))
         renderer = structlog.processors.JSONRenderer()  # text, for the stdlib handler
-        structlog_renderer: Processor = structlog.processors.JSONRenderer(serializer=_dumps)
+        structlog_renderer: Processor = structlog.processors.JSONRenderer(
+            serializer=_dumps, default=_json_default
+        )
         binary = getattr(sys.stderr, "buffer", None)
         if binary is None:  # stderr replaced by a text-only stream
             structlog_renderer = renderer
@@ -186,6 +187,24 @@ def _warning_without_traceback(record: logging.LogRecord) -> bool:
         record.exc_info = None
         record.exc_text = None
     return True
+
+
+def _json_default(value: Any) -> Any:
+    """What JSON has no type for, as structlog's renderer has it by default: its
+    `__structlog__()`, else its `repr`."""
+    try:
+        return value.__structlog__()
+    except AttributeError:
+        return repr(value)
+
+
+def _line_bytes(event: dict[str, Any]) -> bytes:
+    """The structlog JSON renderer's bytes for `event` (`_dumps`, `_json_default`)
+    and the newline, in one call of orjson where it can: `info_line`'s line."""
+    try:
+        return orjson.dumps(event, default=_json_default, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return _dumps(event, default=_json_default) + b"\n"
 
 
 def _dumps(event: dict[str, Any], **kw: Any) -> bytes:

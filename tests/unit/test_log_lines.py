@@ -47,6 +47,20 @@ def test_info_line_writes_what_structlog_writes_field_for_field_in_its_order(
     assert fields.keys().isdisjoint({"event", "level", "timestamp"})  # the caller's dict is kept
 
 
+@pytest.mark.parametrize("fields", [FIELDS, HUGE], ids=["orjson", "stdlib"])
+def test_info_line_writes_structlogs_bytes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fields: dict[str, object]
+) -> None:
+    """Byte for byte, at one instant: orjson called at once, the newline its own."""
+    monkeypatch.setattr(logs.time, "time_ns", lambda: 1_764_606_639_135_006_999)
+    configure_logging("info", json=True)
+    log = structlog.get_logger("gateway.write")
+    info_line(log, "write_decision", {**fields, "odd": object}, owned=True)
+    log.info("write_decision", **fields, odd=object)
+    fast, slow = capsys.readouterr().err.splitlines(keepends=True)
+    assert fast == slow and fast.endswith("\n") and "<class 'object'>" in fast
+
+
 def test_an_owned_dict_gives_the_same_line_made_in_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
