@@ -115,7 +115,7 @@ class Metrics:
         # Declared in this order, exposed in this order.
         self._write_metrics(self.registry)
         self._upkeep_metrics(self.registry)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # Writes refused before their facts: rate-limited log lines, names asked for.
         self.refusals = Refusals()
         # The write path's updates of one event-loop turn, applied at its end.
@@ -223,13 +223,13 @@ class Metrics:
     def child(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the write path asks for the same few
         children on every request, and `labels()` validates and locks each time."""
-        key = (id(metric), values)
-        found = self._children.get(key)
-        if found is None:
+        try:
+            return self._children[metric, values]
+        except KeyError:
             found = metric.labels(*values)
             if len(self._children) < _MAX_CACHED_CHILDREN:
-                self._children[key] = found
-        return found
+                self._children[metric, values] = found
+            return found
 
     def render(self) -> tuple[bytes, str]:
         self.tally.flush()  # what this turn counted so far is in the figures
