@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,8 +97,14 @@ def key_record(values: Sequence[Any]) -> KeyRecord:
     return KeyRecord(**row)
 
 
-def rejection_values(record: RejectionRecord) -> list[Any]:
-    return [getattr(record, name) for name in REJECTION_FIELDS]
+_REJECTION_VALUES = operator.attrgetter(*REJECTION_FIELDS)
+
+
+def rejection_values(record: RejectionRecord) -> tuple[Any, ...]:
+    """The row's values in `REJECTION_FIELDS`' order (one C call: a woken key's
+    group inserts a row for each of its writes in the store's thread)."""
+    values: tuple[Any, ...] = _REJECTION_VALUES(record)
+    return values
 
 
 def where_set(conditions: Sequence[tuple[str, Any]], *, numbered: bool) -> tuple[str, list[Any]]:
