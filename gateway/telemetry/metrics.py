@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -288,8 +289,7 @@ class Tally:
             if amount:
                 child.inc(amount)
         for child, values in observed.items():
-            for value in values:
-                child.observe(value)
+            _observe_all(child, values)
 
     def _schedule(self) -> None:
         try:
@@ -299,3 +299,29 @@ class Tally:
             return
         self._scheduled = True
         loop.call_soon(self.flush)
+
+
+def _observe_all(histogram: Any, values: list[float]) -> None:
+    """`histogram.observe(value)` for each of `values` in order, as one update: the
+    sum accumulated value by value from the one stored (the same float as one by
+    one), each bucket counted once by how many values fell in it. It reads
+    `prometheus_client`'s histogram child (`_upper_bounds`, `_buckets`, `_sum`);
+    one without them, or a single value, is observed the library's way."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    stored = getattr(histogram, "_sum", None)
+    if len(values) == 1 or bounds is None or buckets is None or stored is None:
+        for value in values:
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    counts = [0] * len(bounds)
+    total = stored.get()
+    for value in values:
+        total += value
+        if value == value:  # a NaN falls in no bucket (`value <= bound` is never true)
+            counts[bisect_left(bounds, value)] += 1  # the first bound >= value
+    stored.set(total)
+    for bucket, count in zip(buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
