@@ -39,7 +39,7 @@ from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.refusals import NAME_MAX, store_unavailable
-from gateway.write.line import Checked, Decided, Sent, WriteLine, Written
+from gateway.write.line import Checked, Decided, Sent, WriteLine, Written, milliseconds
 from gateway.write.prefer import (
     applied_wait,
     preference_without,
@@ -165,7 +165,7 @@ class WriteGateway:
             written = self._refused(request, rejection, facts)
         if written.decision != "replayed":  # a replay's headers say it already
             _preference_applied(written.response, written.decided)
-        total_ms = round((time.perf_counter() - started) * 1000, 3)
+        total_ms = milliseconds(time.perf_counter() - started)
         self._log(request, target, facts, written, total_ms)
         return written.response
 
@@ -358,7 +358,7 @@ class WriteGateway:
         elapsed = time.perf_counter() - store_started
         metrics = self.metrics
         metrics.tally.observe(metrics.child(metrics.store_latency, "decide"), elapsed)
-        return round(elapsed * 1000, 3)
+        return milliseconds(elapsed)
 
     def _unavailable(self, facts: WriteFacts, exc: StoreUnavailable) -> Rejection:
         """The refusal of a write the store could not decide: the driver's words in
@@ -426,7 +426,7 @@ class WriteGateway:
             deciding.store_ms,
             prefer_wait=cap if waited.applied else None,
             wait=waited.result,
-            waited_ms=None if waited.result is None else round(waited.seconds * 1000, 3),
+            waited_ms=None if waited.result is None else milliseconds(waited.seconds),
             asked_at=deciding.asked_at,
         )
 
@@ -529,7 +529,7 @@ class WriteGateway:
             metrics.child(metrics.upstream_outcomes, destination.name, kind).inc()
         recorded = bool(stored)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
-        upstream_ms = round(upstream_s * 1000, 3)
+        upstream_ms = milliseconds(upstream_s)
         if isinstance(result, NotAnswered):
             sent = Sent(upstream_ms, outcome.kind, recorded)
             return problem_response(rejection), rejection.reason, sent
