@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -315,7 +314,7 @@ class WriteGateway:
         except Rejection as rejection:  # too late to send, or the wire filled up
             # With its decision: the line has the store's time (a slow store is why
             # a verdict comes too late), the answer the wait applied.
-            return replace(self._refused(request, rejection, facts), decided=decided)
+            return self._refused(request, rejection, facts)._replace(decided=decided)
         try:
             return await self._forward_shielded(request, destination, checked, decided)
         finally:
@@ -392,8 +391,8 @@ class WriteGateway:
             _preference_applied(answer, decided)  # the outcome is recorded: only relayed
             relayed = await relay(request, answer)
             answer = relayed.response
-            sent = replace(
-                sent, relayed_bytes=relayed.relayed_bytes, relay_error=relayed.relay_error
+            sent = sent._replace(
+                relayed_bytes=relayed.relayed_bytes, relay_error=relayed.relay_error
             )
         return Written(answer, "forwarded", reason, decided=decided, attempt=attempt, sent=sent)
 

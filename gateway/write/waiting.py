@@ -31,7 +31,7 @@ import gc
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import structlog
 
@@ -95,11 +95,11 @@ class _Waiter:
     timer: asyncio.TimerHandle | None = None  # its wait's end (cap or blocker's deadline)
 
 
-@dataclass(frozen=True, slots=True)
-class Waited:
+class Waited(NamedTuple):
     """A write's final verdict and how its wait went. `applied`: the preference
     was honoured (False: one more than `max_waiting`, answered at once, `result`
-    "full"; or the gateway stopping); `result` None: it did not have to wait."""
+    "full"; or the gateway stopping); `result` None: it did not have to wait.
+    (A named tuple: see `gateway.write.line`.)"""
 
     verdict: Verdict
     applied: bool = True
