@@ -38,7 +38,7 @@ from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.refusals import NAME_MAX, store_unavailable
-from gateway.write.line import Checked, Decided, Sent, WriteLine, Written, milliseconds
+from gateway.write.line import Checked, Decided, Sent, Written, line_fields, milliseconds
 from gateway.write.prefer import (
     applied_wait,
     preference_without,
@@ -204,7 +204,6 @@ class WriteGateway:
             label = shown = target.destination
         else:
             label, shown = "(unknown)", target.destination[:NAME_MAX]
-        line = WriteLine(shown, request.method, *who, written, total_ms)
         metrics = self.metrics
         metrics.tally.add(metrics.child(metrics.writes, label, written.decision))
         if (
@@ -217,7 +216,7 @@ class WriteGateway:
             self.metrics.refusals.note(
                 written.reason, target.destination, request.method, request.remote
             )
-        fields = line.fields()
+        fields = line_fields(shown, request.method, *who, written, total_ms)
         if traces.TRACER is not None:
             traces.annotate(fields)  # the span gets the fields, the line the trace ids
         info_line(log, "write_decision", fields, owned=True)
