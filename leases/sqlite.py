@@ -51,10 +51,13 @@ def _null(value: None) -> None:
 # asking its protocol type for `__adapt__`, an AttributeError formatted and
 # cleared for each such value (about 3,000 instructions under the GIL: a
 # rejection row binds three or more). Registered, it is one dict hit; the values
-# bound are the same (NULL, the member's text).
-sqlite3.register_adapter(type(None), _null)
-sqlite3.register_adapter(Reason, str)
-sqlite3.register_adapter(State, str)
+# bound are the same (NULL, the member's text). The registry is the process's:
+# an adapter a program of the worker's registered first is left as it is.
+if (type(None), sqlite3.PrepareProtocol) not in sqlite3.adapters:
+    sqlite3.register_adapter(type(None), _null)
+for _enum in (Reason, State):
+    if (_enum, sqlite3.PrepareProtocol) not in sqlite3.adapters:
+        sqlite3.register_adapter(_enum, str)
 
 LEASES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sinkgate_schema (

@@ -86,8 +86,8 @@ def info_line(log: Any, event: str, fields: dict[str, Any], *, owned: bool = Fal
 class _JsonLines:
     """The JSON configuration `configure_logging` made: its buffer, its level, and
     its processor list, by which `info_line` knows the configuration still holds
-    (and so that its renderer, the chain's last processor, is `_JSON_RENDERER`,
-    whose bytes `_line_bytes` makes)."""
+    (and so that its renderer, the chain's last processor, is the JSON renderer
+    `_renderers` made, whose bytes `_line_bytes` makes)."""
 
     __slots__ = ("buffer", "chain", "level_no")
 

@@ -4,7 +4,7 @@ The steps of `WriteGateway.handle` return these immutable values; the line is
 assembled once, at the end, from what they returned. Named tuples rather than
 frozen dataclasses: a frozen dataclass sets each field through
 `object.__setattr__`, about 1,300 instructions a field, and a woken write makes
-three of these (16 fields) on the event loop, against a third of that here.
+three of these (17 fields) on the event loop, against a third of that here.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from gateway.policy.records import OutcomeKind, Verdict, WriteContext
 
 
 def milliseconds(seconds: float) -> float:
-    """`seconds` (not negative) in milliseconds to the microsecond, for the line:
-    `round(seconds * 1000, 3)` but for a tie a float cannot tell, at a tenth of
-    its cost (`round` to a number of digits goes through a decimal conversion)."""
+    """`seconds` (a finite duration, not negative) in milliseconds to the
+    microsecond, for the line: `round(seconds * 1000, 3)` but that an exact
+    binary tie rounds half up (6.25e-05 s: 0.063, not 0.062), at a tenth of its
+    cost (`round` to a number of digits goes through a decimal conversion)."""
     return int(seconds * 1_000_000 + 0.5) / 1000
 
 
