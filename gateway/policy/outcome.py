@@ -50,12 +50,23 @@ RELEASED = Outcome(OutcomeKind.RELEASED)
 UNKNOWN = Outcome(OutcomeKind.UNKNOWN)
 
 
-def outcome(result: Answered | NotAnswered, rules: ReplayRules) -> Outcome:
-    """The outcome recorded with the key for `result` under the destination's `rules`."""
+def not_sent(resends_unknown: bool) -> Outcome:
+    """The outcome of an attempt that was not sent (or answered with a retryable
+    status): the key freed; but a re-send of a key whose earlier attempt's outcome
+    is unknown (`upstream_idempotent`) settles nothing about it, so it stays
+    unknown, for an operator."""
+    return UNKNOWN if resends_unknown else RELEASED
+
+
+def outcome(
+    result: Answered | NotAnswered, rules: ReplayRules, *, resends_unknown: bool = False
+) -> Outcome:
+    """The outcome recorded with the key for `result` under the destination's
+    `rules`; `resends_unknown`: see `not_sent`."""
     if isinstance(result, NotAnswered):
-        return UNKNOWN if result.maybe_sent else RELEASED
+        return UNKNOWN if result.maybe_sent else not_sent(resends_unknown)
     if result.status in rules.retryable_statuses:
-        return RELEASED
+        return not_sent(resends_unknown)
     omitted = result.streamed or len(result.body) > rules.max_replay_body
     kept = replay_header_names(rules.replay_headers, not omitted)
     return Outcome(

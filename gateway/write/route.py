@@ -30,9 +30,9 @@ from gateway.http.auth import (
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
-from gateway.policy.outcome import RELEASED, UNKNOWN, Answered, NotAnswered
+from gateway.policy.outcome import Answered, NotAnswered, not_sent
 from gateway.policy.outcome import outcome as policy_outcome
-from gateway.policy.records import Outcome, OutcomeKind, RejectionRecord, Verdict, WriteContext
+from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
 from gateway.telemetry import traces
 from gateway.telemetry.logs import info_line
@@ -303,13 +303,10 @@ class WriteGateway:
             response = self.replays.response(decision, decided.prefer_wait)  # says the wait
             return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
-        # Not sent after all: the key is freed, but one whose earlier attempt's
-        # outcome is unknown stays unknown (an operator still has to settle it).
-        unsent = UNKNOWN if _resends_unknown(decided) else RELEASED
         try:
             if _too_late(destination, decided):  # checked here: no coroutine per write
-                await self._refuse_late(facts, decided, unsent)
-            await self._admit(destination, facts, verdict.attempt, unsent)
+                await self._refuse_late(facts, decided)
+            await self._admit(destination, facts, decided)
         except Rejection as rejection:  # too late to send, or the wire filled up
             # With its decision: the line has the store's time (a slow store is why
             # a verdict comes too late), the answer the wait applied.
@@ -428,13 +425,17 @@ class WriteGateway:
             asked_at=deciding.asked_at,
         )
 
-    async def _refuse_late(self, facts: WriteFacts, decided: Decided, unsent: Outcome) -> None:
-        """Refuse a write whose verdict came too late to be sent (`_too_late`), its
-        reservation settled as `unsent`."""
+    async def _not_sent(self, facts: WriteFacts, decided: Decided) -> None:
+        """Settle the reservation of a forward verdict that will not be sent, and
+        wake what waits on it."""
         attempt = decided.verdict.attempt
         assert attempt is not None
-        await self._record_outcome(facts, attempt, unsent)
+        await self._record_outcome(facts, attempt, not_sent(_resends_unknown(decided)))
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
+
+    async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> None:
+        """Refuse a write whose verdict came too late to be sent (`_too_late`)."""
+        await self._not_sent(facts, decided)
         self.metrics.store_errors.labels("decide").inc()
         store_unavailable(
             "decide", "the verdict came after the destination's timeout", **_write_members(facts)
@@ -450,13 +451,12 @@ class WriteGateway:
         )
 
     async def _admit(
-        self, destination: DestinationConfig, facts: WriteFacts, attempt: str, unsent: Outcome
+        self, destination: DestinationConfig, facts: WriteFacts, decided: Decided
     ) -> None:
         """Count a reserved write as on the wire; if the wire filled up while it was
-        decided, settle its reservation as `unsent` (it was never sent) and refuse it."""
+        decided, settle its reservation (it was never sent) and refuse it."""
         if self._full(destination):
-            await self._record_outcome(facts, attempt, unsent)
-            self.waiters.settled(facts.destination, facts.key, facts.job_id)
+            await self._not_sent(facts, decided)
             raise _overloaded(destination, "too many writes in flight")
         name = destination.name
         self.in_flight[name] += 1
@@ -509,11 +509,7 @@ class WriteGateway:
             ):
                 detail += UNKNOWN_UNTIL_RESOLVED
             rejection = Rejection(str(failure.failure), detail, **_write_members(facts))
-        outcome = policy_outcome(result, destination)
-        if outcome.kind is OutcomeKind.RELEASED and _resends_unknown(decided):
-            # The first attempt's effect is still unknown: not sent now (or
-            # answered with a retryable status) settles nothing about it.
-            outcome = UNKNOWN
+        outcome = policy_outcome(result, destination, resends_unknown=_resends_unknown(decided))
         upstream_s = time.perf_counter() - sent_at
         metrics = self.metrics
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
