@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import structlog
@@ -53,6 +54,7 @@ log = structlog.get_logger("gateway.admin")
 READY_TIMEOUT_S = 2.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Refused = Callable[[web.Request, Rejection], web.StreamResponse]
 
 
 # --- the factory -------------------------------------------------------------------------
@@ -96,6 +98,7 @@ def create_admin_app(
     rejections, jobs, audit = RejectionsApi(store), JobsApi(store), AuditApi(store)
     operator = OperatorPage(store, auth, resolve=keys.apply, metrics=metrics)
     page = Page(store, auth, glance=operator.glance)
+    one = partial(_one, refused=operator.refused)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin", page.redirect_to_page)
     app.router.add_get("/admin/", page.listing)
@@ -104,14 +107,16 @@ def create_admin_app(
     app.router.add_post(LOGIN_PATH, signin.login)
     app.router.add_post(LOGOUT_PATH, signin.logout)
     app.router.add_get("/admin/rejections", rejections.list)
-    app.router.add_get("/admin/rejections/{id}", _one(rejections.get, page=page.detail))
-    app.router.add_get(f"/admin/jobs/{JOB_SEGMENT}", _one(jobs.get, page=operator.job))
+    app.router.add_get("/admin/rejections/{id}", one(rejections.get, page=page.detail))
+    app.router.add_get(f"/admin/jobs/{JOB_SEGMENT}", one(jobs.get, page=operator.job))
     app.router.add_get("/admin/keys", keys.list)
     app.router.add_post("/admin/keys/{destination}/{key:.+}/resolve", keys.resolve)
-    app.router.add_get("/admin/audit", _or_page(audit.list, page=operator.audit))
+    app.router.add_get(
+        "/admin/audit", _or_page(audit.list, page=operator.audit, refused=operator.refused)
+    )
     app.router.add_get("/admin/summary", rejections.summary)
     operator.add_routes(app)
-    app.router.add_get("/admin/keys/{destination}/{key:.+}", _one(keys.get, page=operator.key))
+    app.router.add_get("/admin/keys/{destination}/{key:.+}", one(keys.get, page=operator.key))
     return app
 
 
@@ -134,20 +139,25 @@ def _background(job: Coroutine[Any, Any, None]) -> Callable[[web.Application], A
     return context
 
 
-def _or_page(json_view: Handler, *, page: Handler) -> Handler:
-    """A route answering JSON, or its page for `?format=html`."""
+def _or_page(json_view: Handler, *, page: Handler, refused: Refused) -> Handler:
+    """A route answering JSON, or its page for `?format=html`; a refusal of the
+    page (a key or job not there, an id that is none) is a page too, by `refused`:
+    audit rows outlive the keys and jobs they link to."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         if request.query.get("format") == "html":
-            return await page(request)
+            try:
+                return await page(request)
+            except Rejection as rejection:
+                return refused(request, rejection)
         return await json_view(request)
 
     return handler
 
 
-def _one(json_view: Handler, *, page: Handler) -> Handler:
+def _one(json_view: Handler, *, page: Handler, refused: Refused) -> Handler:
     """The route of one thing (a rejection, a job, a key): no query but `format`."""
-    either = _or_page(json_view, page=page)
+    either = _or_page(json_view, page=page, refused=refused)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         only_params(request.query, (), formats=("html",))

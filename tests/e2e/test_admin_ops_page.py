@@ -228,6 +228,29 @@ async def test_key_job_and_audit_views(browser, store):
     assert missing.status == 404
 
 
+@pytest.mark.parametrize(
+    ("path", "status", "said"),
+    [
+        ("/admin/keys/payments/gone-1?format=html", 404, "no idempotency record"),
+        ("/admin/jobs/job-gone?format=html", 404, "no lease, fence, attempt or rejection"),
+        ("/admin/rejections/99999?format=html", 404, ""),
+        ("/admin/rejections/x1?format=html", 404, "no rejection with id"),
+        (f"/admin/keys/payments/{HOSTILE_KEY}x?format=html", 404, ""),
+    ],
+)
+async def test_a_view_of_what_is_not_there_is_a_page(browser, path, status, said):
+    """An audit row outlives the key and job it links to: following the link gives
+    the layout with the refusal, not a problem+json document in the browser."""
+    answer = await browser.get(path)
+    text = await answer.text()
+    assert answer.status == status
+    assert answer.content_type == "text/html"
+    assert 'id="refusal"' in text and said in text
+    assert 'href="/admin/queue"' in text and "<script>" not in text
+    json_view = await browser.get(path.removesuffix("?format=html"))
+    assert json_view.status == status and json_view.content_type == "application/problem+json"
+
+
 async def test_the_key_view_spells_values_as_the_json_does(browser, store):
     f = facts("job-1", 1, "done-1")
     verdict = await store.decide_write(f, CONTEXT)

@@ -39,7 +39,7 @@ from gateway.admin.page.render import REASON_KIND, Safe, html_response, link
 from gateway.admin.query import is_duration, parse_time, utc_time
 from gateway.admin.session import RESOLVE_FORM_PATH, SESSION_COOKIE, operator_of
 from gateway.config.reader import format_duration
-from gateway.errors import Rejection
+from gateway.errors import TITLE_BY_REASON, Rejection
 from gateway.http.bodies import read_uncoded_body
 from gateway.policy.decision import KeyRecord, KeyState
 from gateway.store.admin_records import Resolution, Summary, summary_fits
@@ -83,6 +83,17 @@ class OperatorPage:
             logout=not self._auth.open,
             who=operator_of(request),
         )
+
+    def refused(self, request: web.Request, rejection: Rejection) -> web.Response:
+        """A view's refusal as a page, with its status: an audit row's link to a key
+        the janitor has since removed ends here, not in problem+json."""
+        body = (
+            '<p><a href="/admin/">« all rejections</a> · <a href="/admin/queue">queue</a> · '
+            '<a href="/admin/audit?format=html">audit log</a></p>'
+            f"<h2>{html.escape(TITLE_BY_REASON.get(rejection.reason, rejection.reason))}</h2>"
+            f'<p class="error" role="alert" id="refusal">{html.escape(rejection.detail)}</p>'
+        )
+        return self._respond(request, rejection.reason, body, status=rejection.status)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/queue", self.queue)
