@@ -171,7 +171,8 @@ class Metrics:
         )
         self.waits = Counter(
             "sinkgate_waits_total",
-            "Writes held under Prefer: wait, by result (replayed, forwarded, refused, "
+            "Writes held under Prefer: wait, by result (replayed, forwarded: decided to "
+            "forward, sent unless too late or the wire was full, refused, "
             "timed_out, disconnected, stopped, failed: a decision again failed; "
             "full: not held, max_waiting were).",
             ["result"],
