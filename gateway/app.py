@@ -306,7 +306,10 @@ async def _open_configured_store(config: Config, clock: Clock) -> Store:
     try:
         return await open_store(config.store_url, clock=clock, pool_size=config.store_pool_size)
     except ValueError as exc:
-        raise GatewayError(f"store {redact_url(config.store_url)}: {exc}") from None
+        from gateway.store.probe import first_line, tls_trouble
+
+        why = tls_trouble(config.store_url, exc) or first_line(exc)
+        raise GatewayError(f"store {redact_url(config.store_url)}: {why}") from None
 
 
 async def serve(

@@ -338,9 +338,9 @@ def _run_gateway(
         return 0
     except LeaseError as exc:
         # The store could not be opened (unreachable, refused, unusable file).
-        from gateway.store.probe import missing_database_in
+        from gateway.store.probe import known_trouble_in
 
-        why = missing_database_in(config.store_url, exc) or exc
+        why = known_trouble_in(config.store_url, exc) or exc
         _error(f"store {redact_url(config.store_url)}: {why}")
         return 1
     except (GatewayError, OSError) as exc:

@@ -2,7 +2,8 @@
 its schema current, older (serve upgrades it) or missing (serve creates it)?
 Read-only: nothing is created or changed (but for SQLite's own -wal and -shm files
 beside a WAL database). Also the one line `serve` prints for
-a PostgreSQL database that does not exist, naming it and how to create it.
+a PostgreSQL database that does not exist, naming it and how to create it, and
+for a TLS setting of the URL that fails.
 
 The driver is imported when a URL names it, as `open_store` does.
 """
@@ -13,9 +14,10 @@ import asyncio
 import os
 import socket
 import sqlite3
+import ssl
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from gateway.errors import GatewayError, os_error_words
 from gateway.store import sqlite_schema
@@ -187,6 +189,9 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
         return f"cannot resolve the host of {where} ({why}): check the URL's host name"
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the host of {where} ({exc.strerror}): check the URL's host name"
+    tls = tls_trouble(url, exc)
+    if tls is not None:
+        return tls
     if isinstance(exc, OSError):
         return (
             f"cannot connect to {where} ({os_error_words(exc)}): is PostgreSQL running there, "
@@ -194,7 +199,60 @@ def postgres_trouble(url: str, exc: BaseException) -> str:
         )
     if type(exc) is ValueError:  # never urllib's words: they may quote the password
         return f"cannot read the URL: {unreadable_url(exc)}"
-    return f"{where}: {type(exc).__name__}: {exc}"
+    return f"{where}: {type(exc).__name__}: {first_line(exc)}"
+
+
+def first_line(exc: BaseException) -> str:
+    """The driver's message without the `HINT:` lines libpq's words come with."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+# The URL's parameters naming TLS files, as libpq (and asyncpg) read them.
+_TLS_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
+
+
+def tls_trouble(url: str, exc: BaseException) -> str | None:
+    """What a TLS failure opening the store means, naming the URL's parameter at
+    fault; None when `exc` is not one. asyncpg raises a bare `FileNotFoundError`
+    for a missing file and `[SSL] PEM lib` for a file that is not what it should
+    be, and says a refused upgrade in words that read like an outage."""
+    where = _server(url)
+    params = _tls_params(url)
+    mode = params.get("sslmode", "")
+    if "rejected SSL upgrade" in str(exc):
+        return (
+            f"{where} does not take TLS, and the URL's sslmode={mode or 'require'} asks for "
+            "it: turn on ssl in the server's postgresql.conf (or, on a network you trust, "
+            "use sslmode=prefer)"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"{where}'s certificate was not accepted ({exc.verify_message}): sslrootcert must "
+            "name the CA that signed it, and the URL's host a name it has"
+        )
+    if isinstance(exc, ssl.SSLError) and "PEM" in str(exc):
+        files = " and ".join(f"{k}={params[k]}" for k in ("sslcert", "sslkey") if k in params)
+        return (
+            f"the URL's TLS files ({files or 'sslcert, sslkey'}) cannot be loaded: sslcert must "
+            "be a PEM certificate and sslkey its own private key, not encrypted"
+        )
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in (2, 13):
+        for name in _TLS_FILES:
+            path = params.get(name)
+            if path is not None and not os.access(path, os.R_OK):
+                missing = "does not exist" if not os.path.exists(path) else "cannot be read"
+                return f"the URL's {name} file {path} {missing}"
+    if "root certificate file" in str(exc):  # verify-* without sslrootcert
+        return f"{first_line(exc)}: name the CA's certificate file with the URL's sslrootcert"
+    return None
+
+
+def _tls_params(url: str) -> dict[str, str]:
+    try:
+        query = urlsplit(url).query
+    except ValueError:
+        return {}
+    return {k: v for k, v in parse_qsl(query) if k == "sslmode" or k in _TLS_FILES}
 
 
 def missing_database(url: str) -> str:
@@ -210,10 +268,14 @@ def missing_database(url: str) -> str:
     )
 
 
-def missing_database_in(url: str, exc: BaseException) -> str | None:
-    """`missing_database(url)` when `exc` (or what caused it) says the database
-    does not exist; else None."""
-    return missing_database(url) if _sqlstate(exc) == _INVALID_CATALOG else None
+def known_trouble_in(url: str, exc: BaseException) -> str | None:
+    """`serve`'s line for a store it could not open, when `exc` (or what caused it)
+    is one with more to say than the driver: a database that does not exist, or
+    TLS (`tls_trouble`); else None."""
+    if _sqlstate(exc) == _INVALID_CATALOG:
+        return missing_database(url)
+    cause = exc.__cause__ or exc.__context__
+    return tls_trouble(url, cause) if cause is not None else None
 
 
 def _sqlstate(exc: BaseException | None) -> str | None:

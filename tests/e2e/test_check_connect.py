@@ -406,3 +406,90 @@ async def test_a_tls_13_upstream_that_only_closes_is_reported_but_not_a_failure(
         code, out, err = await check(path, capfd)
         assert code == 0, err
         assert "check that client_cert is signed by a CA it trusts" in out
+
+
+@contextmanager
+def fake_postgres(answer: bytes, tls: ssl.SSLContext | None = None) -> Iterator[int]:
+    """A port that answers PostgreSQL's SSLRequest with `answer` (b"N": no TLS
+    here; b"S": then a TLS handshake with `tls`) and reads nothing more."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(10)
+
+    def serve() -> None:
+        with suppress(OSError), server:
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(8)  # the SSLRequest
+                    conn.sendall(answer)
+                    if tls is not None:
+                        with suppress(OSError), tls.wrap_socket(conn, server_side=True):
+                            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        with suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        server.close()
+
+
+async def test_a_server_that_does_not_take_tls_is_named_as_such(tmp_path, capfd):
+    """`sslmode=require` against a server without TLS: asyncpg's `ConnectionError`
+    read "is PostgreSQL running there" though it answered; the line says TLS."""
+    with fake_postgres(b"N") as port:
+        url = f"postgresql://postgres@127.0.0.1:{port}/test?sslmode=require"
+        code, _, err = await check(config(tmp_path, url), capfd)
+        serve = await asyncio.to_thread(
+            sinkgate, tmp_path, "serve", "--config", str(tmp_path / "gateway.toml")
+        )
+    assert code == 1 and "is PostgreSQL running" not in err
+    assert f"127.0.0.1:{port} does not take TLS, and the URL's sslmode=require asks for it" in err
+    assert serve.returncode == 1
+    (line,) = [line for line in serve.stderr.splitlines() if line.startswith("sinkgate: store")]
+    assert "does not take TLS" in line and "ConnectionError" not in line
+
+
+async def test_a_certificate_not_for_the_host_names_sslrootcert_and_the_host(tmp_path, capfd):
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("db.example").configure_cert(server_tls)
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    with fake_postgres(b"S", server_tls) as port:
+        url = (
+            f"postgresql://postgres@127.0.0.1:{port}/test"
+            f"?sslmode=verify-full&sslrootcert={tmp_path / 'ca.pem'}"
+        )
+        code, _, err = await check(config(tmp_path, url), capfd)
+    assert code == 1 and "is PostgreSQL running" not in err
+    assert f"127.0.0.1:{port}'s certificate was not accepted (" in err
+    assert "sslrootcert must name the CA that signed it, and the URL's host a name it has" in err
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        (
+            "sslmode=verify-full&sslrootcert={tmp}/no-ca.pem",
+            "sslrootcert file {tmp}/no-ca.pem does not exist",
+        ),
+        (
+            "sslmode=require&sslcert={tmp}/gateway.toml&sslkey={tmp}/gateway.toml",
+            "TLS files (sslcert={tmp}/gateway.toml and sslkey={tmp}/gateway.toml) cannot be loaded",
+        ),
+        ("sslmode=verify-ca", "name the CA's certificate file with the URL's sslrootcert"),
+    ],
+)
+async def test_a_tls_file_of_the_url_at_fault_is_named(tmp_path, capfd, monkeypatch, query, says):
+    """asyncpg says a bare `No such file or directory` or `[SSL] PEM lib`, and
+    libpq's `HINT:` on lines of their own: one line naming the parameter."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.postgresql/root.crt
+    url = f"postgresql://postgres@127.0.0.1:{closed_port()}/test?" + query.format(tmp=tmp_path)
+    code, _, err = await check(config(tmp_path, url), capfd)
+    assert code == 1 and "is PostgreSQL running" not in err, err
+    assert says.format(tmp=tmp_path) in err
+    assert "HINT" not in err and "PEM lib" not in err
