@@ -44,13 +44,15 @@ class LeaseHeld(LeaseError):
 
 
 class JobCompleted(LeaseError):
-    """The job is done and can never be claimed again."""
+    """The job is done and can never be claimed again; `current_generation`: the
+    generation that completed it, where known."""
 
     reason = Reason.JOB_COMPLETED
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, current_generation: int | None = None) -> None:
         super().__init__(f"job {job_id!r} is completed")
         self.job_id = job_id
+        self.current_generation = current_generation
 
 
 class LeaseLost(LeaseError):

@@ -106,7 +106,11 @@ class HTTPLeaseStore(Closing):
                     current if isinstance(current, int) and not isinstance(current, bool) else None,
                 )
         elif reason == Reason.JOB_COMPLETED:
-            raise JobCompleted(job_id)
+            current = doc.get("current_generation")
+            raise JobCompleted(
+                job_id,
+                current if isinstance(current, int) and not isinstance(current, bool) else None,
+            )
         raise _unexpected(status, doc, self._base)
 
     async def get(self, job_id: str) -> Lease | None:

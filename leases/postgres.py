@@ -348,7 +348,8 @@ async def claim_tx(conn: Conn, job_id: str, owner: str, ttl: float, clock_offset
         now = await db_now(conn, clock_offset)
         refusal = model.claim_refusal(current, now)
         if refusal is Reason.JOB_COMPLETED:
-            raise JobCompleted(job_id)
+            assert current is not None
+            raise JobCompleted(job_id, current.generation)
         if refusal is not None:
             assert current is not None
             raise LeaseHeld(

@@ -395,7 +395,8 @@ def claim_tx(conn: sqlite3.Connection, job_id: str, owner: str, ttl: float, now:
     current = read_lease(conn, job_id)
     refusal = model.claim_refusal(current, now)
     if refusal is Reason.JOB_COMPLETED:
-        raise JobCompleted(job_id)
+        assert current is not None
+        raise JobCompleted(job_id, current.generation)
     if refusal is not None:
         assert current is not None
         raise LeaseHeld(job_id, current.owner, model.expires_in(current, now), current.generation)

@@ -249,7 +249,12 @@ def _refusal(exc: Exception, job_id: str | None) -> Rejection:
             current_generation=exc.current_generation,
         )
     if isinstance(exc, JobCompleted):
-        return Rejection(Reason.JOB_COMPLETED, str(exc), job_id=exc.job_id)
+        return Rejection(
+            Reason.JOB_COMPLETED,
+            str(exc),
+            job_id=exc.job_id,
+            current_generation=exc.current_generation,
+        )
     if isinstance(exc, LeaseLost):
         return Rejection(
             exc.reason,

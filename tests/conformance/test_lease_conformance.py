@@ -200,6 +200,7 @@ async def test_complete_marks_done_and_the_job_can_never_be_claimed(
     with pytest.raises(JobCompleted) as info:
         await store.claim("job-1", owner="worker-b", ttl=TTL)
     assert info.value.reason == "job_completed"
+    assert info.value.current_generation == 1  # the generation that completed it
     assert (await store.get("job-1")).state == "done"
 
 

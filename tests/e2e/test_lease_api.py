@@ -192,7 +192,7 @@ async def test_claim_of_a_completed_job_is_job_completed(api: Api) -> None:
     await api.post("j", "complete", {"owner": "a", "generation": 1})
     status, headers, doc = await api.call("POST", "/leases/j/claim", {"owner": "b", "ttl": 10})
     assert_problem(status, headers, doc, 409, "job_completed")
-    assert doc["job_id"] == "j"
+    assert doc["job_id"] == "j" and doc["current_generation"] == 1
 
 
 # --- renew / complete / release ---------------------------------------------------------

@@ -156,6 +156,7 @@ async def test_claim_of_a_completed_job_raises_job_completed(store: HTTPLeaseSto
     with pytest.raises(JobCompleted) as info:
         await store.claim("j", owner="b", ttl=10)
     assert info.value.job_id == "j" and info.value.reason == "job_completed"
+    assert info.value.current_generation == 1
 
 
 def _lease(job_id: str, owner: str, generation: int) -> Lease:

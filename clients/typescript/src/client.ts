@@ -102,7 +102,8 @@ export class LeaseClient {
         throw new LeaseHeld(jobId, holder, expiresIn, generation, answer.retryAfter, sent(answer));
       }
     } else if (reason === "job_completed") {
-      throw new JobCompleted(jobId, sent(answer));
+      const current = answer.doc.current_generation;
+      throw new JobCompleted(jobId, sent(answer), isInt(current) ? current : undefined);
     }
     throw unexpected(answer.status, answer.doc, this.url);
   }

@@ -71,10 +71,13 @@ export class LeaseHeld extends LeaseError {
 /** The job is done and can never be claimed again. */
 export class JobCompleted extends LeaseError {
   readonly jobId: string;
+  /** The generation that completed the job, where the answer says it. */
+  readonly currentGeneration: number | undefined;
 
-  constructor(jobId: string, fields?: LeaseErrorFields) {
+  constructor(jobId: string, fields?: LeaseErrorFields, currentGeneration?: number) {
     super(`job ${JSON.stringify(jobId)} is completed`, "job_completed", fields);
     this.jobId = jobId;
+    this.currentGeneration = currentGeneration;
   }
 }
 

@@ -122,6 +122,7 @@ describe("through a real gateway", { skip }, () => {
       assert.ok(e instanceof JobCompleted);
       assert.equal(e.status, 409);
       assert.equal(e.problem.reason, "job_completed");
+      assert.equal(e.currentGeneration, next.generation);
       return true;
     });
     await assert.rejects(client.renew(next), (e: unknown) => e instanceof LeaseLost && e.reason === "job_completed");
