@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Coroutine, Generator
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
 
 from .model import Lease, LeaseRef
 from .urls import shown_scheme
@@ -25,11 +26,45 @@ class LeaseStore(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
-async def open_store(url: str, **options: object) -> LeaseStore:
-    """Open a lease store: `sqlite:///path`, `postgresql://...` or `http(s)://gateway`.
+class StoreOpening:
+    """What `open_store` returns: awaited, the store (`store = await open_store(url)`,
+    closed by the caller); or used as `async with open_store(url) as store:`, the
+    store closed at the block's end. asyncpg's `create_pool` takes both forms, and
+    the second read as an error (a coroutine is no context manager)."""
+
+    __slots__ = ("_opening", "_store")
+
+    def __init__(self, opening: Coroutine[Any, Any, LeaseStore]) -> None:
+        self._opening = opening
+        self._store: LeaseStore | None = None
+
+    def __await__(self) -> Generator[Any, None, LeaseStore]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> LeaseStore:
+        self._store = await self._opening
+        return await self._store.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        assert self._store is not None
+        await self._store.__aexit__(exc_type, exc, traceback)
+
+
+def open_store(url: str, **options: object) -> StoreOpening:
+    """Open a lease store: `sqlite:///path`, `postgresql://...` or `http(s)://gateway`;
+    `await` it, or `async with` it (`StoreOpening`).
 
     Backends are imported lazily so that a SQLite user never needs asyncpg loaded.
     """
+    return StoreOpening(_open(url, **options))
+
+
+async def _open(url: str, **options: object) -> LeaseStore:
     if not isinstance(url, str):
         raise ValueError(f"store URL must be a string, not {type(url).__name__}")
     scheme = url.split(":", 1)[0].lower()

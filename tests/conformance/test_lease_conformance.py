@@ -451,3 +451,17 @@ async def test_the_sqlite_scheme_is_read_in_any_case(tmp_path: Path) -> None:
     finally:
         await store.close()
     assert (tmp_path / "case.db").exists()
+
+
+async def test_open_store_is_also_a_context_manager_that_closes_the_store(
+    tmp_path: Path,
+) -> None:
+    """`async with open_store(url) as store:` (as asyncpg's create_pool takes) was a
+    TypeError about a coroutine, and a warning that it was never awaited."""
+    async with open_store(f"sqlite:///{tmp_path / 'cm.db'}") as store:
+        assert (await store.claim("job-1", owner="w", ttl=30)).generation == 1
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await store.get("job-1")
+    with pytest.raises(ValueError, match="unknown store options: bogus"):
+        async with open_store(f"sqlite:///{tmp_path / 'cm.db'}", bogus=1):
+            pass
