@@ -4,13 +4,18 @@
 
     @fenced_job(gate, job_id=lambda order_id, amount: f"order-{order_id}")
     async def charge(ctx, run, order_id, amount):
-        await run.writer.post("payments", "/charges", json={"amount": amount}, step="charge")
+        result = await run.writer.post(
+            "payments", "/charges", json={"amount": amount}, step="charge"
+        )
+        if result.status in (429, 502, 503, 504):  # relayed, not stored: nothing done
+            raise Retry(defer=1)  # the lease is given back; arq runs the job again
+        return result.status
 
     class WorkerSettings:
         functions = [charge]
         on_shutdown = gate.on_shutdown
 
-What ends a run becomes arq's idiom: the job already completed returns
+(examples/arq has the whole worker.) What ends a run becomes arq's idiom: the job already completed returns
 `{"sinkgate": "job_completed", ...}`; a lease held by another live run raises
 `Retry(defer=<until it would expire>)`; a newer generation elsewhere returns
 `{"sinkgate": "stale_generation", ...}` (this run stops, no retry: the newer run

@@ -3,11 +3,20 @@
     app = Celery("shop", broker="redis://127.0.0.1:6379/0")
     gate = TaskGate("http://127.0.0.1:8480", ttl=10)
 
-    @fenced_task(app, gate, job_id=lambda order_id, amount: f"order-{order_id}")
+    @fenced_task(
+        app,
+        gate,
+        job_id=lambda order_id, amount: f"order-{order_id}",
+        autoretry_for=(UpstreamBusy,),
+    )
     def charge(run, order_id, amount):
-        run.writer.post("payments", "/charges", json={"amount": amount}, step="charge")
+        result = run.writer.post("payments", "/charges", json={"amount": amount}, step="charge")
+        if result.status in (429, 502, 503, 504):  # relayed, not stored: nothing done
+            raise UpstreamBusy(result.status)  # the lease is given back; Celery retries
+        return result.status
 
-The task body gets a `SyncRun` (or a `TaskRun` when it is `async def`, run on the
+(`UpstreamBusy` is an exception of the program's own; examples/celery has the
+whole worker.) The task body gets a `SyncRun` (or a `TaskRun` when it is `async def`, run on the
 private loop of `leases.integrations.sync`). What ends a run becomes Celery's idiom:
 the job already completed returns `{"sinkgate": "job_completed", ...}` (done,
 nothing redone); a lease held by another live run retries after it would expire;

@@ -2,8 +2,12 @@
 
     gate = TaskGate("http://gateway:8480", ttl=30)
     async with gate.run("order-1001") as run:        # claims, renews with hold()
-        await run.writer.post("payments", "/charges", json=charge, step="charge")
+        result = await run.writer.post("payments", "/charges", json=charge, step="charge")
+        if result.status in (429, 502, 503, 504):  # relayed, not stored: nothing done
+            raise UpstreamBusy(result.status)          # released: run it again later
     # left normally: the job is completed; by an exception: released
+
+(`UpstreamBusy` is an exception of the program's own.)
 
 The queue adapters (`leases.integrations.celery`, `leases.integrations.arq`) wrap
 this and turn what ended a run into the queue's own idiom with `verdict()`.
