@@ -15,11 +15,12 @@
         functions = [charge]
         on_shutdown = gate.on_shutdown
 
-(examples/arq has the whole worker.) What ends a run becomes arq's idiom: the job already completed returns
-`{"sinkgate": "job_completed", ...}`; a lease held by another live run raises
-`Retry(defer=<until it would expire>)`; a newer generation elsewhere returns
-`{"sinkgate": "stale_generation", ...}` (this run stops, no retry: the newer run
-answers for the job); a lease that ran out with nobody else on it raises `Retry`.
+(examples/arq has the whole worker.) What ends a run becomes arq's idiom: the
+job already completed returns `{"sinkgate": "job_completed", ...}`; a lease held
+by another live run raises `Retry(defer=<until it would expire>)`; a newer
+generation elsewhere returns `{"sinkgate": "stale_generation", ...}` (this run
+stops, no retry: the newer run answers for the job); a lease that ran out with
+nobody else on it raises `Retry`.
 Needs `pip install 'sinkgate[arq]'`.
 """
 
