@@ -180,7 +180,13 @@ class WriteGateway:
                     rejection.members.setdefault(name, value)
         self.metrics.tally.add(self.metrics.child(self.metrics.rejections, rejection.reason))
         rejection_id = rejection.members.get("rejection_id")
-        return Written(problem_response(rejection), "rejected", rejection.reason, rejection_id)
+        return Written(
+            problem_response(rejection),
+            "rejected",
+            rejection.reason,
+            rejection_id,
+            wait_fields=rejection.wait_fields,
+        )
 
     def _log(
         self,
@@ -704,9 +710,10 @@ def _preference_applied(
 
 def _say_applied(rejection: Rejection, cap: int) -> None:
     """A refusal raised after the wait was honoured (from the fence check on) says
-    so, as every other answer of the write does (SPEC 2). A copy: `headers` may be
-    a constant shared by rejections."""
+    so, as every other answer of the write does (SPEC 2), and so does its line. A
+    copy: `headers` may be a constant shared by rejections."""
     rejection.headers = {**rejection.headers, "Preference-Applied": f"wait={cap}"}
+    rejection.wait_fields = {"prefer_wait": cap, **(rejection.wait_fields or {})}
 
 
 def _add_applied(headers: CIMultiDict[str], cap: int) -> None:

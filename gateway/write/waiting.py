@@ -35,10 +35,12 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import structlog
 
+from gateway.errors import Rejection
 from gateway.policy.decision import KeyState, Reject, Replay, WriteFacts, retry_after
 from gateway.policy.records import Verdict
 from gateway.store.protocol import WaitStore
 from gateway.telemetry.metrics import Metrics
+from gateway.write.line import milliseconds
 from leases.errors import StoreUnavailable
 from leases.reasons import Reason
 
@@ -173,10 +175,12 @@ class Waiters:
             self._enter()
             try:
                 verdict, result = await self._hold(verdict, waiter, decide)
-            except Exception:
+            except Exception as exc:
                 # A decision again failed (the store down, too many being decided):
                 # the write gets that refusal, and the wait is counted as ended so.
-                self._count(started, "failed")
+                waited = self._count(started, "failed")
+                if isinstance(exc, Rejection):
+                    exc.wait_fields = {"wait": "failed", "waited_ms": milliseconds(waited)}
                 raise
             finally:
                 self._leave()

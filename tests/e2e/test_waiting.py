@@ -360,6 +360,35 @@ async def test_a_store_failure_deciding_a_waiting_write_says_the_wait_applied(
     assert status == 503 and "Preference-Applied" not in headers
 
 
+async def test_the_line_of_a_waiting_write_the_store_failed_says_its_wait(
+    gw: Gateway, upstream: HeldUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 503 of a store failing while deciding a write under `Prefer: wait` is
+    one line like any other decision's: the wait applied, and for a held write
+    how its wait ended (`failed`) after how long."""
+    await gw.claim("job-1")
+    original = await holding_original(gw, upstream, "/to/short/hold/200")
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("the store is down")
+
+    with structlog.testing.capture_logs() as logs:
+        held = asyncio.create_task(gw.write("/to/short/hold/200", headers=WAIT))
+        await eventually(lambda: waiting(gw) == 1, what="the duplicate waiting")
+        for verb in ("decide_write", "decide_group"):  # a woken write's goes by either
+            monkeypatch.setattr(gw.app[WRITES].store, verb, down, raising=False)
+        status, headers, _ = await held  # decided again at its 1 s cap: the store fails
+        fresh, _, _ = await gw.write("/to/pay/x", key="key-2", headers=WAIT)
+    upstream.release.set()
+    await original
+    assert (status, headers["Preference-Applied"], fresh) == (503, "wait=1", 503)
+    lines = [e for e in logs if e["event"] == "write_decision"]
+    assert [e["reason"] for e in lines] == ["store_unavailable"] * 2
+    assert lines[0]["prefer_wait"] == 1 and lines[0]["wait"] == "failed"
+    assert lines[0]["waited_ms"] >= 1000
+    assert lines[1]["prefer_wait"] == 10 and "wait" not in lines[1]
+
+
 async def test_a_wire_full_after_the_decision_of_a_waiting_write_says_the_wait_applied(
     gw: Gateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
