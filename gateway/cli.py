@@ -531,6 +531,8 @@ def summary(config: Config) -> str:
             f"  methods={','.join(sorted(dest.methods))}"
             f"  timeout={format_duration(dest.timeout)}"
             f"  connect_timeout={format_duration(dest.connect_timeout)}"
+            # whole seconds, as `Preference-Applied` says it ("1500ms" waits 1 s)
+            f"  max_wait={int(dest.max_wait)}s"
             f"  max_body={format_size(dest.max_body)}"
             f"  idempotency_key={'required' if dest.require_idempotency_key else 'optional'}"
             f"  auth={'yes' if dest.worker_tokens else 'no'}"
