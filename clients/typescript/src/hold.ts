@@ -224,14 +224,55 @@ async function settle<T>(
     if (!(outcome.error instanceof LeaseLost) && state.lost === undefined) {
       // The body's error is what the caller needs; a release refused otherwise (a 400,
       // say) must not replace it. The lease then expires by itself.
-      await release(client, state).catch(() => undefined);
+      await exitCall(outside, cancelTimeout, (signal) => release(client, state, { signal })).catch((error: unknown) => {
+        if (outside?.aborted) throw error; // shutting down: that is the outcome
+      });
     }
     throw outcome.error;
   }
   if (state.lost !== undefined) throw state.lost;
-  if (onExit === "complete") state.lease = await client.complete(state.lease);
-  else if (onExit === "release") await release(client, state);
+  if (onExit === "complete") {
+    state.lease = await exitCall(outside, cancelTimeout, (signal) => client.complete(state.lease, { signal }));
+  } else if (onExit === "release") {
+    await exitCall(outside, cancelTimeout, (signal) => release(client, state, { signal }));
+  }
   return outcome.value;
+}
+
+/** An exit's store call (`work`), as long as it takes and its outcome the
+ * caller's, until the outside `signal` aborts (the worker shutting down); from
+ * then on it gets `cancelTimeout` more seconds and is cut, and the abort's
+ * reason is the outcome, as in the Python `hold`. The lease of an exit cut so
+ * expires by itself. */
+async function exitCall<T>(
+  outside: AbortSignal | undefined,
+  cancelTimeout: number,
+  work: (signal: AbortSignal | undefined) => Promise<T>,
+): Promise<T> {
+  if (outside === undefined) return work(undefined);
+  const cut = new AbortController();
+  const call = work(cut.signal);
+  let onAbort = (): void => undefined;
+  const aborted = new Promise<"aborted">((resolve) => {
+    onAbort = () => resolve("aborted");
+    if (outside.aborted) resolve("aborted");
+    else outside.addEventListener("abort", onAbort, { once: true });
+  });
+  try {
+    const first = await Promise.race([call.then((value) => ({ value })), aborted]);
+    if (first !== "aborted") return first.value;
+  } finally {
+    outside.removeEventListener("abort", onAbort);
+  }
+  const timer = setTimeout(() => cut.abort(new StoreUnavailable("exit timed out")), timerDelay(cancelTimeout));
+  try {
+    await call;
+  } catch {
+    // refused, unreachable or cut: the shutdown is the outcome
+  } finally {
+    clearTimeout(timer);
+  }
+  throw outside.reason;
 }
 
 /** The claim; the outside `signal` aborting while it is on the wire ends the wait

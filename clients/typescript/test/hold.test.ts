@@ -135,6 +135,32 @@ describe("hold through a real gateway", { skip }, () => {
     assert.equal(wire.leaseCallsCut, 1);
   });
 
+  for (const exit of ["complete", "release after the body's error"] as const) {
+    it(`cuts the exit's ${exit} still unanswered after a shutdown at cancelTimeout`, async () => {
+      // Before, the abort was not heeded once the body had settled: the exit waited
+      // the client's timeout (here 60 s) and rejected with StoreUnavailable.
+      const wire = await fresh();
+      const shutdown = new AbortController();
+      const slow = new LeaseClient(wire.url, { timeout: 60 });
+      const options = { ttl: 5, signal: shutdown.signal, cancelTimeout: 0.2 };
+      const running = hold(slow, unique("hold"), options, () => {
+        wire.hangLeases = true; // the claim was answered; the exit's call never is
+        if (exit !== "complete") throw new Error("boom");
+        return 1;
+      });
+      while (wire.leaseCalls < 2) await new Promise((resolve) => setTimeout(resolve, 5));
+      const aborted = Date.now();
+      shutdown.abort(new Error("shutting down"));
+      await assert.rejects(running, /shutting down/);
+      assert.ok(Date.now() - aborted < 5000, "the exit was cut at cancelTimeout");
+      for (let waited = 0; wire.leaseCallsCut === 0 && waited < 10_000; waited += 20) {
+        await new Promise((resolve) => setTimeout(resolve, 20));
+      }
+      assert.equal(wire.leaseCallsCut, 1);
+      assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
+    });
+  }
+
   it("keeps the body's error when the release after it is refused", async () => {
     const job = unique("hold");
     const refusing = new LeaseClient(gateway.url);
