@@ -79,9 +79,10 @@ class Rejection(GatewayError):
         self.headers = headers or {}  # ones HTTP requires with the status (Allow, ...)
         self.close = close  # the answer closes the connection (a body left unread)
         self.members = {k: v for k, v in members.items() if v is not None}
-        # What the write's line says of a `Prefer: wait` this refusal ended (or came
-        # before any wait of): `prefer_wait`, and `wait`, `waited_ms` if it was held.
-        self.wait_fields: dict[str, Any] | None = None
+        # What the write's line adds for this refusal: of a `Prefer: wait` it ended
+        # (or came before any wait of), `prefer_wait`, and `wait`, `waited_ms` if
+        # the write was held; `too_late` for a verdict that came too late to send.
+        self.line_extra: dict[str, Any] | None = None
 
     def problem(self) -> dict[str, Any]:
         """The RFC 9457 body."""

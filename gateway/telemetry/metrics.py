@@ -195,7 +195,10 @@ class Metrics:
             registry=r,
         )
         self.store_errors = Counter(
-            "sinkgate_store_errors_total", "Store operations that failed.", ["op"], registry=r
+            "sinkgate_store_errors_total",
+            "Store operations that failed (decide_late: a verdict that came too late to send).",
+            ["op"],
+            registry=r,
         )
         self.purged = Counter(
             "sinkgate_purged_total", "Records deleted by retention.", ["kind"], registry=r

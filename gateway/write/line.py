@@ -70,9 +70,8 @@ class Written(NamedTuple):
     decided: Decided | None = None  # None: refused before the store decided
     attempt: str | None = None
     sent: Sent | None = None
-    # A refusal without a decision that ended (or came before) a `Prefer: wait`:
-    # the line's `prefer_wait`, and `wait`, `waited_ms` if the write was held.
-    wait_fields: dict[str, Any] | None = None
+    # What a refusal adds to the line (`Rejection.line_extra`).
+    line_extra: dict[str, Any] | None = None
 
 
 def line_fields(
@@ -103,8 +102,8 @@ def line_fields(
             fields["wait"] = decided.wait
         if decided.waited_ms is not None:
             fields["waited_ms"] = decided.waited_ms
-    elif written.wait_fields is not None:
-        fields.update(written.wait_fields)
+    if written.line_extra is not None:
+        fields.update(written.line_extra)
     fields["decision"] = written.decision
     fields["reason"] = written.reason
     if written.decision == "rejected":

@@ -185,7 +185,7 @@ class WriteGateway:
             "rejected",
             rejection.reason,
             rejection_id,
-            wait_fields=rejection.wait_fields,
+            line_extra=rejection.line_extra,
         )
 
     def _log(
@@ -310,15 +310,15 @@ class WriteGateway:
             return Written(response, "replayed", Reason.DUPLICATE, decided=decided)
         assert isinstance(decision, Forward) and verdict.attempt is not None
         try:
-            if _too_late(destination, decided):  # checked here: no coroutine per write
-                await self._refuse_late(facts, decided)
             await self._admit(destination, facts, decided)
-        except Rejection as rejection:  # too late to send, or the wire filled up
-            # With its decision: the line has the store's time (a slow store is why
-            # a verdict comes too late), the answer the wait applied.
+        except Rejection as rejection:  # the wire filled up
             return self._refused(request, rejection, facts)._replace(decided=decided)
         try:
             return await self._forward_shielded(request, destination, checked, decided)
+        except _TooLate as rejection:
+            # With its decision: the line has the store's time (a slow store is why
+            # a verdict comes too late), the answer the wait applied.
+            return self._refused(request, rejection, facts)._replace(decided=decided)
         finally:
             self._release(destination)
 
@@ -442,11 +442,14 @@ class WriteGateway:
     async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> None:
         """Refuse a write whose verdict came too late to be sent (`_too_late`)."""
         await self._not_sent(facts, decided)
-        self.metrics.store_errors.labels("decide").inc()
+        # Not `decide`: the store answered, only too slowly for this destination.
+        self.metrics.store_errors.labels("decide_late").inc()
         store_unavailable(
             "decide", "the verdict came after the destination's timeout", **_write_members(facts)
         )
-        raise Rejection(Reason.STORE_UNAVAILABLE, TOO_LATE_DETAIL, **_write_members(facts))
+        late = _TooLate(Reason.STORE_UNAVAILABLE, TOO_LATE_DETAIL, **_write_members(facts))
+        late.line_extra = {"too_late": True}
+        raise late
 
     def _full(self, destination: DestinationConfig) -> bool:
         """Whether `max_in_flight` writes are on the wire already (to `destination`,
@@ -490,6 +493,12 @@ class WriteGateway:
         facts = checked.facts
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
+        # Checked here, after the task's start and just before the send, with no
+        # await between (a pooled connection writes the request before the next
+        # one): a turn of a busy loop, or a pause, after an earlier check could
+        # still put the write on the wire past its barrier.
+        if _too_late(destination, decided):
+            await self._refuse_late(facts, decided)
         sent_at = time.perf_counter()
         result: Answered | NotAnswered
         try:
@@ -609,6 +618,11 @@ TOO_LATE_DETAIL = (
 MIN_FORWARD_S = 0.05
 
 
+class _TooLate(Rejection):
+    """The refusal of a forward verdict that came too late to be sent (`_too_late`):
+    raised out of the forward's task, answered with the write's decision."""
+
+
 class _Deciding:
     """The decisions of one write under `Prefer: wait` (`Waiters.decide`). Called,
     it decides the write (the first time alone, then with the others of its key
@@ -713,7 +727,7 @@ def _say_applied(rejection: Rejection, cap: int) -> None:
     so, as every other answer of the write does (SPEC 2), and so does its line. A
     copy: `headers` may be a constant shared by rejections."""
     rejection.headers = {**rejection.headers, "Preference-Applied": f"wait={cap}"}
-    rejection.wait_fields = {"prefer_wait": cap, **(rejection.wait_fields or {})}
+    rejection.line_extra = {"prefer_wait": cap, **(rejection.line_extra or {})}
 
 
 def _add_applied(headers: CIMultiDict[str], cap: int) -> None:

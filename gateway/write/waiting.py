@@ -180,7 +180,7 @@ class Waiters:
                 # the write gets that refusal, and the wait is counted as ended so.
                 waited = self._count(started, "failed")
                 if isinstance(exc, Rejection):
-                    exc.wait_fields = {"wait": "failed", "waited_ms": milliseconds(waited)}
+                    exc.line_extra = {"wait": "failed", "waited_ms": milliseconds(waited)}
                 raise
             finally:
                 self._leave()

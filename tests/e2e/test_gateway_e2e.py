@@ -1226,13 +1226,39 @@ async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key
         result = await gw.write("/to/quick/x", key="late-1")
     doc = assert_rejected(result, 503, "store_unavailable")
     (line,) = [e for e in logs if e["event"] == "write_decision"]
-    assert line["store_ms"] >= 400  # the line says why: the store was slow
+    assert line["store_ms"] >= 400 and line["too_late"] is True  # the line says why
     assert "too late" in doc["detail"] and "nothing was forwarded" in doc["detail"]
     assert upstream.received == []
+    errors = gw.app[METRICS].registry.get_sample_value
+    assert errors("sinkgate_store_errors_total", {"op": "decide_late"}) == 1
+    assert errors("sinkgate_store_errors_total", {"op": "decide"}) is None
     monkeypatch.undo()
     # released, not left in flight: the same key is forwarded at once
     assert (await gw.write("/to/quick/x", key="late-1"))[0] == 201
     assert len(upstream.received) == 1
+
+
+async def test_a_pause_after_a_verdict_in_time_is_checked_just_before_the_send(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict in time, then the process stalls (a busy loop's turn, a pause)
+    before the forward goes out: checked only as the verdict arrived, the write
+    went out past its barrier (0.35 s into "quick"'s 0.3 s), where a newer
+    generation could already be forwarded. Checked just before the send, it is
+    refused as too late and its key released."""
+    await gw.claim("job-1")
+    headers_of = route_module.forward_headers
+
+    def stalled(*args: object) -> object:
+        time.sleep(0.35)  # the whole process stands still
+        return headers_of(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(route_module, "forward_headers", stalled)
+    doc = assert_rejected(await gw.write("/to/quick/x", key="paused-1"), 503, "store_unavailable")
+    assert "too late" in doc["detail"]
+    assert upstream.received == []
+    monkeypatch.undo()
+    assert (await gw.write("/to/quick/x", key="paused-1"))[0] == 201  # released
 
 
 async def test_a_verdict_arriving_late_leaves_the_forward_only_the_rest_of_the_timeout(
