@@ -7,6 +7,19 @@
 const LONGEST_TIMER_MS = 2 ** 31 - 1;
 
 /** `seconds` as a timer's delay, at most the longest a timer keeps. */
+/** What a failed `fetch` says, with why: undici's `TypeError: fetch failed` keeps
+ * the reason (`connect ECONNREFUSED 127.0.0.1:1`, `getaddrinfo ENOTFOUND ...`) in
+ * its `cause` only. */
+export function networkWords(error: unknown): string {
+  const words = String(error);
+  const cause = error instanceof Error ? error.cause : undefined;
+  if (cause === undefined || cause === null) return words;
+  const code = typeof cause === "object" && "code" in cause ? String(cause.code) : "";
+  const message = cause instanceof Error ? cause.message : String(cause);
+  const why = message.includes(code) || code === "" ? message : `${code}: ${message}`;
+  return why ? `${words} (${why})` : words;
+}
+
 export function timerDelay(seconds: number): number {
   return Math.min(Math.max(0, seconds * 1000), LONGEST_TIMER_MS);
 }

@@ -11,7 +11,7 @@ import { randomBytes } from "node:crypto";
 import http from "node:http";
 import https from "node:https";
 import { hostname } from "node:os";
-import { bounded } from "./abort.js";
+import { bounded, networkWords } from "./abort.js";
 import {
   JobCompleted,
   type LeaseErrorFields,
@@ -177,8 +177,8 @@ export class LeaseClient {
       answer = await send(this.url, path, method, headers, payload, deadline.signal);
     } catch (error) {
       if (signal?.aborted) throw signal.reason;
-      const why = deadline.timedOut() ? "timed out" : `failed: ${String(error)}`;
-      throw new StoreUnavailable(`lease API ${method} ${path} ${why}`);
+      const why = deadline.timedOut() ? "timed out" : `failed: ${networkWords(error)}`;
+      throw new StoreUnavailable(`lease API ${method} ${path} ${why}`, { cause: error });
     } finally {
       deadline.done();
     }

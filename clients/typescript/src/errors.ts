@@ -17,6 +17,8 @@ export interface LeaseErrorFields {
   readonly status?: number | undefined;
   readonly detail?: string | undefined;
   readonly problem?: Problem | undefined;
+  /** What failed underneath (fetch's error, whose own `cause` says why). */
+  readonly cause?: unknown;
 }
 
 /** Root of every lease error; `reason` is the contract's reason code, and
@@ -30,7 +32,7 @@ export class LeaseError extends Error {
   readonly problem: Problem;
 
   constructor(message: string, reason: string, fields: LeaseErrorFields = {}) {
-    super(message);
+    super(message, fields.cause === undefined ? undefined : { cause: fields.cause });
     this.name = new.target.name;
     this.reason = reason;
     this.status = fields.status;
@@ -121,6 +123,8 @@ export interface RejectionFields {
   readonly highestGeneration?: number | undefined;
   readonly rejectionId?: number | undefined;
   readonly retryAfter?: number | undefined;
+  /** What failed underneath (fetch's error, whose own `cause` says why). */
+  readonly cause?: unknown;
   readonly problem?: Problem | undefined;
 }
 
@@ -140,7 +144,10 @@ export class GatewayRejected extends Error {
 
   constructor(reason: string, fields: RejectionFields = {}) {
     const head = `${fields.status ?? "-"} ${reason}`;
-    super(fields.detail ? `${head}: ${fields.detail}` : head);
+    super(
+      fields.detail ? `${head}: ${fields.detail}` : head,
+      fields.cause === undefined ? undefined : { cause: fields.cause },
+    );
     this.name = new.target.name;
     this.reason = reason;
     this.status = fields.status;

@@ -9,7 +9,7 @@
  * cuts a request in flight when that happens.
  */
 
-import { bounded, sleep } from "./abort.js";
+import { bounded, networkWords, sleep } from "./abort.js";
 import type { Lease } from "./client.js";
 import { GatewayUnavailable, parseObject, rejectionFromResponse } from "./errors.js";
 import type { HeldLease } from "./hold.js";
@@ -289,7 +289,10 @@ export class FencedWriter {
       this.#check(); // cut by the hold: its LeaseLost, not a network error
       if (request.timedOut())
         throw new GatewayUnavailable(GATEWAY_TIMEOUT, { detail: "no answer from the gateway in time" });
-      throw new GatewayUnavailable(GATEWAY_UNREACHABLE, { detail: `cannot reach the gateway: ${String(error)}` });
+      throw new GatewayUnavailable(GATEWAY_UNREACHABLE, {
+        detail: `cannot reach the gateway: ${networkWords(error)}`,
+        cause: error,
+      });
     } finally {
       request.done();
     }

@@ -224,10 +224,13 @@ describe("through a real gateway", { skip }, () => {
     await assert.rejects(writer.post("dead", "/x", { json: {}, step: "s" }), (e: unknown) => {
       return e instanceof GatewayUnavailable && e.reason === "upstream_unreachable" && e.status === 502;
     });
-    await assert.rejects(
-      new FencedWriter(dead, lease).post("rec", "/x", { json: {}, step: "s" }),
-      (e: unknown) => e instanceof GatewayUnavailable && e.reason === "gateway_unreachable" && e.status === undefined,
-    );
+    await assert.rejects(new FencedWriter(dead, lease).post("rec", "/x", { json: {}, step: "s" }), (e: unknown) => {
+      assert.ok(e instanceof GatewayUnavailable && e.reason === "gateway_unreachable" && e.status === undefined);
+      // why, not only fetch's "fetch failed": undici keeps it in the cause
+      assert.match(e.detail, /fetch failed \(connect ECONNREFUSED 127\.0\.0\.1:\d+\)/);
+      assert.ok(e.cause instanceof TypeError);
+      return true;
+    });
     // StaleWrite: the lease is not the job's current one (here: completed)
     await client.complete(lease);
     await assert.rejects(writer.post("rec", "/x", { json: {}, step: "after" }), (e: unknown) => {
@@ -236,7 +239,11 @@ describe("through a real gateway", { skip }, () => {
       );
     });
     // StoreUnavailable: the lease API cannot be reached
-    await assert.rejects(new LeaseClient(dead).claim(job, { ttl: 5 }), StoreUnavailable);
+    await assert.rejects(new LeaseClient(dead).claim(job, { ttl: 5 }), (e: unknown) => {
+      assert.ok(e instanceof StoreUnavailable && e.cause instanceof TypeError);
+      assert.match(e.message, /failed: TypeError: fetch failed \(connect ECONNREFUSED 127\.0\.0\.1:\d+\)/);
+      return true;
+    });
   });
 
   it("retries a key in flight until its outcome is recorded, then gets the replay", async () => {
