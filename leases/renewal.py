@@ -139,11 +139,11 @@ class Renewer:
             except LeaseLost as exc:
                 return self.lose(exc.reason, exc.current_generation)
             except Exception as exc:  # StoreUnavailable, TimeoutError: an outage
-                if not isinstance(exc, StoreUnavailable | TimeoutError):
-                    # Not an outage (a gateway answering 400 to the renewal, say), but
-                    # the lease is just as unrenewed: retried, and lost at the same
-                    # deadline. Raised out, it ended this watchdog and left the body
-                    # running past its lease.
+                if not _outage(exc):
+                    # Not an outage (a gateway answering 400 to the renewal, or 401 to
+                    # a wrong lease token, say), but the lease is just as unrenewed:
+                    # retried, and lost at the same deadline. Raised out, it ended
+                    # this watchdog and left the body running past its lease.
                     log.warning("renewal_failed", job_id=state.job_id, error=repr(exc))
                 if now() >= state.deadline:
                     return self.lose(Reason.STORE_UNAVAILABLE)
@@ -151,3 +151,13 @@ class Renewer:
                 continue  # transient: try again until the local deadline
             unreachable = False
             state.deadline = self.schedule.deadline(sent)
+
+
+def _outage(exc: Exception) -> bool:
+    """Whether a failed renewal is the store being out of reach (nothing answered,
+    or a 5xx), not an answer about the request itself: a 401/403 (the lease token)
+    or another 4xx, or a 200 the client could not read, is the configuration's
+    and said in the log."""
+    if isinstance(exc, TimeoutError):
+        return True
+    return isinstance(exc, StoreUnavailable) and (exc.status is None or exc.status >= 500)

@@ -267,6 +267,36 @@ async def test_unreachable_store_cancels_body_at_the_local_deadline(
     assert renewal_tasks() == []
 
 
+@pytest.mark.parametrize(
+    ("failure", "said"),
+    [
+        (StoreUnavailable("lease API POST /leases/j/renew answered 401", status=401), True),
+        (StoreUnavailable("answered 400", status=400), True),
+        (StoreUnavailable("malformed lease from the lease API", status=200), True),
+        (ValueError("an answer the client could not read"), True),
+        (StoreUnavailable("answered 503", status=503), False),
+        (StoreUnavailable("failed: ConnectionRefusedError"), False),
+    ],
+)
+async def test_a_renewal_refused_for_its_request_is_said_an_outage_is_not(
+    store: SpyStore, worker_clock: FakeClock, failure: Exception, said: bool
+) -> None:
+    """A 401 (a wrong lease token) or another answer about the request itself is
+    the configuration's: each failed renewal says so (`renewal_failed`), where an
+    outage (nothing answered, a 5xx) is only the loss at the deadline. The 401
+    was read as an outage: the lease lost without a word of why."""
+    with capture_logs() as logs, pytest.raises(LeaseLost) as info:
+        async with hold(store, "job-1", owner="worker-a", ttl=TTL, monotonic=worker_clock):
+            store.fail_renewals = failure
+            await store.wait_renewals(store.renewals + 2)
+            worker_clock.advance(TTL)
+            await asyncio.sleep(PATIENCE * 10)
+    assert info.value.reason == "store_unavailable"
+    failed = [e for e in logs if e["event"] == "renewal_failed"]
+    assert (len(failed) >= 2) is said and (failed == []) is not said
+    assert all(e["job_id"] == "job-1" and str(failure) in e["error"] for e in failed)
+
+
 async def test_a_claim_answered_after_the_local_deadline_never_starts_the_body(
     store: SpyStore, worker_clock: FakeClock
 ) -> None:

@@ -99,9 +99,19 @@ class Hold {
   }
 
   /** Lost for `reason`, or as the gateway's `LeaseLost` answer says (kept whole,
-   * its status, detail and problem with it). */
-  lose(reason: string | LeaseLost): void {
-    this.lost ??= reason instanceof LeaseLost ? reason : new LeaseLost(this.lease.jobId, this.lease.generation, reason);
+   * its status, detail and problem with it); `cause`: the last renewal's error
+   * (a 401 of a wrong lease token, say), where that is why. */
+  lose(reason: string | LeaseLost, cause?: unknown): void {
+    this.lost ??=
+      reason instanceof LeaseLost
+        ? reason
+        : new LeaseLost(
+            this.lease.jobId,
+            this.lease.generation,
+            reason,
+            undefined,
+            cause === undefined ? {} : { cause },
+          );
     this.body.abort(this.lost);
   }
 
@@ -310,13 +320,15 @@ async function claim(
 /** The watchdog: renew on schedule; on a refusal or a passed deadline, lose the lease. */
 async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule, stop: AbortSignal): Promise<void> {
   // The deadline passing after a failed renewal is the store's fault, not the
-  // worker's: the loss then says `store_unavailable`.
+  // worker's: the loss then says `store_unavailable`, the last failure its cause.
+  let failure: unknown;
   let unreachable = false;
   try {
     for (;;) {
       await sleep(schedule.wait(state.now(), state.deadline), stop);
       if (state.now() >= state.deadline) {
-        state.lose(unreachable ? "store_unavailable" : "lease_expired");
+        if (unreachable) state.lose("store_unavailable", failure);
+        else state.lose("lease_expired");
         return;
       }
       const sent = state.now();
@@ -332,8 +344,9 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
         }
         // StoreUnavailable, our own timeout, or an answer we could not read:
         // transient, try again until the local deadline.
+        failure = error;
         if (state.now() >= state.deadline) {
-          state.lose("store_unavailable");
+          state.lose("store_unavailable", failure);
           return;
         }
         unreachable = true;

@@ -7,7 +7,15 @@
 import assert from "node:assert/strict";
 import { getEventListeners } from "node:events";
 import { after, before, describe, it } from "node:test";
-import { FencedWriter, hold, type Lease, LeaseClient, LeaseLost, RenewalSchedule } from "@sinkgate/leases";
+import {
+  FencedWriter,
+  hold,
+  type Lease,
+  LeaseClient,
+  LeaseLost,
+  RenewalSchedule,
+  StoreUnavailable,
+} from "@sinkgate/leases";
 import { destination, Gateway, gatewayMissing, missing, Upstream, unique, Wire } from "./harness.js";
 
 describe("RenewalSchedule", () => {
@@ -260,7 +268,12 @@ describe("hold through a real gateway", { skip }, () => {
       return writer.post("rec", "/charges", { json: { amount: 9 }, step: "charge" });
     });
     const write = await held;
-    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "store_unavailable");
+    await assert.rejects(running, (e: unknown) => {
+      assert.ok(e instanceof LeaseLost && e.reason === "store_unavailable");
+      // why: the last renewal's failure (here the lease API's 503; a 401 of a wrong token alike)
+      assert.ok(e.cause instanceof StoreUnavailable && e.cause.status === 503);
+      return true;
+    });
     // By the store's clock the lease still runs: the gateway alone would let the write through.
     const seen = await client.get(job);
     assert.equal(seen?.state, "active");
