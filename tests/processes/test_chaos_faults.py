@@ -154,6 +154,9 @@ async def test_wire_faults_on_postgresql_lose_no_guarantee(tmp_path: Path) -> No
     for target in ("store", "destination"):
         for kind in proxy.WIRE_KINDS:
             assert report["faults"][f"wire_{target}_{kind}"] >= 1, (target, kind)
+    # the store's answers held about the destination's timeout: late verdicts
+    assert report["faults"]["wire_store_late"] >= 1
+    assert "wire_destination_late" not in report["faults"]
 
 
 async def _run_databases() -> list[str]:

@@ -43,8 +43,11 @@ def _is_postgres(url: str) -> bool:
 class FaultPlan:
     """The store and wire faults of one run (nothing at all when both are 0)."""
 
-    def __init__(self, args: argparse.Namespace, ports: Ports) -> None:
+    def __init__(
+        self, args: argparse.Namespace, ports: Ports, *, destination_timeout: float
+    ) -> None:
         self.ports = ports
+        self.destination_timeout = destination_timeout
         self.store_share: float = args.store_faults
         self.wire_share: float = args.wire_faults
         self.seed: int = args.seed
@@ -67,7 +70,14 @@ class FaultPlan:
         self.direct_store_url = url
         if not self._sqlite and self.wire_share:
             parts = urlsplit(url)
-            proxy = await self._proxy("store", parts.hostname or "127.0.0.1", parts.port or 5432)
+            # Answers held about the destination's timeout: verdicts that come too
+            # late to be sent, or only just in time, and must not overlap.
+            proxy = await self._proxy(
+                "store",
+                parts.hostname or "127.0.0.1",
+                parts.port or 5432,
+                late_s=(0.75 * self.destination_timeout, 1.25 * self.destination_timeout),
+            )
             url = with_address(url, "127.0.0.1", proxy.port)
         return url
 

@@ -13,7 +13,10 @@ apart):
   held for a random delay (jitter up to `max_latency`) before it is relayed;
 - `reset`: the chunk is dropped and both sides are reset (TCP RST);
 - `stall`: the chunk is held and nothing more is relayed for `stall_s` seconds
-  (the connection stops answering), then both sides are reset.
+  (the connection stops answering), then both sides are reset;
+- `late` (the store's wire only, `late_s` given): the chunk is held for
+  `late_s` seconds, about the destination's timeout, then relayed: a verdict
+  that reaches the gateway too late to be sent, or only just in time.
 
 Kinds come from shuffled decks, so a short run still injects each of them.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from gateway.tools.chaos.deck import FaultDeck
 
 WIRE_KINDS = ("latency", "reset", "stall")
+LATE_KIND = "late"
 TICK_S = 1.0
 LATENCY_S = 1.0
 _CHUNK = 65536
@@ -65,6 +69,7 @@ class FaultProxy:
         seed: int,
         max_latency: float = 0.1,
         stall_s: tuple[float, float] = (0.5, 2.5),
+        late_s: tuple[float, float] | None = None,
         http: bool = False,
     ) -> None:
         self.name = name
@@ -72,8 +77,9 @@ class FaultProxy:
         self.share = share
         self.max_latency = max_latency
         self.stall_s = stall_s
+        self.late_s = late_s
         self.rng = random.Random(f"{seed}:proxy:{name}")
-        self.counts: dict[str, int] = dict.fromkeys(WIRE_KINDS, 0)
+        self.counts: dict[str, int] = dict.fromkeys(self._kinds(), 0)
         self.connections = 0
         self.http = http
         # HTTP: keys of requests cut on the wire before they all arrived, or
@@ -154,7 +160,11 @@ class FaultProxy:
                     if kind in ("reset", "stall"):
                         reset = True
                         break
-                    link.slow_until = loop.time() + LATENCY_S
+                    if kind == LATE_KIND:
+                        assert self.late_s is not None
+                        await asyncio.sleep(self.rng.uniform(*self.late_s))
+                    else:
+                        link.slow_until = loop.time() + LATENCY_S
                 if loop.time() < link.slow_until:
                     await asyncio.sleep(self.rng.uniform(0, self.max_latency))
                 if link.closed:  # e.g. the client gave up while the chunk was held
@@ -205,8 +215,12 @@ class FaultProxy:
                     link.armed_request = self.rng.random() < 0.5
                     self.counts[kind] += 1
 
+    def _kinds(self) -> tuple[str, ...]:
+        # Read here, not bound at import: tests narrow WIRE_KINDS.
+        return WIRE_KINDS if self.late_s is None else (*WIRE_KINDS, LATE_KIND)
+
     def _draw(self) -> str | None:
-        return self._deck.draw(self.share, WIRE_KINDS)  # read here: tests narrow it
+        return self._deck.draw(self.share, self._kinds())
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

@@ -127,7 +127,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         connector=aiohttp.TCPConnector(limit=0), trace_configs=[count_rejections(rejections)]
     )
     stores: list[HTTPLeaseStore] = []
-    plan = FaultPlan(args, ports)
+    plan = FaultPlan(args, ports, destination_timeout=GATEWAY_TIMEOUT_S)
     try:
         await destination.start()
         store_url = await plan.store(_store_url(args.store, workdir))
