@@ -325,8 +325,13 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
   let unreachable = false;
   try {
     for (;;) {
-      await sleep(schedule.wait(state.now(), state.deadline), stop);
-      if (state.now() >= state.deadline) {
+      const slept = state.now();
+      const pause = schedule.wait(slept, state.deadline);
+      await sleep(pause, stop);
+      // A sleep to the deadline ends it, even when the timer fires a hair early
+      // (Node's timers keep whole milliseconds): a renewal sent then has no time
+      // to be answered, and its cut would stand in for the last failure's cause.
+      if (slept + pause >= state.deadline || state.now() >= state.deadline) {
         if (unreachable) state.lose("store_unavailable", failure);
         else state.lose("lease_expired");
         return;

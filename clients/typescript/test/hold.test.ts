@@ -259,7 +259,10 @@ describe("hold through a real gateway", { skip }, () => {
     net.holdWrites = true;
     const held = net.nextHeld();
     const leases = new LeaseClient(net.url);
-    const running = hold(leases, job, { owner: "w", ...WINDOW }, async (lease, signal) => {
+    // One renewal a second before the local deadline, then none: the loss's cause is
+    // that renewal's 503, never a second one cut by the deadline on a slow machine.
+    const window = { ttl: 4, renewFraction: 0.4, safetyMargin: 0.35 };
+    const running = hold(leases, job, { owner: "w", ...window }, async (lease, signal) => {
       // Protection off: a writer given the lease's fields, not the hold's signal.
       const { jobId, owner, generation, state, leaseUntil, expiresIn } = lease;
       const plain: Lease = { jobId, owner, generation, state, leaseUntil, expiresIn };
