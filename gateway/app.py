@@ -30,7 +30,7 @@ from gateway.policy.decision import WriteFacts
 from gateway.reload import Plan, Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
-from gateway.store.protocol import SettlementFeed, Store
+from gateway.store.protocol import RetriesCalls, SettlementFeed, Store
 from gateway.store.records import Clock
 from gateway.supervisor import (
     RELOAD_UNRECORDED,
@@ -159,13 +159,15 @@ def create_app(
         app[WRITES] = writes
         app[WRITE_HANDLER] = traces.traced_write_handler(writes.handle)
         app[RELOADER].attach(writes, audit=app[STORE].record_audit)
-        feed = _watch_settlements(app[STORE], waiters)
+        _count_retries(app[STORE], app[METRICS])
+        feed = _watch_settlements(app[STORE], waiters, app[METRICS])
         try:
             yield
         finally:
             await app[RELOADER].close()
             await _drain(writes, config.shutdown_grace)
             await _stop_task(feed)
+            app[METRICS].settlements_unheard.set(0)  # nothing left to hear
             await waiters.close()
             await upstreams.close()
             if owned:
@@ -199,17 +201,31 @@ def _waiters(config: Config, store: Store, metrics: Metrics) -> Waiters:
     return Waiters(limit=config.max_waiting, metrics=metrics, store=store, poll_s=poll_s)
 
 
-def _watch_settlements(store: Store, waiters: Waiters) -> asyncio.Task[None] | None:
+def _watch_settlements(
+    store: Store, waiters: Waiters, metrics: Metrics
+) -> asyncio.Task[None] | None:
     """On a store that notifies every process of settlements, one watcher per
     process wakes this process's waiters; watched: its failure is logged, and the
-    waiters go on by their fallback poll."""
+    waiters go on by their fallback poll. While it hears nothing (its connection
+    lost or refused), `sinkgate_settlements_unheard` says so."""
     if not isinstance(store, SettlementFeed):
         return None
+
+    def hearing(heard: bool) -> None:
+        metrics.settlements_unheard.set(0 if heard else 1)
+
     task = asyncio.create_task(
-        store.watch_settlements(waiters.settled, waiters.holding), name="settlements"
+        store.watch_settlements(waiters.settled, waiters.holding, hearing), name="settlements"
     )
     task.add_done_callback(_settlements_done)
     return task
+
+
+def _count_retries(store: Store, metrics: Metrics) -> None:
+    """`sinkgate_store_retries_total{op}`: the calls a store ran again, unseen by
+    the writes that waited for them."""
+    if isinstance(store, RetriesCalls):
+        store.retried = lambda op: metrics.child(metrics.store_retries, op).inc()
 
 
 def _settlements_done(task: asyncio.Task[None]) -> None:

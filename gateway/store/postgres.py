@@ -80,7 +80,7 @@ from gateway.store.postgres_outcomes import (
     record_outcomes,
 )
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, GATEWAY_TABLES, init_schema
-from gateway.store.protocol import Settled
+from gateway.store.protocol import Hearing, Retried, Settled
 from leases.errors import StoreUnavailable
 from leases.postgres import (
     ACQUIRE_TIMEOUT_S,
@@ -157,6 +157,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         self._reserved_until = ReservationDeadlines()
         self.outcome_retries = 0  # outcomes sent again after the store failed to answer
         self.decision_retries = 0  # decision batches run again, nothing committed
+        self.retried: Retried = _ignore  # told of each of those two (`RetriesCalls`)
         self.uncertain_released = 0  # key reservations released after a call without answer
         # The database's default isolation is not READ COMMITTED: each decision call
         # goes inside an explicit READ COMMITTED transaction (three round trips).
@@ -207,10 +208,12 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     def _clock(self) -> float:
         return time.time() + self._skew + self._offset()
 
-    async def watch_settlements(self, settled: Settled, holding: asyncio.Event) -> None:
+    async def watch_settlements(
+        self, settled: Settled, holding: asyncio.Event, hearing: Hearing | None = None
+    ) -> None:
         """`SettlementFeed`: every process's settlements, on a connection of its own."""
         url, connect_timeout = self._listen
-        await listen_settlements(url, settled, holding, connect_timeout)
+        await listen_settlements(url, settled, holding, connect_timeout, hearing)
 
     def _observed(self, now: float, offset: float) -> None:
         self._skew = now - offset - time.time()
@@ -244,6 +247,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 if self._closed or not _outage(exc) or left <= delay:
                     raise
             self.outcome_retries += 1
+            self.retried("record")
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECORD_RETRY_MAX_S)
 
@@ -297,6 +301,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                         self._release_in_background(batch)
                     raise
                 self.decision_retries += 1
+                self.retried("decide")
                 continue
             self._observed(now, offset)
             return list(answers)
@@ -458,3 +463,7 @@ async def _purge_tx(
 def _rowcount(status: str) -> int:
     """Rows touched, from a command tag such as 'UPDATE 1' or 'DELETE 0'."""
     return int(status.rsplit(" ", 1)[-1])
+
+
+def _ignore(op: str) -> None:
+    """`retried` until someone listens."""

@@ -40,7 +40,7 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import structlog
 
-from gateway.store.protocol import Settled
+from gateway.store.protocol import Hearing, Settled
 
 log = structlog.get_logger("gateway.store")
 
@@ -116,10 +116,17 @@ def parse_payload(payload: str) -> tuple[str, str | None, str] | None:
 
 
 async def listen_settlements(
-    url: str, settled: Settled, holding: asyncio.Event, connect_timeout: float
+    url: str,
+    settled: Settled,
+    holding: asyncio.Event,
+    connect_timeout: float,
+    hearing: Hearing | None = None,
 ) -> None:
     """Call `settled` for each settlement notified on `url`, and say this process
-    holds writes while `holding` is set; until cancelled."""
+    holds writes while `holding` is set; until cancelled. `hearing` is told
+    False at the start and whenever the listening connection is lost or refused,
+    True once it listens."""
+    heard = hearing or _nobody
 
     def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
         parsed = parse_payload(payload)
@@ -128,6 +135,7 @@ async def listen_settlements(
 
     process = uuid.uuid4().hex
     delay = RECONNECT_S
+    heard(False)
     while True:
         try:
             conn = await asyncpg.connect(
@@ -143,9 +151,12 @@ async def listen_settlements(
             continue
         opened = asyncio.get_running_loop().time()
         try:
-            listened = await _listen(conn, on_notification, holding, process, connect_timeout)
+            listened = await _listen(
+                conn, on_notification, heard, holding, process, connect_timeout
+            )
         finally:
             conn.terminate()  # no goodbye needed: LISTEN ends with the session
+            heard(False)
         log.warning("settlements_unheard", error="the listening connection was lost")
         # A connection that listened a while is opened again at once; one refused
         # LISTEN (a pooler) or lost straight away (a statement the server keeps
@@ -159,7 +170,12 @@ async def listen_settlements(
 
 
 async def _listen(
-    conn: Any, on_notification: Any, holding: asyncio.Event, process: str, bound: float
+    conn: Any,
+    on_notification: Any,
+    heard: Hearing,
+    holding: asyncio.Event,
+    process: str,
+    bound: float,
 ) -> bool:
     """Listen on `conn` until it is lost; False if it never listened."""
     lost = asyncio.Event()
@@ -168,6 +184,7 @@ async def _listen(
         await conn.add_listener(CHANNEL, on_notification)
     except Exception:
         return False
+    heard(True)
     try:
         await _say_holding(conn, holding, lost, process, bound)
     except Exception as exc:
@@ -233,3 +250,7 @@ async def _first_of(*events: asyncio.Event, seconds: float | None = None) -> Non
     finally:
         for wait in waits:
             wait.cancel()
+
+
+def _nobody(heard: bool) -> None:
+    """`hearing` when nobody asked."""

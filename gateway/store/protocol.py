@@ -91,18 +91,34 @@ class WaitStore(Protocol):
 
 # Called with (destination, key or None, job_id) of each attempt that settled.
 Settled = Callable[[str, str | None, str], None]
+# Called with True once the settlements are heard, False while they are not.
+Hearing = Callable[[bool], None]
 
 
 @runtime_checkable
 class SettlementFeed(Protocol):
     """A store that tells every process of the attempts settled in any of them."""
 
-    async def watch_settlements(self, settled: Settled, holding: asyncio.Event) -> None:
+    async def watch_settlements(
+        self, settled: Settled, holding: asyncio.Event, hearing: Hearing | None = None
+    ) -> None:
         """Call `settled` for each attempt whose outcome is recorded or which is
         released, by any process on the store, at least while `holding` is set
         (this process holds writes: a store may tell nobody while no process
-        does); runs until cancelled."""
+        does), and `hearing` whenever that starts or stops; runs until cancelled."""
         ...
+
+
+# Called with the operation ("decide", "record") run again after the store gave no answer.
+Retried = Callable[[str], None]
+
+
+@runtime_checkable
+class RetriesCalls(Protocol):
+    """A store that runs a call again when the database gave no answer, the write
+    waiting: `retried` is told of each (the app counts them)."""
+
+    retried: Retried
 
 
 class LeaseVerbs(Protocol):

@@ -200,6 +200,22 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.store_retries = Counter(
+            "sinkgate_store_retries_total",
+            "Store calls run again, the write waiting, after the database gave no answer "
+            "(decide: a decision batch, nothing decided twice; record: an outcome sent "
+            "again), by op. Errors that reached a write count in sinkgate_store_errors_total.",
+            ["op"],
+            registry=r,
+        )
+        self.settlements_unheard = Gauge(
+            "sinkgate_settlements_unheard",
+            "Processes not hearing the settlements of the others now (PostgreSQL: the "
+            "listening connection lost or refused): their held writes wake by the poll. "
+            "0 where nothing is heard (SQLite).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.purged = Counter(
             "sinkgate_purged_total", "Records deleted by retention.", ["kind"], registry=r
         )

@@ -6,14 +6,18 @@ opened again."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from gateway.http.appkeys import METRICS
 from gateway.policy.records import Outcome
+from gateway.store import postgres as postgres_store
 from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_notify import (
@@ -23,7 +27,13 @@ from gateway.store.postgres_notify import (
     parse_payload,
 )
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
-from tests.harness import eventually
+from tests.harness import (
+    destination,
+    eventually,
+    make_config,
+    recording_upstream,
+    running_gateway,
+)
 from tests.pg import FreezingRelay, fresh_database
 
 pytestmark = pytest.mark.postgres
@@ -185,6 +195,94 @@ async def test_a_listening_connection_gone_silent_is_found_and_opened_again(
             await asyncio.gather(watch, return_exceptions=True)
             await relay.stop()
             await store.close()
+
+
+async def test_a_listening_connection_gone_silent_is_said_in_hearing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`hearing` follows the listening connection: False from the start, True
+    once it listens, False when it is found gone, True with the next one."""
+    monkeypatch.setattr(postgres_notify, "PING_S", 0.1)
+    monkeypatch.setattr(postgres_notify, "RECONNECT_S", 0.05)
+    async with fresh_database() as url:
+        parts = urlsplit(url)
+        relay = FreezingRelay(parts.hostname or "127.0.0.1", parts.port or 5432)
+        await relay.start()
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = f"{netloc[0]}@" if len(netloc) == 2 else ""
+        relayed = urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{relay.port}"))
+        said: list[bool] = []
+        watch = asyncio.create_task(
+            listen_settlements(relayed, lambda *s: None, asyncio.Event(), 1.0, said.append)
+        )
+        try:
+            first = await eventually(lambda: _listening(url), what="the listener")
+            assert said == [False, True]
+            relay.freeze()
+
+            async def another() -> bool:
+                return bool(await _listening(url) - first) and said[-1]
+
+            await eventually(another, what="a new listening connection, said")
+            assert said[:3] == [False, True, False] and said.count(True) >= 2
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await relay.stop()
+
+
+def _sample(text: str, series: str) -> float | None:
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return None if found is None else float(found[1])
+
+
+async def test_what_the_store_absorbed_is_in_the_metrics(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Through a running gateway: a decision call whose answer was lost, run again
+    unseen by the write, counts in `sinkgate_store_retries_total{op="decide"}`;
+    the process's listening connection lost shows as
+    `sinkgate_settlements_unheard` 1 until the next one listens."""
+    monkeypatch.setattr(postgres_notify, "RECONNECT_S", 3.0)  # the deaf spell, seen
+    real = postgres_store.decide_batch
+    calls = [0]
+
+    async def first_answer_lost(conn: Any, *args: Any) -> Any:
+        calls[0] += 1
+        answers = await real(conn, *args)
+        if calls[0] == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        return answers
+
+    async with (
+        fresh_database() as url,
+        recording_upstream() as upstream,
+        running_gateway(
+            make_config(tmp_path, destination("pay", upstream.url + "/api")), backend=url
+        ) as gw,
+    ):
+        metrics = gw.app[METRICS]
+
+        def unheard() -> float | None:
+            return _sample(metrics.render()[0].decode(), "sinkgate_settlements_unheard")
+
+        (listener,) = await eventually(lambda: _listening(url), what="the listener")
+        await eventually(lambda: unheard() == 0, what="heard")
+        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
+        generation = await gw.claim("job-1")
+        status, _, _ = await gw.write("/to/pay/charges", generation=generation)
+        assert (status, len(upstream.received), calls[0]) == (201, 1, 2)
+        text = metrics.render()[0].decode()
+        assert _sample(text, 'sinkgate_store_retries_total{op="decide"}') == 1
+
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("SELECT pg_terminate_backend($1)", listener)
+        finally:
+            await conn.close()
+        await eventually(lambda: unheard() == 1, what="unheard said")
+        await eventually(lambda: unheard() == 0, what="heard again")
+    assert unheard() == 0  # stopped: nothing left to hear
 
 
 @pytest.mark.parametrize(
