@@ -445,7 +445,10 @@ class WriteGateway:
         # Not `decide`: the store answered, only too slowly for this destination.
         self.metrics.store_errors.labels("decide_late").inc()
         store_unavailable(
-            "decide", "the verdict came after the destination's timeout", **_write_members(facts)
+            "decide",
+            "the verdict came after the destination's timeout",
+            **_write_members(facts),
+            key=facts.key,  # its write_decision line's, to find the two together
         )
         late = _TooLate(Reason.STORE_UNAVAILABLE, TOO_LATE_DETAIL, **_write_members(facts))
         late.line_extra = {"too_late": True}

@@ -1227,6 +1227,8 @@ async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key
     doc = assert_rejected(result, 503, "store_unavailable")
     (line,) = [e for e in logs if e["event"] == "write_decision"]
     assert line["store_ms"] >= 400 and line["too_late"] is True  # the line says why
+    (warning,) = [e for e in logs if e["event"] == "store_unavailable"]
+    assert (warning["op"], warning["key"], warning["job_id"]) == ("decide", "late-1", "job-1")
     assert "too late" in doc["detail"] and "nothing was forwarded" in doc["detail"]
     assert upstream.received == []
     errors = gw.app[METRICS].registry.get_sample_value
