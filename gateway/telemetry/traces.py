@@ -284,6 +284,7 @@ class _TracedUpstreams:
         body: bytes,
         buffer_limit: int,
         until: float | None = None,
+        send_by: float | None = None,
     ) -> Any:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -296,7 +297,7 @@ class _TracedUpstreams:
                 span.set_attributes(_client_attributes(destination.name, method, url))
             try:
                 answer = await self._upstreams.send(
-                    destination, method, url, headers, body, buffer_limit, until
+                    destination, method, url, headers, body, buffer_limit, until, send_by
                 )
             except Exception as exc:
                 failure = getattr(exc, "failure", None)

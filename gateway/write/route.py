@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from aiohttp import web
@@ -58,6 +58,7 @@ from gateway.write.request import (
 from gateway.write.upstream import (
     ForwardFailed,
     SendFailure,
+    TooLateToSend,
     UpstreamAnswer,
     Upstreams,
     forward_headers,
@@ -439,8 +440,8 @@ class WriteGateway:
         await self._record_outcome(facts, attempt, not_sent(_resends_unknown(decided)))
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
 
-    async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> None:
-        """Refuse a write whose verdict came too late to be sent (`_too_late`)."""
+    async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> NoReturn:
+        """Refuse a write whose verdict came too late to be sent (`_send_by`)."""
         await self._not_sent(facts, decided)
         # Not `decide`: the store answered, only too slowly for this destination.
         self.metrics.store_errors.labels("decide_late").inc()
@@ -496,11 +497,13 @@ class WriteGateway:
         facts = checked.facts
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
-        # Checked here, after the task's start and just before the send, with no
-        # await between (a pooled connection writes the request before the next
-        # one): a turn of a busy loop, or a pause, after an earlier check could
+        # Checked here, after the task's start, so as not to open a connection for
+        # nothing; and again where the request's first byte reaches the socket
+        # (`send_by`), which aiohttp does from a task of its own: a turn of a busy
+        # loop, a pause or a connection still being made after this check could
         # still put the write on the wire past its barrier.
-        if _too_late(destination, decided):
+        send_by = _send_by(destination, decided)
+        if time.perf_counter() >= send_by:
             await self._refuse_late(facts, decided)
         sent_at = time.perf_counter()
         result: Answered | NotAnswered
@@ -513,10 +516,13 @@ class WriteGateway:
                 checked.body,
                 destination.max_replay_body,
                 until=decided.asked_at + destination.timeout,
+                send_by=send_by,
             )
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
+        except TooLateToSend:
+            await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
             result = NotAnswered(failure.failure.maybe_sent)
             detail = failure.detail
@@ -622,7 +628,7 @@ MIN_FORWARD_S = 0.05
 
 
 class _TooLate(Rejection):
-    """The refusal of a forward verdict that came too late to be sent (`_too_late`):
+    """The refusal of a forward verdict that came too late to be sent (`_send_by`):
     raised out of the forward's task, answered with the write's decision."""
 
 
@@ -704,14 +710,14 @@ def _resends_unknown(decided: Decided) -> bool:
     return isinstance(decision, Forward) and decision.retry_of_unknown
 
 
-def _too_late(destination: DestinationConfig, decided: Decided) -> bool:
-    """Whether a verdict came too late to be sent: the barrier it set (and its
-    reservation's deadline) count the destination's `timeout` from the store's
-    clock when it decided, and a forward begun later could still be on the wire
-    when a newer generation is let through (a slow or lost answer from the store,
-    a paused process)."""
+def _send_by(destination: DestinationConfig, decided: Decided) -> float:
+    """The latest `time.perf_counter` a forward verdict may be sent at: the barrier
+    it set (and its reservation's deadline) count the destination's `timeout` from
+    the store's clock when it decided, and a forward begun later could still be on
+    the wire when a newer generation is let through (a slow or lost answer from
+    the store, a paused process)."""
     timeout = destination.timeout
-    return time.perf_counter() - decided.asked_at >= timeout - min(MIN_FORWARD_S, timeout / 2)
+    return decided.asked_at + timeout - min(MIN_FORWARD_S, timeout / 2)
 
 
 def _preference_applied(

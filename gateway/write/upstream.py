@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import aiohttp
+from aiohttp import payload
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -55,6 +56,65 @@ class ForwardFailed(GatewayError):
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
+
+
+class TooLateToSend(GatewayError):
+    """The request would have reached the wire after its `send_by`: none of it did."""
+
+
+# aiohttp 3.12 and later keep the request's head until the body's first bytes
+# (or the end of a request without one) go out with it: what `_SentBy` relies on.
+HEAD_WAITS_FOR_BODY = hasattr(aiohttp.http_writer.StreamWriter, "send_headers")
+
+
+class _SentBy(payload.BytesPayload):
+    """A forward's body, written only before `send_by` (`time.perf_counter`).
+
+    aiohttp keeps the request's head and writes it together with the body's
+    first bytes, from a task of its own: on Python 3.11 on a later turn of the
+    loop, and where a connection is still being made, once it is. A check before
+    `session.request` leaves that much time (a busy turn, a pause) for the
+    request to leave after all; here it is made where the first byte reaches the
+    socket, with no await between. Until it passes (`started`) nothing of the
+    request has left: refused here, or failed before, it sent nothing.
+    """
+
+    def __init__(self, body: bytes, send_by: float) -> None:
+        super().__init__(body)
+        self.send_by = send_by
+        self.started = False
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        self._check()
+        await super().write(writer)
+
+    async def write_with_length(
+        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        self._check()
+        await super().write_with_length(writer, content_length)
+
+    def _check(self) -> None:
+        if time.perf_counter() >= self.send_by:
+            raise TooLateToSend("the request would have left after its verdict's bound")
+        self.started = True
+
+
+def _unsent(data: bytes | _SentBy) -> bool:
+    """Whether nothing of a request failed in `send` can have reached the wire."""
+    return isinstance(data, _SentBy) and not data.started
+
+
+def _too_late_to_send(exc: BaseException) -> bool:
+    """Whether `exc` (aiohttp wraps what a body's write raises) came of `_SentBy`."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # the chain aiohttp makes is one or two deep
+        if seen is None:
+            return False
+        if isinstance(seen, TooLateToSend):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,12 +327,15 @@ class Upstreams:
         body: bytes,
         buffer_limit: int,
         until: float | None = None,
+        send_by: float | None = None,
     ) -> UpstreamAnswer:
         """Send and read the answer: at most `buffer_limit` + 1 bytes of its body are
         read here; an answer longer than that comes back with `rest` set, for the
         caller to relay and then close. `until` (`time.perf_counter`): the answer's
-        deadline, before the destination's `timeout` from now."""
+        deadline, before the destination's `timeout` from now. `send_by`: the
+        latest the request may reach the wire; `TooLateToSend` if it would later."""
         pool = self._pool(destination)
+        data = body if send_by is None or not HEAD_WAITS_FOR_BODY else _SentBy(body, send_by)
         pool.users += 1
         try:
             if until is None:
@@ -280,7 +343,7 @@ class Upstreams:
             else:
                 timeout = forward_timeout(destination, max(until - time.perf_counter(), 0.001))
             response = await pool.session.request(
-                method, url, headers=headers, data=body, allow_redirects=False, timeout=timeout
+                method, url, headers=headers, data=data, allow_redirects=False, timeout=timeout
             )
             if response.status < 200:
                 # A final 1xx (101 to a request that asked for no upgrade) cannot
@@ -315,8 +378,16 @@ class Upstreams:
         except aiohttp.ClientConnectorError as exc:
             raise ForwardFailed(SendFailure.UNREACHABLE, cannot_connect(exc, url)) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            if _unsent(data):  # the timeout came while the connection was being made
+                raise ForwardFailed(
+                    SendFailure.UNREACHABLE, f"no connection to {_where(url)} within the timeout"
+                ) from exc
             raise ForwardFailed(SendFailure.TIMEOUT, "no answer within the timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
+            if _too_late_to_send(exc):
+                raise TooLateToSend(str(exc)) from exc
+            if _unsent(data):
+                raise ForwardFailed(SendFailure.UNREACHABLE, connection_lost(exc, url)) from exc
             # Connection lost after (part of) the request may have been written.
             raise ForwardFailed(SendFailure.DISCONNECTED, connection_lost(exc, url)) from exc
         finally:

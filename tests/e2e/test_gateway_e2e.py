@@ -24,6 +24,7 @@ from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
 from gateway.store.records import RejectionQuery
 from gateway.write import route as route_module
+from gateway.write import upstream as upstream_module
 from leases.errors import StoreUnavailable
 from tests.harness import (
     Gateway,
@@ -1263,6 +1264,37 @@ async def test_a_pause_after_a_verdict_in_time_is_checked_just_before_the_send(
     assert (await gw.write("/to/quick/x", key="paused-1"))[0] == 201  # released
 
 
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "new-connection"])
+async def test_a_pause_after_the_check_before_the_bytes_leave_sends_nothing(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch, pooled: bool
+) -> None:
+    """The check before `session.request` passes, then the process stalls on the
+    loop's next turn: aiohttp writes the request from a task of its own (on Python
+    3.11 a turn later, and only once a new connection is made), so it reached the
+    upstream 0.35 s into "quick"'s 0.3 s, past its barrier. Checked again where
+    the first byte reaches the socket, nothing is sent and the key is released."""
+    await gw.claim("job-1")
+    if pooled:
+        assert (await gw.write("/to/quick/x", key="warm-1"))[0] == 201
+    before = len(upstream.received)
+    headers_of = route_module.forward_headers
+
+    def stall_next_turn(*args: object) -> object:
+        # the whole process stands still on the loop's next turn (GC, a busy turn)
+        asyncio.get_running_loop().call_soon(time.sleep, 0.35)
+        return headers_of(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(route_module, "forward_headers", stall_next_turn)
+    result = await gw.write("/to/quick/x", key="stalled-1")
+    await asyncio.sleep(0.2)  # what did leave has arrived
+    assert len(upstream.received) == before, "the write reached the upstream past its barrier"
+    if pooled or result[0] == 503:  # a new connection may also time out: 502, released
+        assert "too late" in assert_rejected(result, 503, "store_unavailable")["detail"]
+    monkeypatch.undo()
+    assert (await gw.write("/to/quick/x", key="stalled-1"))[0] == 201  # released
+    assert len(upstream.received) == before + 1
+
+
 async def test_a_verdict_arriving_late_leaves_the_forward_only_the_rest_of_the_timeout(
     gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1304,7 +1336,9 @@ async def test_a_timeout_under_a_tenth_of_a_second_keeps_half_of_itself_to_send_
     not all floor: the write goes out (whatever the upstream then makes of 50 ms)
     instead of every write being refused as too late."""
     frozen = time.perf_counter()
-    monkeypatch.setattr(route_module, "time", SimpleNamespace(perf_counter=lambda: frozen))
+    clock = SimpleNamespace(perf_counter=lambda: frozen)
+    monkeypatch.setattr(route_module, "time", clock)
+    monkeypatch.setattr(upstream_module, "time", clock)  # where the bytes leave
     await gw.claim("job-1")
     status, headers, _ = await gw.write("/to/tiny/x", key="tiny-1")
     assert headers.get("Sinkgate-Rejected") != "store_unavailable", (status, headers)
