@@ -124,8 +124,8 @@ async def listen_settlements(
 ) -> None:
     """Call `settled` for each settlement notified on `url`, and say this process
     holds writes while `holding` is set; until cancelled. `hearing` is told
-    False at the start and whenever the listening connection is lost or refused,
-    True once it listens."""
+    False at the start and whenever the listening connection is lost, refused or
+    found deaf, True once what is notified is heard on it (`_Echo`)."""
     heard = hearing or _nobody
 
     def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
@@ -180,13 +180,19 @@ async def _listen(
     """Listen on `conn` until it is lost; False if it never listened."""
     lost = asyncio.Event()
     conn.add_termination_listener(lambda _conn: lost.set())
+    echo = _Echo(process, heard)
+
+    def listener(conn: Any, pid: int, channel: str, payload: str) -> None:
+        if not echo.caught(payload):
+            on_notification(conn, pid, channel, payload)
+
     try:
-        await conn.add_listener(CHANNEL, on_notification)
+        await conn.add_listener(CHANNEL, listener)
     except Exception:
         return False
-    heard(True)
     try:
-        await _say_holding(conn, holding, lost, process, bound)
+        await echo.ask(conn, lost, bound)
+        await _say_holding(conn, holding, lost, process, bound, echo)
     except Exception as exc:
         # Any of the driver's (a statement on a connection terminated under it can
         # be InternalClientError, "another operation is in progress", which is
@@ -196,21 +202,66 @@ async def _listen(
     return True
 
 
+class _Echo:
+    """Whether what is notified comes back on the listening connection. LISTEN
+    accepted is no proof: a pooler in transaction mode runs it on a server
+    connection it then lends to others, and nothing ever arrives. So a
+    notification of this process's own (a payload no settlement has: no newline,
+    ignored by every process) is sent, and `heard` told whether it came back."""
+
+    def __init__(self, process: str, heard: Hearing) -> None:
+        self.payload = f"echo {process}"
+        self.back = asyncio.Event()
+        self.heard = heard
+        self.hearing: bool | None = None  # until first asked
+
+    def caught(self, payload: str) -> bool:
+        """Whether `payload` is this echo (then nobody else's business)."""
+        if payload != self.payload:
+            return False
+        self.back.set()
+        return True
+
+    async def ask(self, conn: Any, lost: asyncio.Event, bound: float) -> None:
+        """Notify, and wait up to `bound` seconds to hear it (a statement's failure
+        is raised: the connection is opened again)."""
+        self.back.clear()
+        notify = conn.execute("SELECT pg_notify($1, $2)", CHANNEL, self.payload, timeout=bound)
+        await _unless_lost(notify, lost)
+        await _first_of(self.back, lost, seconds=bound)
+        if lost.is_set() or self.back.is_set() == self.hearing:
+            return
+        self.hearing = self.back.is_set()
+        self.heard(self.hearing)
+        if not self.hearing:
+            log.warning(
+                "settlements_unheard",
+                error="LISTEN was accepted, but nothing notified comes back on the "
+                "connection (a pooler in transaction mode?): held writes wake by the poll",
+            )
+
+
 async def _say_holding(
-    conn: Any, holding: asyncio.Event, lost: asyncio.Event, process: str, bound: float
+    conn: Any,
+    holding: asyncio.Event,
+    lost: asyncio.Event,
+    process: str,
+    bound: float,
+    echo: _Echo,
 ) -> None:
     """Keep this process's row in `HOLDING_TABLE` current while `holding` is set,
     and take it away once it is not, and ask the server something at least every
-    `PING_S`; until the connection is `lost` (or a statement fails: each waits at
-    most `bound` seconds for its answer)."""
+    `PING_S` (the `echo`); until the connection is `lost` (or a statement fails:
+    each waits at most `bound` seconds for its answer)."""
     while True:
         await _first_of(holding, lost, seconds=PING_S)
         if lost.is_set():
             return
         if not holding.is_set():
             # Nothing to say, so ask anyway: a connection gone silent (a failover, a
-            # firewall dropping its state) is found and opened again, not left deaf.
-            await _unless_lost(conn.execute("SELECT 1", timeout=bound), lost)
+            # firewall dropping its state) is found and opened again, not left deaf;
+            # one that answers but hears nothing is said to be deaf.
+            await echo.ask(conn, lost, bound)
             continue
         while holding.is_set() and not lost.is_set():
             await _unless_lost(

@@ -211,8 +211,8 @@ class Metrics:
         self.settlements_unheard = Gauge(
             "sinkgate_settlements_unheard",
             "Processes not hearing the settlements of the others now (PostgreSQL: the "
-            "listening connection lost or refused): their held writes wake by the poll. "
-            "0 where nothing is heard (SQLite).",
+            "listening connection lost, refused, or deaf behind a pooler): their held "
+            "writes wake by the poll. 0 where nothing is heard (SQLite).",
             registry=r,
             multiprocess_mode="livesum",
         )

@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
+import structlog
 
 from gateway.store import postgres_notify
 from gateway.store.postgres_notify import _listen, _unless_lost
@@ -61,5 +62,68 @@ async def test_any_error_of_the_driver_opens_the_connection_again(monkeypatch: A
     holding = asyncio.Event()
     holding.set()
     conn = _Connection()
-    listened = await asyncio.wait_for(_listen(conn, None, holding, "p", 1.0), 1.0)
+    said: list[bool] = []
+    listened = await asyncio.wait_for(_listen(conn, None, said.append, holding, "p", 1.0), 1.0)
     assert listened is True and conn.listening  # then opened again by its caller
+    assert said == []  # never heard: its echo was never even sent
+
+
+class _Pooled:
+    """A connection through a pooler in transaction mode: LISTEN and every
+    statement succeed, and what is notified arrives only where `delivers` is set
+    (a real session); `others` is what any other process notified meanwhile."""
+
+    def __init__(self, delivers: bool, others: tuple[str, ...] = ()) -> None:
+        self.delivers, self.others = delivers, others
+        self.callback: Any = None
+
+    def add_termination_listener(self, callback: Any) -> None:
+        pass
+
+    async def add_listener(self, channel: str, callback: Any) -> None:
+        self.callback = callback
+
+    async def execute(self, sql: str, *args: Any, **kwargs: Any) -> None:
+        if "pg_notify" in sql and self.delivers:
+            for payload in (*self.others, args[1]):
+                self.callback(self, 1, args[0], payload)
+
+
+async def _hear(conn: _Pooled, monkeypatch: Any) -> tuple[list[bool], list[Any], list[Any]]:
+    """What `hearing` was told and what `settled` got over a few idle pings,
+    and the log."""
+    monkeypatch.setattr(postgres_notify, "PING_S", 0.01)
+    said: list[bool] = []
+    told: list[Any] = []
+
+    def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
+        told.append(payload)
+
+    with structlog.testing.capture_logs() as logs:
+        listening = asyncio.create_task(
+            _listen(conn, on_notification, said.append, asyncio.Event(), "p", 0.05)
+        )
+        await asyncio.sleep(0.3)
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+    return said, told, logs
+
+
+async def test_a_listen_whose_notifications_never_arrive_is_said_deaf_once(
+    monkeypatch: Any,
+) -> None:
+    """Behind a pooler in transaction mode LISTEN is accepted and nothing ever
+    arrives: said to be deaf (once, not at every ping), never heard."""
+    said, _, logs = await _hear(_Pooled(delivers=False), monkeypatch)
+    assert said == [False]
+    (line,) = [e for e in logs if e["event"] == "settlements_unheard"]
+    assert "pooler in transaction mode" in line["error"]
+
+
+async def test_a_listen_that_hears_its_echo_is_heard_and_passes_the_rest_on(
+    monkeypatch: Any,
+) -> None:
+    said, told, logs = await _hear(_Pooled(delivers=True, others=("job-1\npay\nk",)), monkeypatch)
+    assert said == [True]  # once, however many pings came back
+    assert told and set(told) == {"job-1\npay\nk"}  # its own echo is nobody's business
+    assert [e for e in logs if e["event"] == "settlements_unheard"] == []
