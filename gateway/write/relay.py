@@ -73,9 +73,10 @@ def _abort(request: web.Request) -> None:
 
 def close_stream(task: asyncio.Future[Any]) -> None:
     """Done-callback of a forward whose handler was cancelled: close an answer
-    left to relay (its outcome is recorded; only its bytes are dropped)."""
+    left to relay (its outcome is recorded; only its bytes are dropped). The
+    forward's result is (answer, reason, sent)."""
     if task.cancelled() or task.exception() is not None:
         return
-    answer = task.result()
+    answer = task.result()[0]
     if isinstance(answer, UpstreamAnswer) and answer.rest is not None:
         answer.rest.close()
