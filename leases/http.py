@@ -21,6 +21,7 @@ from . import model, tracing
 from .base import Closing
 from .errors import JobCompleted, LeaseHeld, LeaseLost, StoreUnavailable
 from .model import Lease, LeaseRef
+from .net import network_words
 from .reasons import Reason
 from .urls import redact_url
 
@@ -181,7 +182,9 @@ class HTTPLeaseStore(Closing):
         except TimeoutError as exc:
             raise StoreUnavailable(f"lease API {method} {path} timed out") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise StoreUnavailable(f"lease API {method} {path} failed: {exc!r}") from exc
+            raise StoreUnavailable(
+                f"lease API {method} {path} failed: {network_words(exc)}"
+            ) from exc
         if status >= 500:
             raise StoreUnavailable(f"lease API {method} {path} answered {status}", status=status)
         try:

@@ -41,7 +41,8 @@ class GatewayRejected(Exception):
         retry_after: float | None = None,
         problem: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(f"{status} {reason}: {detail}" if detail else f"{status} {reason}")
+        said = reason if status is None else f"{status} {reason}"  # None: no answer at all
+        super().__init__(f"{said}: {detail}" if detail else said)
         self.reason = reason
         self.status = status
         self.detail = detail

@@ -34,6 +34,7 @@ from yarl import URL
 from . import model, tracing
 from .hold import HeldLease, Hold
 from .model import MAX_KEY_LENGTH, VISIBLE, Lease
+from .net import network_words
 from .prefer import MAX_VALUE, preferences, whole
 from .reasons import Reason
 from .rejections import (
@@ -352,11 +353,13 @@ class FencedWriter:
                     return resp.status, resp.headers, await resp.read()
         except TimeoutError as exc:
             raise GatewayUnavailable(
-                GATEWAY_TIMEOUT, None, f"no answer from the gateway: {exc!r}"
+                GATEWAY_TIMEOUT,
+                None,
+                f"no answer from the gateway within {self._timeout.total:g} s",
             ) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise GatewayUnavailable(
-                GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {exc!r}"
+                GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {network_words(exc)}"
             ) from exc
 
 

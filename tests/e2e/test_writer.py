@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from leases import LeaseLost, hold
+from leases.errors import StoreUnavailable
 from leases.hold import Hold
 from leases.http import HTTPLeaseStore
 from leases.model import Lease
@@ -709,11 +710,21 @@ async def test_a_hold_sends_its_latest_renewed_lease(fake: FakeGateway) -> None:
     assert fake.seen[0].headers["Fencing-Token"] == "7"
 
 
-async def test_an_unreachable_gateway_is_gateway_unavailable() -> None:
-    async with FencedWriter(f"http://127.0.0.1:{free_port()}", LEASE) as w:
+async def test_an_unreachable_gateway_is_gateway_unavailable_and_says_why() -> None:
+    port = free_port()
+    async with FencedWriter(f"http://127.0.0.1:{port}", LEASE) as w:
         with pytest.raises(GatewayUnavailable) as info:
             await w.post("d", "/x", step="s")
     assert info.value.reason == "gateway_unreachable" and info.value.status is None
+    # in words, not the client library's repr; no "None" for the status it never got
+    assert str(info.value) == (
+        f"gateway_unreachable: cannot reach the gateway: cannot connect to 127.0.0.1:{port}: "
+        "ECONNREFUSED"
+    )
+    async with await HTTPLeaseStore.open(f"http://127.0.0.1:{port}") as store:
+        with pytest.raises(StoreUnavailable) as lease_info:
+            await store.claim("job-1", owner="w", ttl=10)
+    assert str(lease_info.value).endswith(f"cannot connect to 127.0.0.1:{port}: ECONNREFUSED")
 
 
 @pytest.mark.parametrize(
