@@ -187,8 +187,10 @@ async def _listen(
             on_notification(conn, pid, channel, payload)
 
     try:
-        await conn.add_listener(CHANNEL, listener)
-    except Exception:
+        # Bounded: the driver's LISTEN has no timeout of its own, and a connection
+        # gone silent under it left the process deaf until TCP gave up.
+        await asyncio.wait_for(conn.add_listener(CHANNEL, listener), bound)
+    except Exception:  # TimeoutError too
         return False
     try:
         await echo.ask(conn, lost, bound)
