@@ -18,6 +18,9 @@ SCRIPT = textwrap.dedent(
     import os, signal, sys
     from gateway.supervisor import RELOADS, Supervisor
 
+    for signum in RELOADS:  # their default action, even where this runs under nohup
+        signal.signal(signum, signal.SIG_DFL)
+
     def run(slot):
         for signum in sorted(RELOADS):
             os.kill(os.getpid(), signum)
