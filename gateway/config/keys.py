@@ -60,6 +60,9 @@ RESERVED_HEADERS = HOP_BY_HOP | frozenset(
     {
         "host",
         "content-length",
+        # the gateway answers it itself; sent on, the client would write the head
+        # and wait for a 100 before the body (and before the late-verdict check)
+        "expect",
         "idempotency-key",
         "fencing-job",
         "fencing-token",

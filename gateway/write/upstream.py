@@ -95,9 +95,23 @@ class _SentBy(payload.BytesPayload):
         await super().write_with_length(writer, content_length)
 
     def _check(self) -> None:
+        if self.started:  # a client's own retry: the first may have been applied
+            raise _SentTwice("the request was already written once")
         if time.perf_counter() >= self.send_by:
             raise TooLateToSend("the request would have left after its verdict's bound")
         self.started = True
+
+
+class _SentTwice(Exception):
+    """A second write of one forward's request, refused (a `maybe_sent` failure)."""
+
+
+def _unless_started(data: bytes | _SentBy) -> SendFailure:
+    """A connection that could not be made: unreachable, unless a byte of this
+    request had already left on another one (a client's own retry)."""
+    if isinstance(data, _SentBy) and data.started:
+        return SendFailure.DISCONNECTED
+    return SendFailure.UNREACHABLE
 
 
 def _unsent(data: bytes | _SentBy) -> bool:
@@ -200,7 +214,7 @@ def _ssl(destination: DestinationConfig) -> ssl.SSLContext | bool:
 
 
 def _session(dest: DestinationConfig) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
+    session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=dest.max_in_flight, ttl_dns_cache=60, ssl=_ssl(dest)),
         auto_decompress=False,
         # Forward what the worker sent, not the client library's defaults
@@ -209,6 +223,14 @@ def _session(dest: DestinationConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=forward_timeout(dest, dest.timeout),
     )
+    # A forward is one request. aiohttp sends a PUT or DELETE again by itself when
+    # the connection drops before the answer (RFC 9112 9.3.1 lets a client retry
+    # an idempotent request), though the upstream may have applied the first: a
+    # second effect of one write. Not a public option; `_SentBy` refuses a second
+    # write of its body as well, where this attribute is not there.
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session
 
 
 def forward_timeout(dest: DestinationConfig, seconds: float) -> aiohttp.ClientTimeout:
@@ -372,11 +394,9 @@ class Upstreams:
                 pool.stream_until = loop.time() + destination.timeout + 1
             return answer
         except aiohttp.ConnectionTimeoutError as exc:
-            raise ForwardFailed(
-                SendFailure.UNREACHABLE, f"connect timeout to {_where(url)}"
-            ) from exc
+            raise ForwardFailed(_unless_started(data), f"connect timeout to {_where(url)}") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise ForwardFailed(SendFailure.UNREACHABLE, cannot_connect(exc, url)) from exc
+            raise ForwardFailed(_unless_started(data), cannot_connect(exc, url)) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             if _unsent(data):  # the timeout came while the connection was being made
                 raise ForwardFailed(

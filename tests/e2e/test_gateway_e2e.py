@@ -1266,6 +1266,28 @@ async def test_a_pause_after_a_verdict_in_time_is_checked_just_before_the_send(
     assert (await gw.write("/to/mid/x", key="paused-1"))[0] == 201  # released
 
 
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+@pytest.mark.parametrize("client_retries", [False, True], ids=["as-built", "client-retry-on"])
+async def test_a_put_or_delete_the_upstream_drops_is_sent_once(
+    gw: Gateway, upstream: RecordingUpstream, method: str, client_retries: bool
+) -> None:
+    """aiohttp sends an idempotent method again by itself when the connection drops
+    before the answer: the upstream got the write twice within one forward, and
+    the worker a 201. One forward is one request: maybe applied, unknown. (With
+    the client's retry switched back on, the body refuses to be written twice.)"""
+    await gw.claim("job-1")
+    if client_retries:
+        writes = gw.app[WRITES]
+        pool = writes.upstreams._pool(writes.config.destinations["pay"])
+        pool.session._retry_connection = True
+    upstream.next = ["drop"]
+    result = await gw.write("/to/pay/x", method=method, key=f"dropped-{method}")
+    assert_rejected(result, 502, "upstream_disconnected")
+    assert len(upstream.received) == 1
+    record = await gw.store.key_record("pay", f"dropped-{method}")
+    assert record is not None and record.state == "unknown"
+
+
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "new-connection"])
 async def test_a_pause_after_the_check_before_the_bytes_leave_sends_nothing(
     gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch, pooled: bool

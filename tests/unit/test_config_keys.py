@@ -88,6 +88,17 @@ def test_every_bad_entry_of_a_list_or_table_is_said_at_once(tmp_path: Path) -> N
     )
 
 
+def test_an_expectation_cannot_be_set_on_forwarded_requests(tmp_path: Path) -> None:
+    """`Expect: 100-continue` sent on makes the client write the request's head and
+    wait for a 100 before the body, where the late-verdict check is made: a head
+    (the whole of a bodiless DELETE) could leave after the write's barrier."""
+    path = write_config(tmp_path, a=UPSTREAM + '[upstream_headers]\nExpect = "100-continue"\n')
+    assert errors(path) == (
+        "destinations/a.toml: upstream_headers.Expect: hop-by-hop or set by the gateway; "
+        "it cannot be configured",
+    )
+
+
 def test_a_key_that_failed_is_not_compared_with_its_default(tmp_path: Path) -> None:
     """`timeout = "-5s"` also said connect_timeout "must not exceed timeout (10s)",
     the default; an ftp:// upstream with tls_verify = false said "not None"."""
