@@ -188,8 +188,12 @@ async def _listen(
 
     try:
         # Bounded: the driver's LISTEN has no timeout of its own, and a connection
-        # gone silent under it left the process deaf until TCP gave up.
-        await asyncio.wait_for(conn.add_listener(CHANNEL, listener), bound)
+        # gone silent under it left the process deaf until TCP gave up. Not by
+        # `wait_for`: on Python 3.11 it returns the result of a LISTEN that ended
+        # as it was cancelled, swallowing the cancel, and the gateway's stop
+        # waited for this loop forever.
+        async with asyncio.timeout(bound):
+            await conn.add_listener(CHANNEL, listener)
     except Exception:  # TimeoutError too
         return False
     try:

@@ -127,3 +127,33 @@ async def test_a_listen_that_hears_its_echo_is_heard_and_passes_the_rest_on(
     assert said == [True]  # once, however many pings came back
     assert told and set(told) == {"job-1\npay\nk"}  # its own echo is nobody's business
     assert [e for e in logs if e["event"] == "settlements_unheard"] == []
+
+
+class _ListenEndsAsCancelled(_Pooled):
+    """A LISTEN whose answer arrives in the very turn its caller is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__(delivers=True)
+        self.answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.asked = asyncio.Event()
+
+    async def add_listener(self, channel: str, callback: Any) -> None:
+        self.callback = callback
+        self.asked.set()
+        await self.answer
+
+
+async def test_a_stop_during_listen_stops_the_listener() -> None:
+    """`wait_for` around the LISTEN returned its result when it ended as the task
+    was cancelled (Python 3.11), swallowing the cancel: the listener went on,
+    and the gateway's stop, waiting for it, never ended."""
+    conn = _ListenEndsAsCancelled()
+    listening = asyncio.create_task(
+        _listen(conn, None, lambda heard: None, asyncio.Event(), "p", 5.0)
+    )
+    await conn.asked.wait()
+    conn.answer.set_result(None)
+    listening.cancel()
+    done, _ = await asyncio.wait({listening}, timeout=2)
+    assert done, "the listener went on after its stop"
+    assert listening.cancelled()
