@@ -83,16 +83,22 @@ class _SentBy(payload.BytesPayload):
         super().__init__(body)
         self.send_by = send_by
         self.started = False
+        self._writing = False  # inside write_with_length, which may call write
 
     async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
-        self._check()
+        if not self._writing:
+            self._check()
         await super().write(writer)
 
     async def write_with_length(
         self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
     ) -> None:
         self._check()
-        await super().write_with_length(writer, content_length)
+        self._writing = True
+        try:
+            await super().write_with_length(writer, content_length)
+        finally:
+            self._writing = False
 
     def _check(self) -> None:
         if self.started:  # a client's own retry: the first may have been applied
