@@ -15,8 +15,9 @@ Each gateway process listens on one connection of its own, outside the pool
 transaction mode no notification arrives and the waiters' fallback poll wakes
 them instead. A lost connection is opened again after `RECONNECT_S`, and one
 that cannot be opened, or refuses LISTEN, is tried again at growing intervals
-(up to `MAX_RECONNECT_S`). An idle connection is asked `SELECT 1` every
-`PING_S`, so one gone silent is found and opened again.
+(up to `MAX_RECONNECT_S`). A connection notifies itself as it starts listening
+and every `PING_S` while idle (`_Echo`): one gone silent is found and opened
+again, and one that answers but never hears its echo (the pooler) is said deaf.
 
 The triggers notify only while some process holds writes. A transaction that
 notifies takes a cluster-wide lock from just before its commit to its end, so
