@@ -4,7 +4,6 @@ translation of client errors into the three outcomes of SPEC 2 step 8."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import math
 import ssl
 import time
@@ -21,6 +20,7 @@ from gateway.config.model import HOP_BY_HOP, DestinationConfig
 from gateway.config.tls import destination_context
 from gateway.errors import GatewayError
 from gateway.telemetry.tasks import watched
+from leases.net import cannot_connect, errno_name
 from leases.reasons import Reason
 
 # Set by the client library for the forwarded request itself.
@@ -402,7 +402,7 @@ class Upstreams:
         except aiohttp.ConnectionTimeoutError as exc:
             raise ForwardFailed(_unless_started(data), f"connect timeout to {_where(url)}") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise ForwardFailed(_unless_started(data), cannot_connect(exc, url)) from exc
+            raise ForwardFailed(_unless_started(data), cannot_connect(exc, _where(url))) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             if _unsent(data):  # the timeout came while the connection was being made
                 raise ForwardFailed(
@@ -443,24 +443,6 @@ def _where(url: URL) -> str:
     return f"{url.host}:{url.explicit_port or url.port}"
 
 
-def _errno_name(exc: BaseException) -> str | None:
-    number = getattr(exc, "errno", None)
-    return errno.errorcode.get(number) if isinstance(number, int) else None
-
-
-def cannot_connect(exc: aiohttp.ClientConnectorError, url: URL) -> str:
-    """Why no connection to the upstream was made, in fixed words."""
-    where = _where(url)
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return f"cannot connect to {where}: its TLS certificate was not accepted"
-    if isinstance(exc, aiohttp.ClientSSLError):
-        return f"cannot connect to {where}: the TLS handshake failed"
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return f"cannot connect to {where}: the host name did not resolve"
-    name = _errno_name(exc.os_error)
-    return f"cannot connect to {where}" + (f": {name}" if name else "")
-
-
 def connection_lost(exc: BaseException, url: URL) -> str:
     """What broke after the request may have been (partly) written, in fixed words."""
     where = _where(url)
@@ -470,7 +452,7 @@ def connection_lost(exc: BaseException, url: URL) -> str:
         return f"{where}: {_ANSWER_MALFORMED}"
     if isinstance(exc, aiohttp.ClientPayloadError):
         return f"{where}: the upstream's answer body was malformed or cut short"
-    name = _errno_name(exc)
+    name = errno_name(exc)
     return f"connection to {where} lost" + (f": {name}" if name else "")
 
 
