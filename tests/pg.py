@@ -20,11 +20,13 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
+
+from gateway.store import postgres as postgres_store
 
 PG_ADMIN_URL = os.environ.get("SINKGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -176,3 +178,20 @@ class FreezingRelay:
         if not link.frozen:
             link.client.close()
             link.server.close()
+
+
+def first_answer_lost(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The store's first decision call commits, then its answer is lost; later
+    calls are answered. Returns the count of calls, kept up to date."""
+    real = postgres_store.decide_batch
+    calls = [0]
+
+    async def answer_lost_once(conn: Any, *args: Any) -> Any:
+        calls[0] += 1
+        answers = await real(conn, *args)
+        if calls[0] == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        return answers
+
+    monkeypatch.setattr(postgres_store, "decide_batch", answer_lost_once)
+    return calls

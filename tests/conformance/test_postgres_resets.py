@@ -34,7 +34,7 @@ from gateway.store.postgres import PostgresStore
 from leases.errors import StoreUnavailable
 from tests.conformance.test_store_conformance import COMPLETED, CONTEXT, write
 from tests.harness import eventually
-from tests.pg import PG_ADMIN_URL, fresh_database
+from tests.pg import PG_ADMIN_URL, first_answer_lost, fresh_database
 
 pytestmark = pytest.mark.postgres
 
@@ -164,23 +164,6 @@ async def test_a_commit_without_its_answer_releases_the_reservations_it_made(
         await store.close()
 
 
-def _first_answer_lost(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The store's first decision call commits, then its answer is lost; later
-    calls are answered. Returns the count of calls, kept up to date."""
-    real = postgres_store.decide_batch
-    calls = [0]
-
-    async def first_answer_lost(conn: Any, *args: Any) -> Any:
-        calls[0] += 1
-        answers = await real(conn, *args)
-        if calls[0] == 1:
-            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
-        return answers
-
-    monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
-    return calls
-
-
 @pytest.mark.parametrize("keyed", [True, False])
 async def test_a_call_run_again_after_its_commit_answers_forward_and_reserves_once(
     url: str, monkeypatch: pytest.MonkeyPatch, keyed: bool
@@ -188,7 +171,7 @@ async def test_a_call_run_again_after_its_commit_answers_forward_and_reserves_on
     """The first call commits and loses its answer; the call run again finds the
     write reserved under its own attempt id: the caller is told to forward, and the
     key (or the keyless attempt) is reserved once, by that attempt."""
-    calls = _first_answer_lost(monkeypatch)
+    calls = first_answer_lost(monkeypatch)
     store = await PostgresStore.open(url)
     try:
         facts = write(key="again" if keyed else None)
@@ -221,7 +204,7 @@ async def test_without_its_attempt_found_the_call_run_again_refuses_its_own_writ
         "DECIDE_FUNCTION_DDL",
         postgres_schema.DECIDE_FUNCTION_DDL.replace(mine, "ELSE false END"),
     )
-    _first_answer_lost(monkeypatch)
+    first_answer_lost(monkeypatch)
     store = await PostgresStore.open(url)
     try:
         verdict = await store.decide_write(write(key="again"), CONTEXT)

@@ -17,7 +17,6 @@ import pytest
 
 from gateway.http.appkeys import METRICS
 from gateway.policy.records import Outcome
-from gateway.store import postgres as postgres_store
 from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_notify import (
@@ -34,7 +33,7 @@ from tests.harness import (
     recording_upstream,
     running_gateway,
 )
-from tests.pg import FreezingRelay, fresh_database
+from tests.pg import FreezingRelay, first_answer_lost, fresh_database
 
 pytestmark = pytest.mark.postgres
 
@@ -213,16 +212,6 @@ async def test_what_the_store_absorbed_is_in_the_metrics(
     the process's listening connection lost shows as
     `sinkgate_settlements_unheard` 1 until the next one listens."""
     monkeypatch.setattr(postgres_notify, "RECONNECT_S", 3.0)  # the deaf spell, seen
-    real = postgres_store.decide_batch
-    calls = [0]
-
-    async def first_answer_lost(conn: Any, *args: Any) -> Any:
-        calls[0] += 1
-        answers = await real(conn, *args)
-        if calls[0] == 1:
-            raise asyncpg.ConnectionDoesNotExistError("connection was closed")
-        return answers
-
     async with (
         fresh_database() as url,
         recording_upstream() as upstream,
@@ -237,7 +226,7 @@ async def test_what_the_store_absorbed_is_in_the_metrics(
 
         (listener,) = await eventually(lambda: _listening(url), what="the listener")
         await eventually(lambda: unheard() == 0, what="heard")
-        monkeypatch.setattr(postgres_store, "decide_batch", first_answer_lost)
+        calls = first_answer_lost(monkeypatch)
         generation = await gw.claim("job-1")
         status, _, _ = await gw.write("/to/pay/charges", generation=generation)
         assert (status, len(upstream.received), calls[0]) == (201, 1, 2)
