@@ -207,7 +207,7 @@ def _watch_settlements(
     """On a store that notifies every process of settlements, one watcher per
     process wakes this process's waiters; watched: its failure is logged, and the
     waiters go on by their fallback poll. While it hears nothing (its connection
-    lost or refused), `sinkgate_settlements_unheard` says so."""
+    lost, refused, or deaf behind a pooler), `sinkgate_settlements_unheard` says so."""
     if not isinstance(store, SettlementFeed):
         return None
 
