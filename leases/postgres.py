@@ -19,8 +19,10 @@ with the transaction), no session advisory locks (the schema lock is
 `pg_advisory_xact_lock`), no temporary tables, no LISTEN. asyncpg's own
 statement cache is kept by default (`statement_cache_size=100`): it works with
 PgBouncer 1.21+ configured with `max_prepared_statements`; behind an older
-PgBouncer open the store with `statement_cache_size=0`, which makes asyncpg
-re-parse every statement instead of relying on named prepared statements.
+PgBouncer open the store with `statement_cache_size=0` (or put
+`statement_cache_size=0` in the URL's query, which wins over the argument),
+which makes asyncpg re-parse every statement instead of relying on named
+prepared statements.
 
 Bounds: an operation waits at most `acquire_timeout` seconds for a pooled
 connection and each of its statements at most `statement_timeout` seconds for
@@ -61,7 +63,7 @@ from .errors import (
     refused,
 )
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
-from .urls import check_readable, shown_scheme
+from .urls import check_readable, shown_scheme, split_statement_cache
 
 T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
@@ -127,6 +129,15 @@ def driver_errors(what: str) -> Iterator[None]:
         raise
     except TimeoutError as exc:  # a pooled connection, or a statement's answer
         raise StoreUnavailable(f"{what}: PostgreSQL did not answer in time") from exc
+    except _POOLED_AWAY as exc:
+        # asyncpg's own text goes on for ten lines about a driver option the
+        # gateway's config cannot set; this says what can be.
+        first = str(exc).split("\n", 1)[0]
+        raise StoreUnavailable(
+            f"{what}: {type(exc).__name__}: {first}: a pooler in transaction mode "
+            "(PgBouncer below 1.21, or without max_prepared_statements) does not keep "
+            "prepared statements; add statement_cache_size=0 to the store URL's query"
+        ) from exc
     except (
         asyncpg.PostgresError,
         asyncpg.InterfaceError,
@@ -138,6 +149,10 @@ def driver_errors(what: str) -> Iterator[None]:
     ) as exc:
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
+
+# What a named prepared statement gives when the pooler lent its connection's
+# server to someone else in between (or lent this one a server that has it).
+_POOLED_AWAY = (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError)
 
 # How an operation can end with its connection's state unknown: a statement timed
 # out, or the caller was cancelled while one was on its way.
@@ -450,6 +465,9 @@ class PostgresLeaseStore(Closing):
         `acquire_timeout` and `statement_timeout` bound each operation (None: no
         bound); see the module doc."""
         _validate_open(url, clock_offset, min_size, max_size, statement_cache_size)
+        url, from_url = split_statement_cache(url)
+        if from_url is not None:  # the URL's word wins: it is what a config file can say
+            statement_cache_size = from_url
         model.validate_seconds("connect_timeout", connect_timeout)
         for name, bound in (
             ("acquire_timeout", acquire_timeout),

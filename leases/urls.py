@@ -17,9 +17,14 @@ __all__ = [
     "redact_url",
     "shown_scheme",
     "shown_url",
+    "split_statement_cache",
     "unreadable_url",
     "url_problem",
 ]
+
+# The one query parameter of a postgresql:// URL read here, not by the driver:
+# asyncpg would send it to the server as a setting, which refuses it.
+STATEMENT_CACHE = "statement_cache_size"
 
 _PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
 
@@ -52,10 +57,40 @@ def url_problem(url: str) -> str | None:
         return "a port in it is not a number from 1 to 65535"
     if parts.query:
         try:
-            parse_qs(parts.query, strict_parsing=True)
+            query = parse_qs(parts.query, strict_parsing=True)
         except ValueError:
             return "its query is not name=value pairs joined by &"
+        cache = query.get(STATEMENT_CACHE)
+        if cache is not None and (len(cache) > 1 or not _count(cache[0])):
+            return f"{STATEMENT_CACHE} in its query must be one integer >= 0"
     return None
+
+
+def _count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 9
+
+
+def split_statement_cache(url: str) -> tuple[str, int | None]:
+    """`url` without its `statement_cache_size` query parameter, and that
+    parameter's value (None where it is not given). 0 turns asyncpg's named
+    prepared statements off, for a pooler in transaction mode that cannot keep
+    them (PgBouncer below 1.21, or without `max_prepared_statements`); the
+    gateway, which takes a URL and no driver options, is told so this way.
+    A value `url_problem` refuses is left in place, for the driver to refuse."""
+    base, mark, query = url.partition("?")
+    if not mark:
+        return url, None
+    kept: list[str] = []
+    found: list[str] = []
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if unquote(name) == STATEMENT_CACHE:
+            found.append(unquote(value))
+        else:
+            kept.append(pair)
+    if len(found) != 1 or not _count(found[0]):
+        return url, None
+    return (f"{base}?{'&'.join(kept)}" if kept else base), int(found[0])
 
 
 def postgres_hosts(url: str) -> list[tuple[str, str]]:

@@ -94,6 +94,7 @@ from leases.postgres import (
     schema_connection,
     transaction,
 )
+from leases.urls import split_statement_cache
 
 T = TypeVar("T")
 
@@ -178,7 +179,11 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         statement_timeout: float | None = STATEMENT_TIMEOUT_S,
     ) -> PostgresStore:
         """Open a pool on `url`, create or check the lease and gateway schema;
-        the timeouts as `PostgresLeaseStore.open`'s."""
+        the timeouts and `statement_cache_size` as `PostgresLeaseStore.open`'s."""
+        # Taken off here too: the URL is used below for connections of its own.
+        url, from_url = split_statement_cache(url) if isinstance(url, str) else (url, None)
+        if from_url is not None:
+            statement_cache_size = from_url
         store = cast(
             PostgresStore,
             await super().open(

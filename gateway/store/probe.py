@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from gateway.errors import GatewayError, os_error_words
 from gateway.store import sqlite_schema
 from leases import sqlite as lease_sqlite
-from leases.urls import unreadable_url
+from leases.urls import split_statement_cache, unreadable_url
 
 CONNECT_TIMEOUT_S = 5.0
 # Both components' versions: `serve` refuses a database either is newer in.
@@ -130,7 +130,9 @@ async def _postgres_status(url: str) -> str:
     from leases.postgres import LEASES_SCHEMA_VERSION as leases
 
     try:
-        conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
+        conn = await asyncpg.connect(
+            split_statement_cache(url)[0], timeout=CONNECT_TIMEOUT_S, statement_cache_size=0
+        )
     except (
         OSError,
         TimeoutError,

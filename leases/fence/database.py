@@ -11,7 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from ..urls import check_readable, shown_scheme
+from ..urls import check_readable, shown_scheme, split_statement_cache
 from .core import Fence
 
 CONNECT_TIMEOUT_S = 10.0
@@ -44,7 +44,8 @@ class FenceDatabase:
                 f"database_url must be sqlite:///path or postgresql://..., not {shown_scheme(url)}"
             )
         self.fence = fence
-        self.url = url
+        # A pooler in transaction mode is told `statement_cache_size=0` in the URL.
+        self.url, self._statement_cache = split_statement_cache(url)
         self._conn: Any = None  # aiosqlite connection or asyncpg pool, once opened
         self._opening = asyncio.Lock()
         self._serial = asyncio.Lock()
@@ -92,6 +93,7 @@ class FenceDatabase:
             self.url,
             min_size=1,
             max_size=4,
+            statement_cache_size=100 if self._statement_cache is None else self._statement_cache,
             timeout=CONNECT_TIMEOUT_S,
             command_timeout=STATEMENT_TIMEOUT_S,
         )

@@ -25,6 +25,7 @@ from gateway.config.model import (
 )
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
+from leases.urls import split_statement_cache
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"
@@ -519,6 +520,15 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[store]\nurl = "postgresql://u:s3cret\uff03x@db.internal/x"\n',
             "store.url: the URL cannot be read: a character in it reads as a URL delimiter",
         ),
+        (  # the driver would send it to the server as a setting, which refuses it
+            '[store]\nurl = "postgresql://u:pw@db.internal/x?statement_cache_size=off"\n',
+            "store.url: the URL cannot be read: statement_cache_size in its query must be "
+            "one integer >= 0",
+        ),
+        (
+            '[store]\nurl = "postgresql://db/x?statement_cache_size=0&statement_cache_size=9"\n',
+            "store.url: the URL cannot be read: statement_cache_size in its query must be",
+        ),
         (  # the resolver refuses it: asyncpg would fail with a UnicodeError traceback
             '[store]\nurl = "postgresql://postgres:pw@a..b:5432/x"\n',
             'store.url: "a..b" in the URL is not a host name: a label between dots is empty',
@@ -815,3 +825,25 @@ def test_an_env_key_holding_something_else_is_not_quoted(tmp_path: Path) -> None
 def test_an_upstream_port_out_of_range_is_named() -> None:
     with pytest.raises(ValueError, match=r"the port must be 1\.\.65535"):
         parse_upstream("http://127.0.0.1:99999/pay")
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql://u:pw@h/db", ("postgresql://u:pw@h/db", None)),
+        ("postgresql://h/db?statement_cache_size=0", ("postgresql://h/db", 0)),
+        (  # the driver's parameters are left as they were written
+            "postgresql://h/db?sslmode=require&statement_cache_size=25&application_name=a%20b",
+            ("postgresql://h/db?sslmode=require&application_name=a%20b", 25),
+        ),
+        ("postgresql://h/db?statement_%63ache_size=0", ("postgresql://h/db", 0)),
+        (  # one the config check refuses is left for the driver to refuse too
+            "postgresql://h/db?statement_cache_size=-1",
+            ("postgresql://h/db?statement_cache_size=-1", None),
+        ),
+    ],
+)
+def test_the_statement_cache_is_taken_off_the_store_url(
+    url: str, expected: tuple[str, int | None]
+) -> None:
+    assert split_statement_cache(url) == expected

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gateway.tools.chaos.processes import GatewayProcess, ProcessFailed, death_signal
 from leases.sqlite import BUSY_TIMEOUT_S
-from leases.urls import redact_url
+from leases.urls import redact_url, split_statement_cache
 
 PG_KINDS = ("terminate_backends", "refuse_connections", "lock_delay")
 SQLITE_KINDS = ("write_lock", "writes_failing")
@@ -74,7 +74,9 @@ async def _connect(url: str) -> Any:
     import asyncpg  # type: ignore[import-untyped]
 
     return await asyncpg.connect(
-        url, timeout=10, server_settings={"application_name": APPLICATION_NAME}
+        split_statement_cache(url)[0],  # the store's parameter, not the driver's
+        timeout=10,
+        server_settings={"application_name": APPLICATION_NAME},
     )
 
 
