@@ -15,9 +15,13 @@ Each gateway process listens on one connection of its own, outside the pool
 transaction mode no notification arrives and the waiters' fallback poll wakes
 them instead. A lost connection is opened again after `RECONNECT_S`, and one
 that cannot be opened, or refuses LISTEN, is tried again at growing intervals
-(up to `MAX_RECONNECT_S`). A connection notifies itself as it starts listening
-and every `PING_S` while idle (`_Echo`): one gone silent is found and opened
-again, and one that answers but never hears its echo (the pooler) is said deaf.
+(up to `MAX_RECONNECT_S`). As it starts listening and every `PING_S` while
+idle, a connection is asked something, and a notification of its own is sent
+from another session (`_Echo`): one gone silent is found and opened again, and
+one that answers but never hears its echo (the pooler) is said deaf. Not from
+its own session: behind a pooler in transaction mode, a NOTIFY sent there runs
+on the very server connection that ran LISTEN and comes back, while what other
+sessions notify never does.
 
 The triggers notify only while some process holds writes. A transaction that
 notifies takes a cluster-wide lock from just before its commit to its end, so
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -116,17 +120,23 @@ def parse_payload(payload: str) -> tuple[str, str | None, str] | None:
     return None
 
 
+# Sends `pg_notify(CHANNEL, payload)` from a session other than the listening one.
+Notify = Callable[[str], Awaitable[None]]
+
+
 async def listen_settlements(
     url: str,
     settled: Settled,
     holding: asyncio.Event,
     connect_timeout: float,
     hearing: Hearing | None = None,
+    *,
+    notify: Notify,
 ) -> None:
     """Call `settled` for each settlement notified on `url`, and say this process
     holds writes while `holding` is set; until cancelled. `hearing` is told
     False at the start and whenever the listening connection is lost, refused or
-    found deaf, True once what is notified is heard on it (`_Echo`)."""
+    found deaf, True once what `notify` sends is heard on it (`_Echo`)."""
     heard = hearing or _nobody
 
     def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
@@ -153,7 +163,7 @@ async def listen_settlements(
         opened = asyncio.get_running_loop().time()
         try:
             listened = await _listen(
-                conn, on_notification, heard, holding, process, connect_timeout
+                conn, on_notification, heard, holding, process, connect_timeout, notify
             )
         finally:
             conn.terminate()  # no goodbye needed: LISTEN ends with the session
@@ -177,11 +187,12 @@ async def _listen(
     holding: asyncio.Event,
     process: str,
     bound: float,
+    notify: Notify,
 ) -> bool:
     """Listen on `conn` until it is lost; False if it never listened."""
     lost = asyncio.Event()
     conn.add_termination_listener(lambda _conn: lost.set())
-    echo = _Echo(process, heard)
+    echo = _Echo(process, heard, notify)
 
     def listener(conn: Any, pid: int, channel: str, payload: str) -> None:
         if not echo.caught(payload):
@@ -214,12 +225,16 @@ class _Echo:
     accepted is no proof: a pooler in transaction mode runs it on a server
     connection it then lends to others, and nothing ever arrives. So a
     notification of this process's own (a payload no settlement has: no newline,
-    ignored by every process) is sent, and `heard` told whether it came back."""
+    ignored by every process) is sent from another session, as settlements are,
+    and `heard` told whether it came back. Sent on the listening connection, it
+    came back behind PgBouncer (its NOTIFY ran on the server connection that ran
+    LISTEN, which tells its own session) and the process was said to hear."""
 
-    def __init__(self, process: str, heard: Hearing) -> None:
+    def __init__(self, process: str, heard: Hearing, notify: Notify) -> None:
         self.payload = f"echo {process}"
         self.back = asyncio.Event()
         self.heard = heard
+        self.notify = notify
         self.hearing: bool | None = None  # until first asked
 
     def caught(self, payload: str) -> bool:
@@ -230,11 +245,17 @@ class _Echo:
         return True
 
     async def ask(self, conn: Any, lost: asyncio.Event, bound: float) -> None:
-        """Notify, and wait up to `bound` seconds to hear it (a statement's failure
-        is raised: the connection is opened again)."""
+        """Ask `conn` something (its statement's failure is raised: the connection
+        is opened again), notify, and wait up to `bound` seconds to hear it."""
         self.back.clear()
-        notify = conn.execute("SELECT pg_notify($1, $2)", CHANNEL, self.payload, timeout=bound)
-        await _unless_lost(notify, lost)
+        await _unless_lost(conn.execute("SELECT 1", timeout=bound), lost)
+        if lost.is_set():
+            return
+        try:
+            await self.notify(self.payload)
+        except Exception as exc:  # the store's trouble, told by the writes: nothing learnt
+            log.warning("settlements_echo_unsent", error=f"{type(exc).__name__}: {exc}")
+            return
         await _first_of(self.back, lost, seconds=bound)
         if lost.is_set() or self.back.is_set() == self.hearing:
             return

@@ -63,15 +63,22 @@ async def test_any_error_of_the_driver_opens_the_connection_again(monkeypatch: A
     holding.set()
     conn = _Connection()
     said: list[bool] = []
-    listened = await asyncio.wait_for(_listen(conn, None, said.append, holding, "p", 1.0), 1.0)
+    listened = await asyncio.wait_for(
+        _listen(conn, None, said.append, holding, "p", 1.0, _never_sent), 1.0
+    )
     assert listened is True and conn.listening  # then opened again by its caller
     assert said == []  # never heard: its echo was never even sent
 
 
+async def _never_sent(payload: str) -> None:
+    raise AssertionError("no echo is sent on a connection that does not answer")
+
+
 class _Pooled:
     """A connection through a pooler in transaction mode: LISTEN and every
-    statement succeed, and what is notified arrives only where `delivers` is set
-    (a real session); `others` is what any other process notified meanwhile."""
+    statement succeed, and what another session notifies (`notify`) arrives
+    only where `delivers` is set (a real session); `others` is what any other
+    process notified meanwhile."""
 
     def __init__(self, delivers: bool, others: tuple[str, ...] = ()) -> None:
         self.delivers, self.others = delivers, others
@@ -84,9 +91,12 @@ class _Pooled:
         self.callback = callback
 
     async def execute(self, sql: str, *args: Any, **kwargs: Any) -> None:
-        if "pg_notify" in sql and self.delivers:
-            for payload in (*self.others, args[1]):
-                self.callback(self, 1, args[0], payload)
+        assert "pg_notify" not in sql  # sent here, it came back behind the pooler
+
+    async def notify(self, payload: str) -> None:
+        if self.delivers:
+            for each in (*self.others, payload):
+                self.callback(self, 1, postgres_notify.CHANNEL, each)
 
 
 async def _hear(conn: _Pooled, monkeypatch: Any) -> tuple[list[bool], list[Any], list[Any]]:
@@ -101,7 +111,7 @@ async def _hear(conn: _Pooled, monkeypatch: Any) -> tuple[list[bool], list[Any],
 
     with structlog.testing.capture_logs() as logs:
         listening = asyncio.create_task(
-            _listen(conn, on_notification, said.append, asyncio.Event(), "p", 0.05)
+            _listen(conn, on_notification, said.append, asyncio.Event(), "p", 0.05, conn.notify)
         )
         await asyncio.sleep(0.3)
         listening.cancel()
@@ -149,7 +159,7 @@ async def test_a_stop_during_listen_stops_the_listener() -> None:
     and the gateway's stop, waiting for it, never ended."""
     conn = _ListenEndsAsCancelled()
     listening = asyncio.create_task(
-        _listen(conn, None, lambda heard: None, asyncio.Event(), "p", 5.0)
+        _listen(conn, None, lambda heard: None, asyncio.Event(), "p", 5.0, conn.notify)
     )
     await conn.asked.wait()
     conn.answer.set_result(None)
