@@ -40,7 +40,7 @@ export function bounded(outer: AbortSignal | readonly AbortSignal[] | undefined,
   const listeners = outers.map((signal) => [signal, () => controller.abort(signal.reason)] as const);
   const timer = setTimeout(() => {
     expired = true;
-    controller.abort(new Error(`timed out after ${seconds}s`));
+    controller.abort(new Error(`timed out after ${Number(seconds.toFixed(3))}s`));
   }, timerDelay(seconds));
   const aborted = outers.find((signal) => signal.aborted);
   if (aborted !== undefined) controller.abort(aborted.reason);

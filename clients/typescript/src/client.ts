@@ -105,7 +105,7 @@ export class LeaseClient {
       const current = answer.doc.current_generation;
       throw new JobCompleted(jobId, sent(answer), isInt(current) ? current : undefined);
     }
-    throw unexpected(answer.status, answer.doc, this.url);
+    throw unexpected(answer, this.url);
   }
 
   /** Extend the lease (by `ttl`, or the lease's own ttl); throws `LeaseLost`. */
@@ -133,7 +133,7 @@ export class LeaseClient {
     const answer = await this.#call("GET", jobId, undefined, undefined, given.signal);
     if (answer.status === 200) return toLease(answer.doc);
     if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
-    throw unexpected(answer.status, answer.doc, this.url);
+    throw unexpected(answer, this.url);
   }
 
   async #held(op: string, lease: LeaseRef, ttl: number | undefined, signal: AbortSignal | undefined): Promise<Lease> {
@@ -150,7 +150,7 @@ export class LeaseClient {
       const current = answer.doc.current_generation;
       throw new LeaseLost(jobId, generation, reason, isInt(current) ? current : undefined, sent(answer));
     }
-    throw unexpected(answer.status, answer.doc, this.url);
+    throw unexpected(answer, this.url);
   }
 
   async #call(
@@ -186,7 +186,7 @@ export class LeaseClient {
     const retryAfter = parseRetryAfter(answer.retryAfter);
     const doc = parseObject(raw);
     if (status >= 500) {
-      const fields = doc === undefined ? { status } : sent({ status, doc });
+      const fields = doc === undefined ? { status, retryAfter } : sent({ status, doc, retryAfter });
       throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`, fields);
     }
     if (doc === undefined) {
@@ -266,9 +266,14 @@ function isInt(value: unknown): value is number {
 }
 
 /** The answer's status, detail and problem+json body, for a lease error. */
-function sent(answer: { status: number; doc: Problem }): LeaseErrorFields {
+function sent(answer: { status: number; doc: Problem; retryAfter?: number | undefined }): LeaseErrorFields {
   const detail = answer.doc.detail;
-  return { status: answer.status, detail: typeof detail === "string" ? detail : "", problem: answer.doc };
+  return {
+    status: answer.status,
+    detail: typeof detail === "string" ? detail : "",
+    problem: answer.doc,
+    retryAfter: answer.retryAfter,
+  };
 }
 
 /** Where to look when an answer is no lease API's: most often the URL is the
@@ -277,10 +282,11 @@ function notTheLeaseApi(url: string): string {
   return `is ${url} the gateway's main listener (its [server] listen), not the admin listener or an upstream?`;
 }
 
-function unexpected(status: number, doc: Problem, url: string): Error {
+function unexpected(answer: { status: number; doc: Problem; retryAfter: number | undefined }, url: string): Error {
+  const { status, doc } = answer;
   const reason = typeof doc.reason === "string" ? doc.reason : "";
   // The answer goes along: a wrong lease token (401) is told from an outage by `status` and `problem`.
-  const fields = sent({ status, doc });
+  const fields = sent(answer);
   const detail = fields.detail;
   if (status === 400 && reason === "invalid_request") {
     // The gateway validated what this client should already have: as if local.

@@ -17,19 +17,23 @@ export interface LeaseErrorFields {
   readonly status?: number | undefined;
   readonly detail?: string | undefined;
   readonly problem?: Problem | undefined;
+  /** The answer's `Retry-After`, in seconds. */
+  readonly retryAfter?: number | undefined;
   /** What failed underneath (fetch's error, whose own `cause` says why). */
   readonly cause?: unknown;
 }
 
 /** Root of every lease error; `reason` is the contract's reason code, and
- * `status`, `detail` and `problem` the gateway's answer where there was one
- * (undefined, "" and {} for what the worker decided itself, such as its own
- * clock's `lease_expired`). */
+ * `status`, `detail`, `problem` and `retryAfter` the gateway's answer where
+ * there was one (undefined, "", {} and undefined for what the worker decided
+ * itself, such as its own clock's `lease_expired`). */
 export class LeaseError extends Error {
   readonly reason: string;
   readonly status: number | undefined;
   readonly detail: string;
   readonly problem: Problem;
+  /** Seconds the gateway asked to wait before calling again (`Retry-After`), where it did. */
+  readonly retryAfter: number | undefined;
 
   constructor(message: string, reason: string, fields: LeaseErrorFields = {}) {
     super(message, fields.cause === undefined ? undefined : { cause: fields.cause });
@@ -38,6 +42,7 @@ export class LeaseError extends Error {
     this.status = fields.status;
     this.detail = fields.detail ?? "";
     this.problem = fields.problem ?? {};
+    this.retryAfter = fields.retryAfter;
   }
 }
 
@@ -47,7 +52,6 @@ export class LeaseHeld extends LeaseError {
   readonly owner: string;
   readonly expiresIn: number;
   readonly currentGeneration: number | undefined;
-  readonly retryAfter: number | undefined;
 
   constructor(
     jobId: string,
@@ -60,13 +64,12 @@ export class LeaseHeld extends LeaseError {
     super(
       `job ${JSON.stringify(jobId)} is held by ${JSON.stringify(owner)} for ${expiresIn.toFixed(3)}s more`,
       "lease_held",
-      fields,
+      { ...fields, retryAfter: retryAfter ?? fields?.retryAfter },
     );
     this.jobId = jobId;
     this.owner = owner;
     this.expiresIn = expiresIn;
     this.currentGeneration = currentGeneration;
-    this.retryAfter = retryAfter;
   }
 }
 

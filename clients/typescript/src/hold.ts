@@ -348,8 +348,13 @@ async function watch(client: LeaseClient, state: Hold, schedule: RenewalSchedule
           return;
         }
         // StoreUnavailable, our own timeout, or an answer we could not read:
-        // transient, try again until the local deadline.
-        failure = error;
+        // transient, try again until the local deadline. A renewal cut there
+        // unanswered is the lease API's failure too, and said as one.
+        failure = call.timedOut()
+          ? new StoreUnavailable("the lease API did not answer a renewal before the local deadline", {
+              cause: error,
+            })
+          : error;
         if (state.now() >= state.deadline) {
           state.lose("store_unavailable", failure);
           return;

@@ -296,7 +296,7 @@ export class Wire {
       return;
     }
     if (this.failLeases && url.startsWith("/leases/")) {
-      res.writeHead(503, { "Content-Type": "text/plain" });
+      res.writeHead(503, { "Content-Type": "text/plain", "Retry-After": "2" });
       res.end("lease API down");
       return;
     }

@@ -273,8 +273,10 @@ describe("hold through a real gateway", { skip }, () => {
     const write = await held;
     await assert.rejects(running, (e: unknown) => {
       assert.ok(e instanceof LeaseLost && e.reason === "store_unavailable");
-      // why: the last renewal's failure (here the lease API's 503; a 401 of a wrong token alike)
+      // why: the last renewal's failure (here the lease API's 503; a 401 of a wrong token alike),
+      // with the Retry-After it was sent with
       assert.ok(e.cause instanceof StoreUnavailable && e.cause.status === 503);
+      assert.equal(e.cause.retryAfter, 2);
       return true;
     });
     // By the store's clock the lease still runs: the gateway alone would let the write through.
@@ -300,7 +302,13 @@ describe("hold through a real gateway", { skip }, () => {
       net.hangLeases = true; // the next renewal is sent and never answered
       await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
     });
-    await assert.rejects(running, (e: unknown) => e instanceof LeaseLost && e.reason === "store_unavailable");
+    await assert.rejects(running, (e: unknown) => {
+      assert.ok(e instanceof LeaseLost && e.reason === "store_unavailable");
+      // The renewal cut at the deadline is the lease API's failure, not a bare timer error.
+      assert.ok(e.cause instanceof StoreUnavailable, String(e.cause));
+      assert.match(e.cause.message, /did not answer a renewal before the local deadline/);
+      return true;
+    });
     // Waiting out the client's 60 s instead, the store's lease would be long over by now.
     const seen = await client.get(job);
     assert.equal(seen?.state, "active");
