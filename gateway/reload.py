@@ -25,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.models import ReloadAnswer
+from gateway.admin.query import only_params
 from gateway.admin.session import operator_of
 from gateway.config.keys import RELOADED, RESTART_ONLY
 from gateway.config.model import (
@@ -279,7 +280,10 @@ class Reloader:
             pass  # logged, and nothing changed
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """`POST /admin/reload`: 200 with the destinations, or 400 `invalid_config`."""
+        """`POST /admin/reload`: 200 with the destinations, or 400 `invalid_config`
+        (`invalid_request` for a query parameter, as every admin route refuses
+        one it does not know: nothing is reloaded)."""
+        only_params(request.query, ())
         try:
             result = await self.reload(
                 "admin", remote=request.remote, operator=operator_of(request)

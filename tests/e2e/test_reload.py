@@ -350,6 +350,12 @@ async def test_sighup_and_admin_reload_apply_and_are_counted(
         await eventually(b_is_known, what="destination b after SIGHUP")
 
         write_files(tmp_path, a=to(one), b=to(one), c=to(one))
+        # As every admin route: a parameter it does not know is refused, nothing reloaded.
+        async with session.post(f"{admin}/admin/reload?dry_run=1") as resp:
+            assert resp.status == 400
+            assert (await resp.json())["detail"] == "unknown query parameter(s): dry_run"
+        async with session.post(f"{main}/to/c/x") as resp:
+            assert resp.status == 404
         async with session.post(f"{admin}/admin/reload") as resp:
             assert resp.status == 200
             assert await resp.json() == {"reloaded": True, "destinations": ["a", "b", "c"]}
