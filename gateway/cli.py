@@ -12,9 +12,11 @@ import dataclasses
 import importlib
 import os
 import select
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -212,9 +214,20 @@ def _load(args: argparse.Namespace) -> Config | None:
     except ConfigError as exc:
         for line in exc.errors:
             _error(line)
-        if not os.path.exists(given) and not args.config and not os.environ.get(CONFIG_ENV):
-            _error("no config file: run `sinkgate init` to write one, or pass --config PATH")
+        if not os.path.exists(given):
+            if args.config or os.environ.get(CONFIG_ENV):
+                _error(f"no config file: {_init_for(given)}")
+            else:
+                _error("no config file: run `sinkgate init` to write one, or pass --config PATH")
         return None
+
+
+def _init_for(config: str) -> str:
+    """How to write `config`: `sinkgate init DIR` writes DIR/gateway.toml."""
+    path = Path(config)
+    if path.name != "gateway.toml":
+        return "run `sinkgate init` to write one (config/gateway.toml), then pass that"
+    return f"run `sinkgate init {shlex.quote(str(path.parent))}` to write one"
 
 
 def _serve(args: argparse.Namespace) -> int:

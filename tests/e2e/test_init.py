@@ -118,11 +118,20 @@ def test_serve_without_a_config_file_says_to_run_init(tmp_path: Path) -> None:
     ]
 
 
-def test_a_config_named_and_missing_is_one_line(tmp_path: Path) -> None:
-    """It said "or pass --config PATH" to a user who had."""
-    result = sinkgate(tmp_path, "serve", "--config", "elsewhere/gateway.toml")
+def test_a_config_named_and_missing_says_the_init_that_writes_it(tmp_path: Path) -> None:
+    """It said "or pass --config PATH" to a user who had, and then nothing of
+    `sinkgate init` (SPEC 6: serve without a config file says to run it)."""
+    result = sinkgate(tmp_path, "serve", "--config", "else where/gateway.toml")
     assert result.returncode == 1
-    assert result.stderr == "sinkgate: elsewhere/gateway.toml: cannot read: no such file\n"
+    assert result.stderr.splitlines() == [
+        "sinkgate: else where/gateway.toml: cannot read: no such file",
+        "sinkgate: no config file: run `sinkgate init 'else where'` to write one",
+    ]
+    result = sinkgate(tmp_path, "serve", "--config", "prod.toml")
+    assert result.stderr.splitlines()[1] == (
+        "sinkgate: no config file: run `sinkgate init` to write one (config/gateway.toml), "
+        "then pass that"
+    )
 
 
 def test_an_interrupt_without_a_handler_is_one_line_and_130(
