@@ -272,12 +272,19 @@ def missing_database(url: str) -> str:
 
 def known_trouble_in(url: str, exc: BaseException) -> str | None:
     """`serve`'s line for a store it could not open, when `exc` (or what caused it)
-    is one with more to say than the driver: a database that does not exist, or
-    TLS (`tls_trouble`); else None."""
+    is one with more to say than the driver: a database that does not exist, TLS
+    (`tls_trouble`), or a server that cannot be reached, in `check-config
+    --connect`'s words; else None."""
     if _sqlstate(exc) == _INVALID_CATALOG:
         return missing_database(url)
     cause = exc.__cause__ or exc.__context__
-    return tls_trouble(url, cause) if cause is not None else None
+    if cause is None:
+        return None
+    tls = tls_trouble(url, cause)
+    if tls is None and url.split(":", 1)[0].lower() in ("postgresql", "postgres"):
+        if isinstance(cause, OSError | TimeoutError):  # refused, unresolved, silent
+            return postgres_trouble(url, cause)
+    return tls
 
 
 def _sqlstate(exc: BaseException | None) -> str | None:

@@ -256,7 +256,12 @@ def test_serve_with_an_unreachable_store_exits_1_with_one_line(tmp_path: Path) -
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("sinkgate: ") and "127.0.0.1:1" in last, result.stderr
+    # In check-config --connect's words, not the driver's `ConnectionRefusedError: [Errno 111]`.
+    assert last == (
+        "sinkgate: store postgresql://postgres@127.0.0.1:1/nothing-listens-here: cannot "
+        "connect to 127.0.0.1:1 (Connection refused): is PostgreSQL running there, and is "
+        "the URL's port its port?"
+    ), result.stderr
 
 
 @pytest.mark.parametrize(
