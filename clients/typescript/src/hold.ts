@@ -157,6 +157,7 @@ export async function hold<T>(
   options: HoldOptions,
   body: (lease: HeldLease, signal: AbortSignal) => Promise<T> | T,
 ): Promise<T> {
+  validateClient(client);
   validateIdent(jobId, "jobId");
   validateOptions(options, "options");
   validateSignal(options.signal, "signal");
@@ -315,6 +316,15 @@ async function claim(
   claiming.catch(() => undefined); // refused, unanswered or cut: nothing to give back
   await within(cancelTimeout, giveUp, async (signal) => client.release(await claiming, { signal }));
   throw outside.reason;
+}
+
+/** A `LeaseClient`, or anything with its four lease calls (a test's double). */
+function validateClient(client: unknown): void {
+  const calls = ["claim", "renew", "complete", "release"] as const;
+  const object = client as Record<string, unknown> | null;
+  if (object === null || typeof object !== "object" || calls.some((c) => typeof object[c] !== "function")) {
+    throw new TypeError(`client must be a LeaseClient, not ${typeName(client)}`);
+  }
 }
 
 /** The watchdog: renew on schedule; on a refusal or a passed deadline, lose the lease. */

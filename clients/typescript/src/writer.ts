@@ -167,6 +167,7 @@ export class FencedWriter {
    * for the gateway's refusals, `TypeError`/`RangeError` for bad arguments.
    */
   async request(method: string, destination: string, path: string, options: WriteOptions): Promise<WriteResult> {
+    validateOptions(options, "options");
     const url = this.#url(method, destination, path, options.query);
     if ((options.key === undefined) === (options.step === undefined)) {
       throw new TypeError("pass exactly one of key and step");

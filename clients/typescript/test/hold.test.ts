@@ -36,6 +36,18 @@ describe("RenewalSchedule", () => {
   });
 });
 
+describe("hold's arguments", () => {
+  it("refuses a client that is not one with TypeError, in words", async () => {
+    // It said "client.claim is not a function".
+    for (const client of [{}, null, "http://gateway:8480"]) {
+      await assert.rejects(
+        hold(client as unknown as LeaseClient, "job", { ttl: 5 }, async () => 1),
+        (e: unknown) => e instanceof TypeError && /^client must be a LeaseClient, not /.test(e.message),
+      );
+    }
+  });
+});
+
 const skip = missing(gatewayMissing());
 
 // A window between the worker's local deadline (ttl * (1 - margin) after the

@@ -169,6 +169,9 @@ describe("the writer's path", () => {
     }
     await assert.rejects(writer.request("GET", "payments", "/x", { json: { a: 1 }, step: "s" }), TypeError);
     await assert.rejects(writer.request("head", "payments", "/x", { body: "x", step: "s" }), TypeError);
+    // No options at all: said so, not "Cannot read properties of undefined (reading 'query')".
+    const none = undefined as unknown as Parameters<FencedWriter["post"]>[2];
+    await assert.rejects(writer.post("payments", "/x", none), /options must be an object, not undefined/);
     assert.equal(gateway.seen, 0);
     assert.equal((await writer.request("GET", "payments", "/x", { step: "s" })).status, 201);
   });
