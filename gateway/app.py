@@ -26,7 +26,6 @@ from gateway.http.leases import add_lease_routes
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
 from gateway.openapi.document import Listeners, add_openapi_route
-from gateway.policy.decision import WriteFacts
 from gateway.reload import Plan, Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
@@ -43,7 +42,7 @@ from gateway.supervisor import (
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
-from gateway.write.route import WriteGateway
+from gateway.write.route import Forwarding, WriteGateway
 from gateway.write.upstream import Upstreams
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
@@ -268,7 +267,7 @@ async def _stop(runner: GatewayRunner, grace: float) -> None:
 
 
 def _abandon(writes: WriteGateway) -> None:
-    late = {task: facts for task, facts in writes.forwards.items() if not task.done()}
+    late = {task: forward for task, forward in writes.forwards.items() if not task.done()}
     for task in late:
         task.cancel()
     if late:
@@ -293,16 +292,29 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
 ABANDONED_NAMED = 100
 
 
-def _log_abandoned(abandoned: Iterable[WriteFacts]) -> None:
-    """The forwards cut at shutdown: each may have reached its upstream, and its
-    key reads `unknown` until an operator settles it (`sinkgate keys resolve`),
-    so the line names them, as their decision lines would have."""
-    writes = list(abandoned)
+def _log_abandoned(abandoned: Iterable[Forwarding]) -> None:
+    """The forwards cut at shutdown: their keys read `unknown` until an operator
+    settles them (`sinkgate keys resolve`), so the line names them, as their
+    decision lines would have, and says of each whether it may have reached its
+    upstream (`maybe_sent`: one that did not, refused as too late or never
+    connected while its key was being released, is `not_applied` for certain)."""
+    forwards = list(abandoned)
     named = [
-        {"destination": w.destination, "job_id": w.job_id, "generation": w.generation, "key": w.key}
-        for w in writes[:ABANDONED_NAMED]
+        {
+            "destination": f.facts.destination,
+            "job_id": f.facts.job_id,
+            "generation": f.facts.generation,
+            "key": f.facts.key,
+            "maybe_sent": f.maybe_sent,
+        }
+        for f in forwards[:ABANDONED_NAMED]
     ]
-    log.warning("forwards_abandoned", count=len(writes), writes=named)
+    log.warning(
+        "forwards_abandoned",
+        count=len(forwards),
+        maybe_sent=sum(f.maybe_sent for f in forwards),
+        writes=named,
+    )
 
 
 def refuse_open_admin(config: Config) -> None:

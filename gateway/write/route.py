@@ -118,7 +118,7 @@ class WriteGateway:
         self._shared_gauge = metrics.shared_directory is not None
         # Forwards on the wire, with what they forward: one cut at shutdown is named
         # in the `forwards_abandoned` line (its key reads `unknown`).
-        self.forwards: dict[asyncio.Task[Any], WriteFacts] = {}
+        self.forwards: dict[asyncio.Task[Any], Forwarding] = {}
         self.body_budget = BodyBudget(config.max_body_buffer)
         self.replays = Replays()
         for name in config.destinations:
@@ -382,8 +382,11 @@ class WriteGateway:
         buffer is relayed once its outcome is recorded."""
         attempt = decided.verdict.attempt
         assert attempt is not None
-        task = asyncio.ensure_future(self._forward(request, destination, checked, attempt, decided))
-        self.forwards[task] = checked.facts
+        forwarding = Forwarding(checked.facts)
+        task = asyncio.ensure_future(
+            self._forward(request, destination, checked, attempt, decided, forwarding)
+        )
+        self.forwards[task] = forwarding
         task.add_done_callback(lambda done: self.forwards.pop(done, None))
         try:
             answer, reason, sent = await asyncio.shield(task)
@@ -490,10 +493,12 @@ class WriteGateway:
         checked: Checked,
         attempt: str,
         decided: Decided,
+        forwarding: Forwarding,
     ) -> tuple[web.StreamResponse | UpstreamAnswer, str | None, Sent]:
         """Forward and record the outcome: the answer (one too long to buffer comes
         back as the `UpstreamAnswer` still to be relayed), the refusal's reason
-        when the forward failed, and what was sent."""
+        when the forward failed, and what was sent (`forwarding.maybe_sent` says
+        so while the outcome is being recorded, for a shutdown that cuts it)."""
         facts = checked.facts
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
@@ -507,6 +512,7 @@ class WriteGateway:
             await self._refuse_late(facts, decided)
         sent_at = time.perf_counter()
         result: Answered | NotAnswered
+        forwarding.maybe_sent = True
         try:
             answer = await self.upstreams.send(
                 destination,
@@ -522,8 +528,10 @@ class WriteGateway:
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
         except TooLateToSend:
+            forwarding.maybe_sent = False
             await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
+            forwarding.maybe_sent = failure.failure.maybe_sent
             result = NotAnswered(failure.failure.maybe_sent)
             detail = failure.detail
             if (
@@ -625,6 +633,20 @@ TOO_LATE_DETAIL = (
 # A forward is sent only with at least this much of the destination's timeout left
 # (half of a timeout shorter than twice this).
 MIN_FORWARD_S = 0.05
+
+
+class Forwarding:
+    """A forward under way (`WriteGateway.forwards`): what it forwards, and
+    whether any of it may have reached the upstream, which a shutdown that cuts
+    it tells the operator (`forwards_abandoned`): False until the request is
+    handed to the client library, and again once it is known to have sent
+    nothing (refused as too late, or no connection made)."""
+
+    __slots__ = ("facts", "maybe_sent")
+
+    def __init__(self, facts: WriteFacts) -> None:
+        self.facts = facts
+        self.maybe_sent = False
 
 
 class _TooLate(Rejection):

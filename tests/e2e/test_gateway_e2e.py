@@ -16,6 +16,7 @@ import pytest
 import structlog
 from multidict import CIMultiDict
 
+from gateway import app as app_module
 from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
 from gateway.policy import decision as decision_module
@@ -30,6 +31,7 @@ from tests.harness import (
     Gateway,
     RecordingUpstream,
     destination,
+    eventually,
     free_port,
     make_config,
     recording_upstream,
@@ -1240,6 +1242,49 @@ async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key
     monkeypatch.undo()
     # released, not left in flight: the same key is forwarded at once
     assert (await gw.write("/to/quick/x", key="late-1"))[0] == 201
+    assert len(upstream.received) == 1
+
+
+async def _abandoned_at_shutdown(gw: Gateway, path: str, key: str) -> dict[str, object]:
+    """Send a write to `path`, and once it is under way cut it as the end of
+    `shutdown_grace` does: the `forwards_abandoned` line."""
+    writes = gw.app[WRITES]
+    sending = asyncio.create_task(gw.write(path, key=key))
+    await eventually(lambda: writes.forwards, what="the forward under way")
+    with structlog.testing.capture_logs() as logs:
+        app_module._abandon(writes)
+    await asyncio.gather(sending, return_exceptions=True)
+    (line,) = [e for e in logs if e["event"] == "forwards_abandoned"]
+    return line
+
+
+async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late verdict's key being released when the grace ran out was named
+    "may have reached its upstream", though nothing of it was sent: its key
+    reads `unknown`, and the operator must not be told to go and check."""
+    await gw.claim("job-1")
+    line = await _abandoned_at_shutdown(gw, "/to/pay/slow/1", "held-at-upstream")
+    assert upstream.received  # on the upstream's side when cut
+    assert (line["count"], line["maybe_sent"]) == (1, 1)
+    assert [w["maybe_sent"] for w in line["writes"]] == [True]  # type: ignore[attr-defined]
+
+    late_verdicts(gw, monkeypatch, 0.4)  # "quick": 0.3 s, refused as too late
+    releasing = asyncio.Event()
+    record = gw.store.record_outcome
+
+    async def stuck(*args: object) -> object:
+        releasing.set()
+        await asyncio.Event().wait()  # the store never answers before the grace ends
+        return await record(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    line = await _abandoned_at_shutdown(gw, "/to/quick/x", "late-at-shutdown")
+    assert releasing.is_set()
+    assert (line["count"], line["maybe_sent"]) == (1, 0)
+    assert [w["key"] for w in line["writes"]] == ["late-at-shutdown"]  # type: ignore[attr-defined]
+    assert [w["maybe_sent"] for w in line["writes"]] == [False]  # type: ignore[attr-defined]
     assert len(upstream.received) == 1
 
 
