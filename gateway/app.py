@@ -10,7 +10,7 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -26,6 +26,7 @@ from gateway.http.leases import add_lease_routes
 from gateway.http.problem import problem_response, router_refusal
 from gateway.http.server import Front, GatewayRunner, RequestHandler
 from gateway.openapi.document import Listeners, add_openapi_route
+from gateway.policy.decision import WriteFacts
 from gateway.reload import Plan, Reloader
 from gateway.store import janitor as retention  # looked up at start: tests replace it
 from gateway.store import open_store
@@ -42,7 +43,7 @@ from gateway.supervisor import (
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
-from gateway.write.route import Forwarding, WriteGateway
+from gateway.write.route import WriteGateway
 from gateway.write.upstream import Upstreams
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
@@ -267,11 +268,11 @@ async def _stop(runner: GatewayRunner, grace: float) -> None:
 
 
 def _abandon(writes: WriteGateway) -> None:
-    late = {task: forward for task, forward in writes.forwards.items() if not task.done()}
+    late = {task: facts for task, facts in writes.forwards.items() if not task.done()}
     for task in late:
         task.cancel()
     if late:
-        _log_abandoned(late.values())
+        _log_abandoned(late, writes.unsent)
 
 
 async def _drain(writes: WriteGateway, grace: float) -> None:
@@ -285,35 +286,37 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
         task.cancel()
     if late:
         await asyncio.wait(late)
-        _log_abandoned(pending[task] for task in late)
+        _log_abandoned({task: pending[task] for task in late}, writes.unsent)
 
 
 # The writes a `forwards_abandoned` line names at most (their count is always whole).
 ABANDONED_NAMED = 100
 
 
-def _log_abandoned(abandoned: Iterable[Forwarding]) -> None:
+def _log_abandoned(
+    abandoned: Mapping[asyncio.Task[Any], WriteFacts], unsent: set[asyncio.Task[Any]]
+) -> None:
     """The forwards cut at shutdown: their keys read `unknown` until an operator
     settles them (`sinkgate keys resolve`), so the line names them, as their
     decision lines would have, and says of each whether it may have reached its
-    upstream (`maybe_sent`: one that did not, refused as too late or never
+    upstream (`maybe_sent`: one in `unsent`, refused as too late or never
     connected while its key was being released, is `not_applied` for certain)."""
-    forwards = list(abandoned)
     named = [
         {
-            "destination": f.facts.destination,
-            "job_id": f.facts.job_id,
-            "generation": f.facts.generation,
-            "key": f.facts.key,
-            "maybe_sent": f.maybe_sent,
+            "destination": w.destination,
+            "job_id": w.job_id,
+            "generation": w.generation,
+            "key": w.key,
+            "maybe_sent": task not in unsent,
         }
-        for f in forwards[:ABANDONED_NAMED]
+        for task, w in abandoned.items()
     ]
+    unsent.difference_update(abandoned)  # gone with their tasks
     log.warning(
         "forwards_abandoned",
-        count=len(forwards),
-        maybe_sent=sum(f.maybe_sent for f in forwards),
-        writes=named,
+        count=len(named),
+        maybe_sent=sum(w["maybe_sent"] is True for w in named),
+        writes=named[:ABANDONED_NAMED],
     )
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import structlog
@@ -118,7 +119,12 @@ class WriteGateway:
         self._shared_gauge = metrics.shared_directory is not None
         # Forwards on the wire, with what they forward: one cut at shutdown is named
         # in the `forwards_abandoned` line (its key reads `unknown`).
-        self.forwards: dict[asyncio.Task[Any], Forwarding] = {}
+        self.forwards: dict[asyncio.Task[Any], WriteFacts] = {}
+        # Those of them settling a key they are known to have sent nothing under
+        # (refused as too late, or no connection made): one cut at shutdown is
+        # named as such. Kept out of the ordinary forward's path, which never
+        # enters it.
+        self.unsent: set[asyncio.Task[Any]] = set()
         self.body_budget = BodyBudget(config.max_body_buffer)
         self.replays = Replays()
         for name in config.destinations:
@@ -382,11 +388,8 @@ class WriteGateway:
         buffer is relayed once its outcome is recorded."""
         attempt = decided.verdict.attempt
         assert attempt is not None
-        forwarding = Forwarding(checked.facts)
-        task = asyncio.ensure_future(
-            self._forward(request, destination, checked, attempt, decided, forwarding)
-        )
-        self.forwards[task] = forwarding
+        task = asyncio.ensure_future(self._forward(request, destination, checked, attempt, decided))
+        self.forwards[task] = checked.facts
         task.add_done_callback(lambda done: self.forwards.pop(done, None))
         try:
             answer, reason, sent = await asyncio.shield(task)
@@ -435,6 +438,23 @@ class WriteGateway:
             asked_at=deciding.asked_at,
         )
 
+    @contextmanager
+    def _sending_nothing(self) -> Iterator[None]:
+        """Within a forward's task, the key of a request known to have sent nothing
+        being settled: a shutdown that cuts the forward here (`CancelledError`)
+        leaves it in `unsent`, for the `forwards_abandoned` line to say so."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.unsent.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise  # cut: read by the line once the task is done, then forgotten with it
+        except BaseException:
+            self.unsent.discard(task)
+            raise
+        self.unsent.discard(task)
+
     async def _not_sent(self, facts: WriteFacts, decided: Decided) -> None:
         """Settle the reservation of a forward verdict that will not be sent, and
         wake what waits on it."""
@@ -445,7 +465,8 @@ class WriteGateway:
 
     async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> NoReturn:
         """Refuse a write whose verdict came too late to be sent (`_send_by`)."""
-        await self._not_sent(facts, decided)
+        with self._sending_nothing():
+            await self._not_sent(facts, decided)
         # Not `decide`: the store answered, only too slowly for this destination.
         self.metrics.store_errors.labels("decide_late").inc()
         store_unavailable(
@@ -493,12 +514,10 @@ class WriteGateway:
         checked: Checked,
         attempt: str,
         decided: Decided,
-        forwarding: Forwarding,
     ) -> tuple[web.StreamResponse | UpstreamAnswer, str | None, Sent]:
         """Forward and record the outcome: the answer (one too long to buffer comes
         back as the `UpstreamAnswer` still to be relayed), the refusal's reason
-        when the forward failed, and what was sent (`forwarding.maybe_sent` says
-        so while the outcome is being recorded, for a shutdown that cuts it)."""
+        when the forward failed, and what was sent."""
         facts = checked.facts
         url = upstream_url(destination, facts.path, facts.query)
         headers = forward_headers(request.headers, destination)
@@ -512,7 +531,7 @@ class WriteGateway:
             await self._refuse_late(facts, decided)
         sent_at = time.perf_counter()
         result: Answered | NotAnswered
-        forwarding.maybe_sent = True
+        unsent = False
         try:
             answer = await self.upstreams.send(
                 destination,
@@ -528,11 +547,10 @@ class WriteGateway:
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
         except TooLateToSend:
-            forwarding.maybe_sent = False
             await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
-            forwarding.maybe_sent = failure.failure.maybe_sent
             result = NotAnswered(failure.failure.maybe_sent)
+            unsent = not failure.failure.maybe_sent
             detail = failure.detail
             if (
                 failure.failure is SendFailure.TIMEOUT
@@ -547,7 +565,11 @@ class WriteGateway:
         metrics.child(metrics.upstream_latency, destination.name).observe(upstream_s)
         stored: bool | None = None
         try:
-            stored = await self._record_outcome(facts, attempt, outcome)
+            if unsent:
+                with self._sending_nothing():
+                    stored = await self._record_outcome(facts, attempt, outcome)
+            else:
+                stored = await self._record_outcome(facts, attempt, outcome)
         finally:
             # Counted as the key ends: an outcome the store did not take (or whose
             # recording a shutdown cut short) leaves it to read `unknown`.
@@ -633,20 +655,6 @@ TOO_LATE_DETAIL = (
 # A forward is sent only with at least this much of the destination's timeout left
 # (half of a timeout shorter than twice this).
 MIN_FORWARD_S = 0.05
-
-
-class Forwarding:
-    """A forward under way (`WriteGateway.forwards`): what it forwards, and
-    whether any of it may have reached the upstream, which a shutdown that cuts
-    it tells the operator (`forwards_abandoned`): False until the request is
-    handed to the client library, and again once it is known to have sent
-    nothing (refused as too late, or no connection made)."""
-
-    __slots__ = ("facts", "maybe_sent")
-
-    def __init__(self, facts: WriteFacts) -> None:
-        self.facts = facts
-        self.maybe_sent = False
 
 
 class _TooLate(Rejection):
