@@ -122,6 +122,8 @@ def test_a_short_chaos_run_through_the_gateway_finds_no_violation(tmp_path: Path
     rejections = report["rejections"]
     refused = sum(stale["rejected"].values())
     assert sum(rejections[r] for r in stale["rejected"] if r in rejections) >= refused
+    # replays too, under the rejection log's reason for them
+    assert rejections.get("duplicate", 0) >= report["writes"]["duplicates_replayed"] >= 1
     assert "rejections.stale_generation" in out or "rejections.lease_expired" in out
     assert "OK: 0 violation(s)" in out
 

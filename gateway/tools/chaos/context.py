@@ -104,14 +104,19 @@ class RunContext:
 
 def count_rejections(into: Counter[str]) -> aiohttp.TraceConfig:
     """A client trace hook: the reason of each answer carrying `Sinkgate-Rejected`
-    counted into `into` (SPEC 7: the report counts each rejection reason)."""
+    counted into `into` (SPEC 7: the report counts each rejection reason), and
+    each replay as `duplicate`, the reason the rejection log records it under
+    (SPEC 2 step 7), though its answer is no refusal."""
 
     async def ended(
         _session: aiohttp.ClientSession, _context: Any, params: aiohttp.TraceRequestEndParams
     ) -> None:
-        reason = params.response.headers.get("Sinkgate-Rejected")
+        headers = params.response.headers
+        reason = headers.get("Sinkgate-Rejected")
         if reason:
             into[reason] += 1
+        elif headers.get("Idempotent-Replayed") == "true":
+            into["duplicate"] += 1
 
     trace = aiohttp.TraceConfig()
     trace.on_request_end.append(ended)
