@@ -61,6 +61,10 @@ HOLDING_TTL_S = 30.0  # how long a row says its process holds writes
 HOLDING_REFRESH_S = 10.0  # how often it is written again while the process does
 # How often an idle listening connection is asked something, to find it gone silent.
 PING_S = 30.0
+# How long an echo may take to come back before the connection is said deaf (at
+# most the statements' bound): a notification sent from the pool arrives within
+# milliseconds; one later than this comes at the next ping, and is heard then.
+ECHO_WAIT_S = 5.0
 _HOLDING_SQL = (
     f"INSERT INTO {HOLDING_TABLE} (process, until) "
     "VALUES ($1, extract(epoch FROM clock_timestamp()) + $2) "
@@ -256,7 +260,7 @@ class _Echo:
         except Exception as exc:  # the store's trouble, told by the writes: nothing learnt
             log.warning("settlements_echo_unsent", error=f"{type(exc).__name__}: {exc}")
             return
-        await _first_of(self.back, lost, seconds=bound)
+        await _first_of(self.back, lost, seconds=min(bound, ECHO_WAIT_S))
         if lost.is_set() or self.back.is_set() == self.hearing:
             return
         self.hearing = self.back.is_set()

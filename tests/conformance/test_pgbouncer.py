@@ -23,6 +23,7 @@ import pytest
 import structlog
 
 from gateway.http.appkeys import METRICS
+from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_notify import CHANNEL
 from leases.errors import StoreUnavailable
@@ -123,11 +124,12 @@ def _unheard(metrics: bytes) -> float | None:
 
 
 async def test_a_process_behind_the_pooler_says_it_hears_nothing_and_its_held_writes_wake(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes: a duplicate held in one (`Prefer: wait`) while its original
     is in flight in the other gets the replay, woken by its poll, with one
     request; and each process says it hears no settlement."""
+    monkeypatch.setattr(postgres_notify, "ECHO_WAIT_S", 0.5)  # said deaf sooner
     async with (
         transaction_pooler() as url,
         recording_upstream() as upstream,
@@ -152,6 +154,7 @@ async def _two_processes(
         # Each says so once its echo failed to come back (both are deaf until then).
         await eventually(
             lambda: sum("pooler in transaction mode" in e.get("error", "") for e in logs) == 2,
+            within=30,  # a loaded machine's start of two gateways and their listeners
             what="both processes finding themselves deaf",
         )
         assert [_unheard(gw.app[METRICS].render()[0]) for gw in (first, second)] == [1, 1]
