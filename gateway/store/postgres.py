@@ -73,7 +73,7 @@ from gateway.store.postgres_batch import (
     Operation,
     decide_batch,
 )
-from gateway.store.postgres_notify import CHANNEL, listen_settlements
+from gateway.store.postgres_notify import listen_settlements
 from gateway.store.postgres_outcomes import (
     Recorded,
     ReservationDeadlines,
@@ -97,8 +97,6 @@ from leases.postgres import (
 from leases.urls import split_statement_cache
 
 T = TypeVar("T")
-
-_NOTIFY_SQL = "SELECT pg_notify($1, $2)"
 
 log = structlog.get_logger("gateway.store")
 
@@ -220,13 +218,7 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     ) -> None:
         """`SettlementFeed`: every process's settlements, on a connection of its own."""
         url, connect_timeout = self._listen
-        await listen_settlements(
-            url, settled, holding, connect_timeout, hearing, notify=self._notify
-        )
-
-    async def _notify(self, payload: str) -> None:
-        """`pg_notify` on the settlements' channel, from a pooled connection."""
-        await self._read(lambda c: c.execute(_NOTIFY_SQL, CHANNEL, payload))
+        await listen_settlements(url, settled, holding, connect_timeout, hearing)
 
     def _observed(self, now: float, offset: float) -> None:
         self._skew = now - offset - time.time()

@@ -17,11 +17,11 @@ them instead. A lost connection is opened again after `RECONNECT_S`, and one
 that cannot be opened, or refuses LISTEN, is tried again at growing intervals
 (up to `MAX_RECONNECT_S`). As it starts listening and every `PING_S` while
 idle, a connection is asked something, and a notification of its own is sent
-from another session (`_Echo`): one gone silent is found and opened again, and
-one that answers but never hears its echo (the pooler) is said deaf. Not from
-its own session: behind a pooler in transaction mode, a NOTIFY sent there runs
-on the very server connection that ran LISTEN and comes back, while what other
-sessions notify never does.
+from another session, a connection opened for it (`_Echo`): one gone silent is
+found and opened again, and one that answers but never hears its echo (the
+pooler) is said deaf. Not from its own session: behind a pooler in
+transaction mode, a NOTIFY sent there runs on the very server connection that
+ran LISTEN and comes back, while what other sessions notify never does.
 
 The triggers notify only while some process holds writes. A transaction that
 notifies takes a cluster-wide lock from just before its commit to its end, so
@@ -53,8 +53,10 @@ CHANNEL = "sinkgate_settled"
 RECONNECT_S = 1.0
 MAX_RECONNECT_S = 30.0
 STEADY_S = 5.0  # a connection that listened this long was no failure of its own
-# How the listening connection names itself to the server (`pg_stat_activity`).
+# How the listening connection names itself to the server (`pg_stat_activity`),
+# and the short-lived one that sends its echo.
 APPLICATION_NAME = "sinkgate-settlements"
+ECHO_APPLICATION_NAME = "sinkgate-settlements-echo"
 
 HOLDING_TABLE = "sinkgate_holding"
 HOLDING_TTL_S = 30.0  # how long a row says its process holds writes
@@ -62,8 +64,8 @@ HOLDING_REFRESH_S = 10.0  # how often it is written again while the process does
 # How often an idle listening connection is asked something, to find it gone silent.
 PING_S = 30.0
 # How long an echo may take to come back before the connection is said deaf (at
-# most the statements' bound): a notification sent from the pool arrives within
-# milliseconds; one later than this comes at the next ping, and is heard then.
+# most the statements' bound): a notification sent from another connection
+# arrives within milliseconds; one later than this comes at the next ping, and is heard then.
 ECHO_WAIT_S = 5.0
 _HOLDING_SQL = (
     f"INSERT INTO {HOLDING_TABLE} (process, until) "
@@ -128,20 +130,42 @@ def parse_payload(payload: str) -> tuple[str, str | None, str] | None:
 Notify = Callable[[str], Awaitable[None]]
 
 
+def _notify_by_a_connection_of_its_own(url: str, bound: float) -> Notify:
+    """`Notify` on a connection opened for it and closed after, all within
+    `bound` seconds. Not the store's pool: an echo that gets no answer (a
+    connection gone silent) would hold one of the writes' connections for the
+    statements' whole bound, and a listener that reconnects often (a flaky
+    network) would do so again and again."""
+
+    async def notify(payload: str) -> None:
+        async with asyncio.timeout(bound):
+            conn = await asyncpg.connect(
+                url,
+                statement_cache_size=0,
+                server_settings={"application_name": ECHO_APPLICATION_NAME},
+            )
+            try:
+                await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, payload)
+            finally:
+                conn.terminate()  # committed once answered; no goodbye to wait for
+
+    return notify
+
+
 async def listen_settlements(
     url: str,
     settled: Settled,
     holding: asyncio.Event,
     connect_timeout: float,
     hearing: Hearing | None = None,
-    *,
-    notify: Notify,
 ) -> None:
     """Call `settled` for each settlement notified on `url`, and say this process
     holds writes while `holding` is set; until cancelled. `hearing` is told
     False at the start and whenever the listening connection is lost, refused or
-    found deaf, True once what `notify` sends is heard on it (`_Echo`)."""
+    found deaf, True once its echo, sent on another connection, is heard on it
+    (`_Echo`)."""
     heard = hearing or _nobody
+    notify = _notify_by_a_connection_of_its_own(url, connect_timeout)
 
     def on_notification(conn: Any, pid: int, channel: str, payload: str) -> None:
         parsed = parse_payload(payload)

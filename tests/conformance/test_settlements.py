@@ -173,14 +173,7 @@ async def test_a_listening_connection_gone_silent_is_found_and_opened_again(
         said: list[bool] = []  # what `hearing` was told
         idle = asyncio.Event()  # this process holds nothing: the connection is idle
         watch = asyncio.create_task(
-            listen_settlements(
-                relayed,
-                lambda *s: heard.append(s),
-                idle,
-                1.0,
-                said.append,
-                notify=store._notify,  # another session: the store's pool, not relayed
-            )
+            listen_settlements(relayed, lambda *s: heard.append(s), idle, 1.0, said.append)
         )
         try:
             conn = await asyncpg.connect(url)
