@@ -274,7 +274,8 @@ class _Echo:
 
     async def ask(self, conn: Any, lost: asyncio.Event, bound: float) -> None:
         """Ask `conn` something (its statement's failure is raised: the connection
-        is opened again), notify, and wait up to `bound` seconds to hear it."""
+        is opened again), notify, and wait up to `ECHO_WAIT_S` seconds (at most
+        `bound`) to hear it."""
         self.back.clear()
         await _unless_lost(conn.execute("SELECT 1", timeout=bound), lost)
         if lost.is_set():
