@@ -129,10 +129,9 @@ async def _postgres_status(url: str) -> str:
     from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION as current
     from leases.postgres import LEASES_SCHEMA_VERSION as leases
 
+    driver_url, cache = split_statement_cache(url)
     try:
-        conn = await asyncpg.connect(
-            split_statement_cache(url)[0], timeout=CONNECT_TIMEOUT_S, statement_cache_size=0
-        )
+        conn = await asyncpg.connect(driver_url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
     except (
         OSError,
         TimeoutError,
@@ -151,11 +150,35 @@ async def _postgres_status(url: str) -> str:
             rows = []
         versions = {str(c): int(v) for c, v in rows}
         await _foreign_tables(conn, versions)
+        pooled = cache != 0 and await _lends_servers(driver_url, conn)
     finally:
         await conn.close()
-    if not versions:
-        return schema_words(None, current)
-    return schemas_words(versions, current, leases)
+    words = schemas_words(versions, current, leases) if versions else schema_words(None, current)
+    if pooled:
+        words += (
+            "; WARNING: reached through a pooler in transaction mode (two sessions were "
+            "given one server): writes fail 503 as soon as it moves a session between "
+            "servers, unless statement_cache_size=0 is added to the URL's query or the "
+            "pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements)"
+        )
+    return words
+
+
+async def _lends_servers(url: str, first: Any) -> bool:
+    """Whether `url` reaches a pooler in transaction mode: a second session, in a
+    transaction, is given the server the first one's last statement ran on (the
+    pooler lends the server it got back last). Directly, or through a pooler in
+    session mode, two sessions never share a server. A pooler that lends another
+    server is not found: this can say so, not rule it out."""
+    import asyncpg
+
+    ran_on = await first.fetchval("SELECT pg_backend_pid()")
+    second = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
+    try:
+        async with second.transaction():
+            return bool(await second.fetchval("SELECT pg_backend_pid()") == ran_on)
+    finally:
+        await second.close()
 
 
 async def _foreign_tables(conn: Any, versions: dict[str, int]) -> None:

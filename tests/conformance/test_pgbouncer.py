@@ -26,6 +26,7 @@ from gateway.http.appkeys import METRICS
 from gateway.store import postgres_notify
 from gateway.store.postgres import PostgresStore
 from gateway.store.postgres_notify import CHANNEL
+from gateway.store.probe import store_status
 from leases.errors import StoreUnavailable
 from tests.harness import (
     RecordingUpstream,
@@ -35,6 +36,7 @@ from tests.harness import (
     recording_upstream,
     running_gateway,
 )
+from tests.pg import fresh_database
 from tests.pgbouncer import transaction_pooler
 
 pytestmark = pytest.mark.postgres
@@ -91,6 +93,16 @@ async def test_writes_decided_replayed_and_fenced_through_the_pooler(tmp_path: P
         )
         assert (status, b'"unknown_generation"' in body) == (409, True)
         assert len(upstream.received) == 120
+
+
+async def test_check_config_connect_says_the_url_reaches_a_transaction_pooler() -> None:
+    """Found before the first write fails: two sessions given one server. Not said
+    once the URL turns the statement cache off, nor of the server itself."""
+    async with transaction_pooler() as url:
+        assert "WARNING: reached through a pooler in transaction mode" in await store_status(url)
+        assert await store_status(url + UNCACHED) == "schema missing: serve creates it"
+    async with fresh_database() as direct:
+        assert await store_status(direct) == "schema missing: serve creates it"
 
 
 async def test_the_pooler_hands_back_only_what_the_listening_session_sent() -> None:
