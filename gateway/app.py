@@ -161,9 +161,13 @@ def create_app(
         app[RELOADER].attach(writes, audit=app[STORE].record_audit)
         _count_retries(app[STORE], app[METRICS])
         feed = _watch_settlements(app[STORE], waiters, app[METRICS])
+        pooled = None
+        if owned and config.store_url.split(":", 1)[0].lower() in ("postgresql", "postgres"):
+            pooled = asyncio.create_task(_say_if_pooled(config.store_url), name="pooler-check")
         try:
             yield
         finally:
+            await _stop_task(pooled)
             await app[RELOADER].close()
             await _drain(writes, config.shutdown_grace)
             await _stop_task(feed)
@@ -341,6 +345,18 @@ async def _open_configured_store(config: Config, clock: Clock) -> Store:
 
         why = tls_trouble(config.store_url, exc) or first_line(exc)
         raise GatewayError(f"store {redact_url(config.store_url)}: {why}") from None
+
+
+async def _say_if_pooled(url: str) -> None:
+    """Log `store_behind_pooler` when the PostgreSQL store's URL reaches a pooler
+    in transaction mode with the driver's statement cache on (`check-config
+    --connect`'s WARNING): writes will fail once it moves a session. In the
+    background: a start is not held up by the two connections it takes."""
+    from gateway.store.probe import pooler_warning
+
+    warning = await pooler_warning(url)
+    if warning is not None:
+        log.warning("store_behind_pooler", warning=warning)
 
 
 async def serve(

@@ -154,14 +154,36 @@ async def _postgres_status(url: str) -> str:
     finally:
         await conn.close()
     words = schemas_words(versions, current, leases) if versions else schema_words(None, current)
-    if pooled:
-        words += (
-            "; WARNING: reached through a pooler in transaction mode (two sessions were "
-            "given one server): writes fail 503 as soon as it moves a session between "
-            "servers, unless statement_cache_size=0 is added to the URL's query or the "
-            "pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements)"
-        )
-    return words
+    return f"{words}; WARNING: {POOLED}" if pooled else words
+
+
+POOLED = (
+    "reached through a pooler in transaction mode (two sessions were given one "
+    "server): writes fail 503 as soon as it moves a session between servers, unless "
+    "statement_cache_size=0 is added to the URL's query or the pooler keeps prepared "
+    "statements (PgBouncer 1.21+ with max_prepared_statements)"
+)
+
+
+async def pooler_warning(url: str) -> str | None:
+    """`serve`'s start: the words of `check-config --connect`'s WARNING when the
+    PostgreSQL `url` reaches a pooler in transaction mode with the driver's
+    statement cache on; else None (a failure to tell is no reason to stop)."""
+    import asyncpg
+
+    driver_url, cache = split_statement_cache(url)
+    if cache == 0:
+        return None
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S * 2):
+            first = await asyncpg.connect(driver_url, statement_cache_size=0)
+            try:
+                pooled = await _lends_servers(driver_url, first)
+            finally:
+                await first.close()
+    except Exception:  # unreachable, refused, slow: the store's own opening says so
+        return None
+    return POOLED if pooled else None
 
 
 async def _lends_servers(url: str, first: Any) -> bool:

@@ -38,6 +38,7 @@ from tests.harness import (
 )
 from tests.pg import fresh_database
 from tests.pgbouncer import transaction_pooler
+from tests.served import served
 
 pytestmark = pytest.mark.postgres
 
@@ -103,6 +104,26 @@ async def test_check_config_connect_says_the_url_reaches_a_transaction_pooler() 
         assert await store_status(url + UNCACHED) == "schema missing: serve creates it"
     async with fresh_database() as direct:
         assert await store_status(direct) == "schema missing: serve creates it"
+
+
+async def test_serve_says_at_start_that_its_store_is_behind_a_transaction_pooler(
+    tmp_path: Path,
+) -> None:
+    """The same words in serve's log, for whoever never ran check-config --connect;
+    not once the URL turns the statement cache off."""
+    for query, said in (("", 1), (UNCACHED, 0)):
+        async with transaction_pooler() as url:
+            config = make_config(tmp_path / str(said), store_url=url + query)
+            with structlog.testing.capture_logs() as logs:
+                async with served(config):
+                    if said:
+                        await eventually(
+                            lambda: any(e["event"] == "store_behind_pooler" for e in logs),
+                            what="the warning",
+                        )
+            lines = [e for e in logs if e["event"] == "store_behind_pooler"]
+            assert len(lines) == said
+            assert all("statement_cache_size=0" in e["warning"] for e in lines)
 
 
 async def test_the_pooler_hands_back_only_what_the_listening_session_sent() -> None:
