@@ -18,7 +18,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+    nullcontext,
+)
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -327,13 +333,15 @@ def run_chaos(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     """`sinkgate chaos ARGS` in a process of its own: its exit code, its JSON report
     and what it printed (stdout, then stderr)."""
     report_path = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    faulted = "--store-faults" in args or "--wire-faults" in args
+    with faulted_chaos_alone() if faulted else nullcontext():
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway", "chaos", *args, "--json", str(report_path)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
     assert report_path.exists(), proc.stdout + proc.stderr
     return proc.returncode, json.loads(report_path.read_text()), proc.stdout + proc.stderr
 
@@ -409,14 +417,26 @@ async def stop_serve(process: asyncio.subprocess.Process, within: float) -> int:
     return process.returncode
 
 
-@contextmanager
-def repository_build() -> Iterator[None]:
+def repository_build() -> AbstractContextManager[None]:
     """Hold the lock for building this repository with pip (`pip install <repo>`,
     `pip wheel <repo>`): pip builds in the tree (`build/`, `*.egg-info`), and two
     test processes building at once collide there ("File exists")."""
+    return _held("build")
+
+
+def faulted_chaos_alone() -> AbstractContextManager[None]:
+    """Hold the lock for a chaos run with store or wire faults: two at once (one
+    per test process) starved each other until a job's last steps missed the
+    run's deadline (`completed_exactly_once`), in this tree and before it."""
+    return _held("chaos")
+
+
+@contextmanager
+def _held(name: str) -> Iterator[None]:
+    """This repository's lock `name`, shared by the test processes (`-n 2`)."""
     repo = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(str(repo).encode()).hexdigest()[:16]
-    with open(Path(tempfile.gettempdir()) / f"sinkgate-build-{digest}.lock", "w") as lock:
+    with open(Path(tempfile.gettempdir()) / f"sinkgate-{name}-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

@@ -22,7 +22,7 @@ from gateway.tools.chaos import run as chaos
 from gateway.tools.chaos.processes import GatewayProcess
 from gateway.tools.chaos.records import check_records
 from gateway.tools.chaos.worker import LeaseBackoff
-from tests.harness import run_chaos
+from tests.harness import faulted_chaos_alone, run_chaos
 from tests.pg import PG_ADMIN_URL, fresh_database, pg_skip_reason, skip_or_fail
 
 SHORT = ["--workers", "6", "--jobs", "10", "--duration", "8", "--ttl", "0.8", "--max-pause", "2"]
@@ -198,7 +198,7 @@ def run_weak(
     report: dict[str, Any] = {}
     for seed in CONTROL_SEEDS:
         report_path = tmp_path / f"report-{seed}.json"
-        with store() as store_args:
+        with store() as store_args, faulted_chaos_alone():
             argv = [*CONTROL, "--seed", str(seed), *args, *store_args]
             code = chaos.main([*argv, "--json", str(report_path)])
         report = json.loads(report_path.read_text())
