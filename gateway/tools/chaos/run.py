@@ -222,8 +222,11 @@ def _context(
         session=session,
         seed=args.seed,
         # Store and wire faults stall the work now and then: more slack (the
-        # deadline only matters for jobs still pending).
-        deadline=loop.time() + 2 * args.duration + 10 + faulted * (args.duration + 60),
+        # deadline only matters for jobs still pending). A stalled store call
+        # costs a write its whole bound (10 s, a decision up to 30 s retried),
+        # and a job of three steps on a loaded machine met several: with 60 s
+        # its last step missed the deadline.
+        deadline=loop.time() + 2 * args.duration + 10 + faulted * (args.duration + 120),
         write_timeout=GATEWAY_TIMEOUT_S + 3 + extra_patience,
     )
     if args.late_writes:
