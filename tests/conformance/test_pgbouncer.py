@@ -14,7 +14,6 @@ clients, so clients change servers between transactions, as under load.
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from gateway.store.postgres_notify import CHANNEL
 from gateway.store.probe import store_status
 from leases.errors import StoreUnavailable
 from tests.harness import (
+    Gateway,
     RecordingUpstream,
     destination,
     eventually,
@@ -150,13 +150,13 @@ async def test_the_pooler_hands_back_only_what_the_listening_session_sent() -> N
             await listening.close()
 
 
-def _sample(metrics: bytes, series: str) -> float | None:
-    found = re.search(rb"^" + series.encode() + rb" (\S+)$", metrics, re.MULTILINE)
-    return None if found is None else float(found[1])
+def _sample(gw: Gateway, name: str) -> float | None:
+    value: float | None = gw.app[METRICS].registry.get_sample_value(name)
+    return value
 
 
-def _unheard(metrics: bytes) -> float | None:
-    return _sample(metrics, "sinkgate_settlements_unheard")
+def _unheard(gw: Gateway) -> float | None:
+    return _sample(gw, "sinkgate_settlements_unheard")
 
 
 async def test_a_process_behind_the_pooler_says_it_hears_nothing_and_its_held_writes_wake(
@@ -193,7 +193,7 @@ async def _two_processes(
             within=30,  # a loaded machine's start of two gateways and their listeners
             what="both processes finding themselves deaf",
         )
-        assert [_unheard(gw.app[METRICS].render()[0]) for gw in (first, second)] == [1, 1]
+        assert [_unheard(gw) for gw in (first, second)] == [1, 1]
         generation = await first.claim("job-1")
         original = asyncio.create_task(first.write("/to/pay/slow/1", generation=generation))
         await upstream.arrived.wait()
@@ -201,7 +201,7 @@ async def _two_processes(
             second.write("/to/pay/slow/1", generation=generation, headers={"Prefer": "wait=20"})
         )
         await eventually(
-            lambda: _sample(second.app[METRICS].render()[0], "sinkgate_waiting_writes") == 1,
+            lambda: _sample(second, "sinkgate_waiting_writes") == 1,
             what="the duplicate held",
         )
         upstream.release.set()
@@ -210,4 +210,4 @@ async def _two_processes(
         assert (replayed_status, replayed) == (status, body)
         assert headers.get("Preference-Applied", "").startswith("wait=")
         assert len(upstream.received) == 1
-        assert _unheard(second.app[METRICS].render()[0]) == 1
+        assert _unheard(second) == 1
