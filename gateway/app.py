@@ -47,6 +47,7 @@ from gateway.write.route import WriteGateway
 from gateway.write.upstream import Upstreams
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
+from leases.urls import is_postgres_url
 
 log = structlog.get_logger("gateway.app")
 
@@ -162,7 +163,7 @@ def create_app(
         _count_retries(app[STORE], app[METRICS])
         feed = _watch_settlements(app[STORE], waiters, app[METRICS])
         pooled = None
-        if owned and config.store_url.split(":", 1)[0].lower() in ("postgresql", "postgres"):
+        if owned and is_postgres_url(config.store_url):
             pooled = asyncio.create_task(_say_if_pooled(config.store_url), name="pooler-check")
         try:
             yield

@@ -63,7 +63,7 @@ from .errors import (
     refused,
 )
 from .model import Lease, LeaseRef, LeaseRow, Reason, State
-from .urls import check_readable, shown_scheme, split_statement_cache
+from .urls import check_readable, is_postgres_url, shown_scheme, split_statement_cache
 
 T = TypeVar("T")
 Conn = Any  # asyncpg.Connection or a pool's proxy for one; asyncpg ships no type hints
@@ -552,7 +552,7 @@ def _is_number(value: object) -> bool:
 def _validate_open(
     url: object, clock_offset: object, min_size: object, max_size: object, cache: object
 ) -> None:
-    if not isinstance(url, str) or url.split(":", 1)[0].lower() not in ("postgresql", "postgres"):
+    if not isinstance(url, str) or not is_postgres_url(url):
         # Never the URL itself: it may carry a password.
         shown = shown_scheme(url) if isinstance(url, str) else type(url).__name__
         raise ValueError(f"not a PostgreSQL URL: {shown} (expected postgresql://...)")

@@ -13,6 +13,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 __all__ = [
     "check_readable",
+    "is_postgres_url",
     "postgres_hosts",
     "redact_url",
     "shown_scheme",
@@ -91,6 +92,11 @@ def split_statement_cache(url: str) -> tuple[str, int | None]:
     if len(found) != 1 or not _count(found[0]):
         return url, None
     return (f"{base}?{'&'.join(kept)}" if kept else base), int(found[0])
+
+
+def is_postgres_url(url: str) -> bool:
+    """Whether `url`'s scheme is postgresql:// or postgres://, in any case."""
+    return url.split(":", 1)[0].lower() in ("postgresql", "postgres")
 
 
 def postgres_hosts(url: str) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from gateway.errors import GatewayError, os_error_words
 from gateway.store import sqlite_schema
 from leases import sqlite as lease_sqlite
-from leases.urls import split_statement_cache, unreadable_url
+from leases.urls import is_postgres_url, split_statement_cache, unreadable_url
 
 CONNECT_TIMEOUT_S = 5.0
 # Both components' versions: `serve` refuses a database either is newer in.
@@ -326,7 +326,7 @@ def known_trouble_in(url: str, exc: BaseException) -> str | None:
     if cause is None:
         return None
     tls = tls_trouble(url, cause)
-    if tls is None and url.split(":", 1)[0].lower() in ("postgresql", "postgres"):
+    if tls is None and is_postgres_url(url):
         if isinstance(cause, OSError | TimeoutError):  # refused, unresolved, silent
             return postgres_trouble(url, cause)
     return tls

@@ -31,13 +31,10 @@ from gateway.tools.chaos.processes import GatewayProcess, Ports
 from gateway.tools.chaos.proxy import FaultProxy
 from gateway.tools.chaos.records import RECORD_INVARIANTS, check_records, read_key_records
 from leases.sqlite import BUSY_TIMEOUT_S, sqlite_path
+from leases.urls import is_postgres_url
 
 # Refusals closer together than this belong to one stretch of refused writes.
 _REFUSAL_GAP_S = 1.0
-
-
-def _is_postgres(url: str) -> bool:
-    return url.split(":", 1)[0].lower() in ("postgresql", "postgres")
 
 
 class FaultPlan:
@@ -62,7 +59,7 @@ class FaultPlan:
 
     async def store(self, url: str) -> str:
         """The store URL the gateways get, from the one the run was given."""
-        self._sqlite = not _is_postgres(url)
+        self._sqlite = not is_postgres_url(url)
         if not self._sqlite and self.store_share:
             self.db = RunDatabase(url)
             await self.db.create()
