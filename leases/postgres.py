@@ -445,6 +445,9 @@ class PostgresLeaseStore(Closing):
     ) -> None:
         self._pool = pool
         self._wait = acquire_timeout  # for a pooled connection
+        # What connections outside the pool dial: the URL `open` was given, without
+        # the parameter the driver does not read (`split_statement_cache`).
+        self._url = ""
         self._closed = False
         self.clock_offset = clock_offset
 
@@ -486,6 +489,7 @@ class PostgresLeaseStore(Closing):
                 reset=_no_reset,
             )
         store = cls(pool, clock_offset=float(clock_offset), acquire_timeout=acquire_timeout)
+        store._url = url
         try:
             with driver_errors("cannot create the PostgreSQL lease schema"):
                 async with schema_connection(url, connect_timeout) as conn:

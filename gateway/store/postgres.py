@@ -94,7 +94,6 @@ from leases.postgres import (
     schema_connection,
     transaction,
 )
-from leases.urls import split_statement_cache
 
 T = TypeVar("T")
 
@@ -180,10 +179,6 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
     ) -> PostgresStore:
         """Open a pool on `url`, create or check the lease and gateway schema;
         the timeouts and `statement_cache_size` as `PostgresLeaseStore.open`'s."""
-        # Taken off here too: the URL is used below for connections of its own.
-        url, from_url = split_statement_cache(url) if isinstance(url, str) else (url, None)
-        if from_url is not None:
-            statement_cache_size = from_url
         store = cast(
             PostgresStore,
             await super().open(
@@ -197,10 +192,10 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 statement_timeout=statement_timeout,
             ),
         )
-        store._listen = (url, connect_timeout)
+        store._listen = (store._url, connect_timeout)
         try:
             with driver_errors("cannot create the PostgreSQL gateway schema"):
-                async with schema_connection(url, connect_timeout) as conn:
+                async with schema_connection(store._url, connect_timeout) as conn:
                     await init_schema(conn)
                     before = time.time()
                     server = await db_now(conn, 0.0)
