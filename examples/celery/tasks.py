@@ -23,6 +23,9 @@ GATEWAY = os.environ.get("EXAMPLE_GATEWAY", "http://127.0.0.1:8480")
 
 app = Celery("shop", broker=BROKER, backend=BROKER)  # results: the producer prints them
 app.conf.broker_transport_options = {"visibility_timeout": 60}  # redelivery after 60 s
+# The adapter's lines (structlog, on standard output unless configured) at their own
+# level: Celery re-logs a task's standard output as WARNING by default.
+app.conf.worker_redirect_stdouts_level = "INFO"
 gate = TaskGate(GATEWAY, ttl=10)
 
 
