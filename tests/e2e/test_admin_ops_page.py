@@ -179,6 +179,14 @@ async def test_a_notice_of_a_resolve_is_the_sessions_own(browser):
     assert "Resolved" not in signed
 
 
+async def test_a_signature_of_any_text_is_only_not_ours(browser):
+    """A `sig` with non-ASCII text was compared as a str: a 500 and a traceback."""
+    for sig in ("%C3%A9", "%ED%A0%80", "%00"):
+        page = await browser.get(f"/admin/queue?done=x&sig={sig}")
+        assert page.status == 200, sig
+        assert "Resolved" not in await page.text()
+
+
 async def test_a_filtered_queue_says_what_the_filter_left_out(browser):
     """The heading counts the whole queue; under a job_id that matches nothing the
     list said "Nothing waits for an operator" below "Unknown outcomes 2"."""

@@ -217,7 +217,8 @@ class OperatorPage:
             else "Nothing waits for an operator."
         )
         done = request.query.get("done", "")
-        if done and not hmac.compare_digest(request.query.get("sig", ""), _signed(csrf, done)):
+        sig = request.query.get("sig", "").encode("utf-8", "surrogatepass")  # any text: bytes
+        if done and not hmac.compare_digest(sig, _signed(csrf, done).encode()):
             done = ""  # a link of anybody's making: no notice of a resolve nobody did
         notice = message or (f"Resolved {done}. " if done else "")
         body = (
