@@ -171,9 +171,10 @@ class SessionAuth:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         guarded = path == "/admin" or path.startswith("/admin/")
-        if guarded and self.open and not loopback_host(request.host):
+        if self.open and not loopback_host(request.host):
             # No token: the listener is on loopback only, and a page whose name a
-            # DNS rebinding points at 127.0.0.1 must not be served as if it were us.
+            # DNS rebinding points at 127.0.0.1 must not be served as if it were us;
+            # nor read /metrics (its labels name destinations a 404 keeps to itself).
             self._warn("admin_host_refused", request)
             return _forbidden("without an admin token only a loopback host name is served")
         if guarded and cross_site(request, null_origin_is_own=path in PAGE_FORMS):

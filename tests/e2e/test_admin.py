@@ -487,6 +487,9 @@ async def test_without_a_token_only_a_loopback_host_name_is_served(
         assert response.status == status
         response = await c.post("/admin/reload", headers={"Host": host})
         assert (response.status == 403) == (status == 403)
+        for path in ("/metrics", "/readyz", "/healthz"):  # a rebound page reads no label
+            response = await c.get(path, headers={"Host": host})
+            assert response.status == status, path
     async with TestClient(TestServer(create_admin_app(store, metrics, token="t"))) as c:
         response = await c.get(
             "/admin/rejections", headers={"Host": host, "Authorization": "Bearer t"}
