@@ -47,6 +47,7 @@ from gateway.config.reader import (
     parse_size,
     parse_upstream,
     read_toml,
+    same_socket,
     show,
     shown_env,
 )
@@ -311,12 +312,12 @@ def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Pr
 
 
 def _check_server(server: Table, srv: dict[str, Any]) -> None:
-    if (
-        not server.failed & {"listen", "admin_listen"}
-        and srv["listen"] == srv["admin_listen"]
-        and srv["listen"][1] != 0
+    if not server.failed & {"listen", "admin_listen"} and same_socket(
+        srv["listen"], srv["admin_listen"]
     ):
-        server.report("admin_listen", "must differ from server.listen")
+        (host, port), (admin_host, _) = srv["listen"], srv["admin_listen"]
+        also = "" if host == admin_host else f" ({admin_host} and {host} share port {port})"
+        server.report("admin_listen", f"must differ from server.listen{also}")
     check_server_tls(server, srv)
 
 

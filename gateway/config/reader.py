@@ -19,6 +19,7 @@ import difflib
 import ipaddress
 import json
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -181,6 +182,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def same_socket(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two listen addresses would take one socket: one port (not 0) and
+    one host however spelled (`localhost` and `127.0.0.1`), or a wildcard on
+    either side. A name that does not resolve is said by `serve`, not here."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a != port_b or port_a == 0:
+        return False
+    if host_a.lower() == host_b.lower() or {host_a, host_b} & _WILDCARDS:
+        return True
+    try:
+        found = [
+            {info[4][0] for info in socket.getaddrinfo(host, port_a, type=socket.SOCK_STREAM)}
+            for host in (host_a, host_b)
+        ]
+    except (OSError, UnicodeError):
+        return False
+    return bool(found[0] & found[1])
 
 
 def show(value: object) -> str:

@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.config import model
+from gateway.config import model, reader
 from gateway.config.model import (
     Config,
     DestinationConfig,
@@ -467,6 +467,15 @@ def test_parse_upstream_refuses(text: str) -> None:
             '[server]\nadmin_listen = "127.0.0.1:8480"\n',
             "server.admin_listen: must differ",
         ),
+        (  # one socket spelled twice: with --workers N the kernel split the connections
+            '[server]\nadmin_listen = "localhost:8480"\n',
+            "server.admin_listen: must differ from server.listen "
+            "(localhost and 127.0.0.1 share port 8480)",
+        ),
+        (
+            '[server]\nlisten = "0.0.0.0:8480"\nadmin_listen = "127.0.0.1:8480"\n',
+            "server.admin_listen: must differ from server.listen (127.0.0.1 and 0.0.0.0",
+        ),
         (
             '[server]\nadmin_listen = "0.0.0.0:8481"\n',
             "server.admin_listen: listens beyond loopback",
@@ -578,6 +587,23 @@ def test_gateway_file_errors_name_file_and_key(tmp_path: Path, gateway: str, mes
     error = config_error(write_config(tmp_path, gateway))
     assert error.startswith(message)
     assert "s3cret" not in error  # a password in a URL is never echoed
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (("127.0.0.1", 8480), ("localhost", 8480), True),
+        (("::", 8480), ("::1", 8480), True),
+        (("127.0.0.1", 8480), ("127.0.0.2", 8480), False),  # two addresses, two sockets
+        (("127.0.0.1", 8480), ("localhost", 8481), False),
+        (("127.0.0.1", 0), ("localhost", 0), False),  # two ports the system picks
+        (("no-such-host.invalid", 8480), ("127.0.0.1", 8480), False),  # serve says it
+    ],
+)
+def test_listen_addresses_are_compared_as_sockets(
+    a: tuple[str, int], b: tuple[str, int], same: bool
+) -> None:
+    assert reader.same_socket(a, b) is same
 
 
 def test_a_destinations_dir_that_cannot_be_listed_is_an_error_not_empty(
