@@ -443,7 +443,8 @@ ADMIN = Section(
         "operators",
         operators,
         (),
-        "name = variable holding that operator's token (named in the audit log)",
+        "name = variable holding that operator's token (named in the audit log; "
+        "not also a lease, worker or admin token)",
         field="admin_operators",
     ),
     restart=True,

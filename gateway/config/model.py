@@ -272,7 +272,7 @@ def _load(
         display=file,
         unread_files=unread_files,
     )
-    refused = []
+    refused = shared_tokens(config)
     for short in short_tokens(config, running):
         if not short.exposed:
             continue
@@ -399,6 +399,27 @@ def short_tokens(config: Config, running: Config | None = None) -> list[ShortTok
         )
         short.append(ShortToken(message, exposed, key))
     return short
+
+
+def shared_tokens(config: Config) -> list[str]:
+    """An admin or operator token that is also a lease or worker token: whoever
+    holds it for the lease API or a destination could act as the operator, and the
+    audit log would name the wrong one. (A worker's lease and worker tokens may be
+    one.)"""
+    file = config.display or config.source.name
+    admin = [("admin.token_env", config.admin_token)] if config.admin_token else []
+    admin += [(operator_key(n), t) for n, t in config.admin_operators]
+    worker = {t: "server.lease_tokens_env" for t in config.lease_tokens or ()}
+    for name, dest in sorted(config.destinations.items(), reverse=True):
+        worker |= {
+            t: f"destinations {show(name)}'s worker_tokens_env" for t in dest.worker_tokens or ()
+        }
+    return [
+        f"{file}: {key}: has the same token as {worker[token]}: whoever holds it there "
+        "could act here; give each role a token of its own"
+        for key, token in admin
+        if token in worker
+    ]
 
 
 def operator_key(name: str) -> str:

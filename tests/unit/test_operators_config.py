@@ -79,6 +79,33 @@ def test_an_operator_may_not_share_the_admin_token(tmp_path: Path) -> None:
     assert "admin.operators.alice: has the same token as admin.token_env" in config_error(path, env)
 
 
+@pytest.mark.parametrize(
+    ("gateway", "payments", "said"),
+    [
+        ('[server]\nlease_tokens_env = "TOKEN_BOB"\n', "",
+         "admin.operators.alice: has the same token as server.lease_tokens_env"),
+        ("", 'worker_tokens_env = "TOKEN_BOB"\n',
+         "admin.operators.alice: has the same token as destinations \"payments\"'s "
+         "worker_tokens_env"),
+    ],
+)  # fmt: skip
+def test_an_operator_token_is_nobody_elses(
+    tmp_path: Path, gateway: str, payments: str, said: str
+) -> None:
+    """An operator token that was also a worker's let that worker resolve keys in
+    the operator's name; a worker's lease and worker tokens may still be one."""
+    env = {**ENV, "TOKEN_BOB": ENV["TOKEN_ALICE"]}
+    operators = '[admin.operators]\nalice = "TOKEN_ALICE"\n'
+    path = write_config(
+        tmp_path, gateway + operators, payments='upstream = "http://127.0.0.1:9000"\n' + payments
+    )
+    error = config_error(path, env)
+    assert said in error and "whoever holds it there could act here" in error
+    assert LONG not in error
+    (tmp_path / "gateway.toml").write_text(gateway)  # without the operator: loads
+    assert load_config(path, env).admin_operators == ()
+
+
 def test_operators_alone_protect_a_listener_beyond_loopback(tmp_path: Path) -> None:
     server = '[server]\nadmin_listen = "0.0.0.0:8481"\n'
     path = write_config(tmp_path, server + '[admin.operators]\nalice = "TOKEN_ALICE"\n')
