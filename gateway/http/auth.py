@@ -99,9 +99,13 @@ def loopback_host(host: str) -> bool:
     that is not loopback a browser sends no `Sec-Fetch-*` (nor `Origin` on a GET)."""
     name = host.strip().lower()
     if name.startswith("["):
-        name = name[1:].partition("]")[0]
-    else:
-        name = name.rpartition(":")[0] if name.count(":") == 1 else name
+        name, _, port = name[1:].partition("]")
+        if port and not (port[0] == ":" and port[1:].isdigit()):
+            return False  # `[::1]:80@evil.example`: no browser sends it, nor is it ours
+    elif name.count(":") == 1:
+        name, _, port = name.rpartition(":")
+        if not port.isdigit():
+            return False  # `127.0.0.1:80@evil.example`
     name = name.removesuffix(".")  # a fully qualified name: `localhost.`
     if name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
         return True  # the machine's own name: its /etc/hosts points it at loopback

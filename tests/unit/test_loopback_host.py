@@ -29,7 +29,17 @@ def test_loopbacks_own_names(host: str) -> None:
 
 @pytest.mark.parametrize(
     "host",
-    ["evil.example", "evil.example:8480", "10.0.0.1", "[::ffff:10.0.0.1]", "", "localhost.evil"],
+    [
+        "evil.example",
+        "evil.example:8480",
+        "10.0.0.1",
+        "[::ffff:10.0.0.1]",
+        "",
+        "localhost.evil",
+        "127.0.0.1:8480@evil.example",  # not a port: the name is not loopback's
+        "[::1]:8480@evil.example",
+        "[::1]x",
+    ],
 )
 def test_other_names(host: str) -> None:
     assert not loopback_host(host)
