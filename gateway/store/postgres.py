@@ -394,7 +394,17 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
                 return await fn(conn)
 
     async def ping(self) -> None:
-        await self._read(lambda c: c.fetchval("SELECT 1"))
+        """Ready means the database answers and still holds this release's schema: a
+        database dropped and created again answers `SELECT 1` while every write
+        fails on a missing table."""
+        found = await self._read(
+            lambda c: c.fetchval("SELECT version FROM sinkgate_schema WHERE component = 'gateway'")
+        )
+        if found is None or found < GATEWAY_SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"the database holds gateway schema {found}, not {GATEWAY_SCHEMA_VERSION}: "
+                "was it dropped or restored from an older copy? a restart creates the schema"
+            )
 
     async def _read(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         self._check_open()

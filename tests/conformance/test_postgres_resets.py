@@ -1,4 +1,5 @@
-"""PostgreSQL: backends terminated in a loop during a burst of writes.
+"""PostgreSQL: backends terminated in a loop during a burst of writes (and a database
+emptied under the gateway, at the end).
 
 A connection reset between a forward and its outcome must not turn an applied
 write into `unknown`: the outcome is sent again on a fresh connection until the
@@ -241,4 +242,24 @@ async def test_an_outcome_outlives_a_database_that_refuses_connections(url: str)
     finally:
         await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
         await admin.close()
+        await store.close()
+
+
+async def test_a_database_emptied_under_the_gateway_is_not_ready(url: str) -> None:
+    """A database dropped and created again answered `SELECT 1`, so `/readyz` said
+    ready while every write failed on a missing table."""
+    store = await PostgresStore.open(url)
+    try:
+        await store.ping()
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("DELETE FROM sinkgate_schema WHERE component = 'gateway'")
+            with pytest.raises(StoreUnavailable, match="holds gateway schema None, not"):
+                await store.ping()
+            await conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        finally:
+            await conn.close()
+        with pytest.raises(StoreUnavailable, match="sinkgate_schema"):
+            await store.ping()  # the driver's words: the table is gone
+    finally:
         await store.close()
