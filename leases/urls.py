@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
 __all__ = [
     "check_readable",
@@ -27,7 +27,16 @@ __all__ = [
 # asyncpg would send it to the server as a setting, which refuses it.
 STATEMENT_CACHE = "statement_cache_size"
 
-_PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
+_QUERY_PARAMETER = re.compile(r"([?&])([^=&]*)=([^&]*)")
+_PASSWORDS = frozenset({"password", "sslpassword"})  # as the driver reads the name
+
+
+def _hidden_parameter(match: re.Match[str]) -> str:
+    """A query parameter, its value hidden where the driver reads its name as a
+    password's: decoded, as `parse_qs` does (`pass%77ord`)."""
+    name = match[2]
+    read = unquote_plus(name).strip().lower()
+    return f"{match[1]}{name}=***" if read in _PASSWORDS else match[0]
 
 
 def unreadable_url(exc: ValueError) -> str:
@@ -140,7 +149,7 @@ def redact_url(url: str) -> str:
         if at and colon:
             rest = f"{user}:***@{host}"
         url = f"{scheme}://{rest}"
-    return _PASSWORD_PARAMETER.sub(r"\1***", url)
+    return _QUERY_PARAMETER.sub(_hidden_parameter, url)
 
 
 def shown_scheme(url: str) -> str:

@@ -284,6 +284,10 @@ def test_secrets_never_appear_in_repr_or_str(tmp_path: Path) -> None:
         ("postgresql://u:BR[pw@127.0.0.1/db", "postgresql://u:***@127.0.0.1/db"),
         ("postgresql://u@h/db", "postgresql://u@h/db"),
         ("sqlite:///data/x.db", "sqlite:///data/x.db"),
+        # a name the driver decodes to `password` before it reads it
+        ("postgresql://u@h/db?pass%77ord=qpw&a=1", "postgresql://u@h/db?pass%77ord=***&a=1"),
+        ("postgresql://u@h/db?SSL%50ASSWORD=x", "postgresql://u@h/db?SSL%50ASSWORD=***"),
+        ("postgresql://u@h/db?passwords=kept", "postgresql://u@h/db?passwords=kept"),
     ],
 )
 def test_redact_url_hides_every_password_and_never_raises(url: str, shown: str) -> None:
