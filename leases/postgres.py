@@ -287,8 +287,9 @@ async def update_lease(conn: Conn, row: LeaseRow) -> None:
     )
 
 
-async def ensure_component(conn: Conn, component: str, version: int) -> None:
+async def ensure_component(conn: Conn, component: str, version: int) -> int | None:
     """Record `component`'s schema version; refuse a database from a newer release.
+    The version recorded before (None: none).
 
     Call with `SCHEMA_LOCK_KEY` held (as `ensure_schema` does).
     """
@@ -305,6 +306,7 @@ async def ensure_component(conn: Conn, component: str, version: int) -> None:
         await conn.execute(
             "UPDATE sinkgate_schema SET version = $2 WHERE component = $1", component, version
         )
+    return None if current is None else int(current)
 
 
 async def component_version(conn: Conn, component: str) -> int | None:

@@ -91,8 +91,9 @@ def sqlite_path(url: str) -> str:
     return path
 
 
-def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> None:
-    """Record `component`'s schema version; refuse a database from a newer release."""
+def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> int | None:
+    """Record `component`'s schema version; refuse a database from a newer release.
+    The version recorded before (None: none)."""
     row = conn.execute(
         "SELECT version FROM sinkgate_schema WHERE component = ?", (component,)
     ).fetchone()
@@ -106,6 +107,7 @@ def ensure_component(conn: sqlite3.Connection, component: str, version: int) -> 
         conn.execute(
             "UPDATE sinkgate_schema SET version = ? WHERE component = ?", (version, component)
         )
+    return None if row is None else int(row[0])
 
 
 class SQLiteExecutor:

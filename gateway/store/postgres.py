@@ -81,6 +81,7 @@ from gateway.store.postgres_outcomes import (
 )
 from gateway.store.postgres_schema import GATEWAY_SCHEMA_VERSION, GATEWAY_TABLES, init_schema
 from gateway.store.protocol import Hearing, Retried, Settled
+from gateway.store.records import schema_line
 from leases.errors import StoreUnavailable
 from leases.postgres import (
     ACQUIRE_TIMEOUT_S,
@@ -196,13 +197,14 @@ class PostgresStore(postgres_admin.PostgresAdmin, PostgresLeaseStore):
         try:
             with driver_errors("cannot create the PostgreSQL gateway schema"):
                 async with schema_connection(store._url, connect_timeout) as conn:
-                    await init_schema(conn)
+                    found = await init_schema(conn)
                     before = time.time()
                     server = await db_now(conn, 0.0)
                     store._skew = server - (before + time.time()) / 2
         except BaseException:
             await store.close()
             raise
+        schema_line("postgresql", found, GATEWAY_SCHEMA_VERSION)
         return store
 
     def _clock(self) -> float:

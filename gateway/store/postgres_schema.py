@@ -106,8 +106,9 @@ CREATE INDEX IF NOT EXISTS rejections_destination ON rejections (destination, id
 """
 
 
-async def init_schema(conn: Conn) -> None:
-    """The gateway's tables, under the schema lock every sinkgate process takes.
+async def init_schema(conn: Conn) -> int | None:
+    """The gateway's tables, under the schema lock every sinkgate process takes; the
+    gateway schema's version before (None: a database without it).
 
     The tables' DDL runs only on a database that is not at this version yet:
     even where nothing is missing, `CREATE INDEX IF NOT EXISTS` locks its table
@@ -124,4 +125,4 @@ async def init_schema(conn: Conn) -> None:
         await conn.execute(NOTIFY_DDL)
         await conn.execute(OUTCOMES_FUNCTION_DDL)
         await conn.execute(DECIDE_FUNCTION_DDL)
-        await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
+        return await ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)

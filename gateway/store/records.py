@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from gateway.policy.decision import KeyRecord, KeyState
 from gateway.policy.records import RejectionRecord
 from leases.model import LeaseRow
@@ -129,4 +131,15 @@ def rejection_filters(query: RejectionQuery) -> tuple[tuple[str, Any], ...]:
         ("at >=", query.since),
         ("at <=", query.until),
         ("id <", query.before_id),
+    )
+
+
+def schema_line(store: str, before: int | None, version: int) -> None:
+    """The log line of a gateway schema that `open` created or migrated (none when it
+    was current): an upgrade leaves a trace of what the database held before."""
+    if before == version:
+        return
+    event = "schema_created" if before is None else "schema_migrated"
+    structlog.get_logger("gateway.store").info(
+        event, store=store, component="gateway", from_version=before, version=version
     )

@@ -35,6 +35,7 @@ from gateway.store.records import (
     new_attempt_id,
     rejection_filters,
     rejection_values,
+    schema_line,
     where_set,
 )
 from gateway.store.sqlite_schema import GATEWAY_SCHEMA_VERSION, init_schema
@@ -62,12 +63,13 @@ class SQLiteStore(sqlite_admin.SQLiteAdmin, SQLiteLeaseStore):
             raise ValueError(f"unknown SQLite store options: {', '.join(sorted(options))}")
         executor = await SQLiteExecutor.open(lease_sql.sqlite_path(url))
         try:
-            await in_thread(executor._writer, init_schema)
+            before = await in_thread(executor._writer, init_schema)
         except BaseException as exc:
             await executor.close()
             if isinstance(exc, sqlite3.Error):
                 raise StoreUnavailable(f"cannot create the gateway schema: {exc}") from exc
             raise  # SchemaTooNew, or a bug: the store is closed either way
+        schema_line("sqlite", before, GATEWAY_SCHEMA_VERSION)
         return cls(executor, clock)
 
     async def decide_write(self, facts: WriteFacts, context: WriteContext) -> Verdict:

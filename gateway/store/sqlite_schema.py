@@ -84,7 +84,9 @@ _IN_FLIGHT_INDEX = (
 )
 
 
-def init_schema(conn: sqlite3.Connection) -> None:
+def init_schema(conn: sqlite3.Connection) -> int | None:
+    """The gateway's tables and their migrations; the gateway schema's
+    version before (None: a file without it)."""
     lease_sql.init_leases_schema(conn)
     conn.executescript("BEGIN IMMEDIATE;" + GATEWAY_SCHEMA + "COMMIT;")
     conn.execute("BEGIN IMMEDIATE")
@@ -92,8 +94,9 @@ def init_schema(conn: sqlite3.Connection) -> None:
         sqlite_admin.migrate(conn)
         _migrate(conn)
         conn.execute(_IN_FLIGHT_INDEX)
-        ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
+        before = ensure_component(conn, "gateway", GATEWAY_SCHEMA_VERSION)
         conn.execute("COMMIT")
+        return before
     except BaseException:
         conn.execute("ROLLBACK")
         raise

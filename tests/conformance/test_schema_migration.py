@@ -15,6 +15,7 @@ from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
+from structlog.testing import capture_logs
 
 from gateway.policy.decision import Forward, KeyState, Reject, Replay
 from gateway.store import postgres_schema
@@ -57,16 +58,32 @@ async def _check_after_upgrade(store: SQLiteStore | PostgresStore) -> None:
     assert later.decision.reason == "older_generation_in_flight"
 
 
+def _schema_lines(logs: list[dict[str, object]]) -> list[tuple[object, ...]]:
+    return [
+        (e["event"], e["store"], e["from_version"], e["version"])
+        for e in logs
+        if str(e["event"]).startswith("schema_")
+    ]
+
+
 async def test_sqlite_v1_database_is_upgraded(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    await (await SQLiteStore.open(url)).close()
+    with capture_logs() as created:
+        await (await SQLiteStore.open(url)).close()
     conn = sqlite3.connect(tmp_path / "g.db")
     now, far = time.time(), time.time() + 3600
     for statement in (*_TO_V1, _V1_KEY, _V1_ATTEMPT):
         conn.execute(statement.format(now=now, far=far))
     conn.commit()
     conn.close()
-    store = await SQLiteStore.open(url)
+    with capture_logs() as migrated:
+        store = await SQLiteStore.open(url)
+    with capture_logs() as current:
+        await (await SQLiteStore.open(url)).close()
+    v = GATEWAY_SCHEMA_VERSION
+    assert _schema_lines(created) == [("schema_created", "sqlite", None, v)]
+    assert _schema_lines(migrated) == [("schema_migrated", "sqlite", 1, v)]  # what it was
+    assert _schema_lines(current) == []
     try:
         await _check_after_upgrade(store)
     finally:
@@ -88,7 +105,10 @@ async def test_postgres_v1_database_is_upgraded() -> None:
                 await conn.execute(statement.format(now=now, far=far))
         finally:
             await conn.close()
-        store = await PostgresStore.open(url)
+        with capture_logs() as migrated:
+            store = await PostgresStore.open(url)
+        v = postgres_schema.GATEWAY_SCHEMA_VERSION
+        assert _schema_lines(migrated) == [("schema_migrated", "postgresql", 1, v)]
         try:
             await _check_after_upgrade(store)
         finally:
