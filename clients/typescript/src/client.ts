@@ -93,7 +93,7 @@ export class LeaseClient {
     const owner = validateIdent(options.owner ?? defaultOwner(), "owner");
     const ttl = validateTtl(options.ttl);
     const answer = await this.#call("POST", jobId, "claim", { owner, ttl }, options.signal);
-    if (answer.status === 200) return toLease(answer.doc);
+    if (answer.status === 200) return toLease(answer.doc, answer.status);
     const reason = answer.doc.reason;
     if (reason === "lease_held") {
       const { owner: holder, expires_in: expiresIn, current_generation: current } = answer.doc;
@@ -131,7 +131,7 @@ export class LeaseClient {
     validateIdent(jobId, "jobId");
     const given = validateOptions(options ?? {}, "options");
     const answer = await this.#call("GET", jobId, undefined, undefined, given.signal);
-    if (answer.status === 200) return toLease(answer.doc);
+    if (answer.status === 200) return toLease(answer.doc, answer.status);
     if (answer.status === 404 && answer.doc.reason === "lease_not_held") return null;
     throw unexpected(answer, this.url);
   }
@@ -144,7 +144,7 @@ export class LeaseClient {
     const body: Record<string, unknown> = { owner, generation };
     if (ttl !== undefined) body.ttl = ttl;
     const answer = await this.#call("POST", jobId, op, body, signal);
-    if (answer.status === 200) return toLease(answer.doc);
+    if (answer.status === 200) return toLease(answer.doc, answer.status);
     const reason = answer.doc.reason;
     if (answer.status === 409 && typeof reason === "string" && LOST_REASONS.includes(reason)) {
       const current = answer.doc.current_generation;
@@ -190,8 +190,11 @@ export class LeaseClient {
       throw new StoreUnavailable(`lease API ${method} ${path} answered ${status}`, fields);
     }
     if (doc === undefined) {
+      // The status stays on the error: a 401 or 403 from a proxy in front says the
+      // configuration is wrong, whatever body it came with.
       throw new StoreUnavailable(
         `lease API ${method} ${path} answered ${status} without a JSON object: ${notTheLeaseApi(this.url)}`,
+        { status, retryAfter },
       );
     }
     return { status, doc, retryAfter };
@@ -300,7 +303,7 @@ function unexpected(answer: { status: number; doc: Problem; retryAfter: number |
 }
 
 /** A lease object of SPEC 3 -> `Lease`; anything malformed is `StoreUnavailable`. */
-function toLease(doc: Problem): Lease {
+function toLease(doc: Problem, status: number): Lease {
   try {
     const state = doc.state;
     if (state !== "free" && state !== "active" && state !== "done")
@@ -323,6 +326,6 @@ function toLease(doc: Problem): Lease {
       expiresIn,
     });
   } catch (error) {
-    throw new StoreUnavailable(`malformed lease from the lease API: ${String(error)}`);
+    throw new StoreUnavailable(`malformed lease from the lease API: ${String(error)}`, { status });
   }
 }

@@ -307,6 +307,7 @@ describe("a lease API answer the client does not expect", () => {
     [404, '{"reason":"not_found","detail":"no route /leases/job-1/claim"}', "the admin listener's"],
     [201, '{"ok":true}', "an upstream's"],
     [404, "Not Found", "no JSON"],
+    [401, "<html>Unauthorized</html>", "a proxy's sign-in page"],
   ] as const) {
     it(`names the URL as the likely cause of an answer no lease API gives (${what})`, async () => {
       const server = http.createServer((_req, res) => {
@@ -320,6 +321,7 @@ describe("a lease API answer the client does not expect", () => {
         await assert.rejects(new LeaseClient(url).claim("job-1", { ttl: 30 }), (e: unknown) => {
           assert.ok(e instanceof StoreUnavailable);
           assert.match(e.message, /is http:\/\/127\.0\.0\.1:\d+ the gateway's main listener/);
+          assert.equal(e.status, status); // a 401 or 403 says the configuration is wrong
           return true;
         });
       } finally {
@@ -339,7 +341,11 @@ describe("a lease API answer the client does not expect", () => {
     await once(server, "listening");
     const client = new LeaseClient(`http://127.0.0.1:${(server.address() as AddressInfo).port}`);
     try {
-      await assert.rejects(client.claim("job-1", { ttl: 30 }), StoreUnavailable);
+      await assert.rejects(client.claim("job-1", { ttl: 30 }), (e: unknown) => {
+        assert.ok(e instanceof StoreUnavailable);
+        assert.equal(e.status, 200); // as Python's: the answer that was malformed
+        return true;
+      });
       const got = await client.get("job-1");
       assert.equal(got?.leaseUntil.toISOString(), "2029-12-31T23:00:00.000Z");
     } finally {
