@@ -187,7 +187,7 @@ async def _cancelled(
     if watchdog.cancelled_body:
         if watchdog.body.uncancel() == 0:
             assert state.lost is not None
-            raise state.lost from None
+            raise state.lost from state.lost.__cause__  # the store's failure, if any
         return  # cancelled from outside as well, but the lease is gone: nothing to give
     work = release(store, state, renewer)
     await settle(renewer, work, state, "release", cancel_timeout, cancelled=True)

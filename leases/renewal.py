@@ -107,18 +107,27 @@ class Renewer:
         self.body, self.monotonic, self.sleep = body, monotonic, sleep
         self.cancelled_body = False  # the body's cancellation is ours, not an outside one
 
-    def lose(self, reason: str, current_generation: int | None = None) -> None:
+    def lose(
+        self,
+        reason: str,
+        current_generation: int | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        """`cause`: the last renewal's failure, kept as the loss's `__cause__` (what
+        the store said, or that it did not answer in time)."""
         state = self.state
         if state.lost is None:
             state.lost = LeaseLost(
                 state.job_id, state.generation, reason, current_generation=current_generation
             )
+            state.lost.__cause__ = cause
         log.warning(
             "lease_lost",
             job_id=state.job_id,
             generation=state.generation,
             owner=state.owner,
             reason=reason,
+            error=None if cause is None else str(cause),
         )
         self.cancelled_body = True
         self.body.cancel()
@@ -127,11 +136,13 @@ class Renewer:
         state, now = self.state, self.monotonic
         # The deadline passing after a failed renewal is the store's fault, not the
         # worker's: the loss then says `store_unavailable`.
-        unreachable = False
+        failed: BaseException | None = None  # the last renewal's failure, since a success
         while True:
             await self.sleep(self.schedule.wait(now(), state.deadline))
             if now() >= state.deadline:
-                return self.lose(Reason.STORE_UNAVAILABLE if unreachable else Reason.LEASE_EXPIRED)
+                if failed is None:
+                    return self.lose(Reason.LEASE_EXPIRED)
+                return self.lose(Reason.STORE_UNAVAILABLE, cause=failed)
             sent = now()
             try:
                 async with asyncio.timeout(max(0.0, state.deadline - sent)):
@@ -139,6 +150,7 @@ class Renewer:
             except LeaseLost as exc:
                 return self.lose(exc.reason, exc.current_generation)
             except Exception as exc:  # StoreUnavailable, TimeoutError: an outage
+                failed = _failure(exc)
                 if not _outage(exc):
                     # Not an outage (a gateway answering 400 to the renewal, or 401 to
                     # a wrong lease token, say), but the lease is just as unrenewed:
@@ -146,11 +158,20 @@ class Renewer:
                     # this watchdog and left the body running past its lease.
                     log.warning("renewal_failed", job_id=state.job_id, error=repr(exc))
                 if now() >= state.deadline:
-                    return self.lose(Reason.STORE_UNAVAILABLE)
-                unreachable = True
+                    return self.lose(Reason.STORE_UNAVAILABLE, cause=failed)
                 continue  # transient: try again until the local deadline
-            unreachable = False
+            failed = None
             state.deadline = self.schedule.deadline(sent)
+
+
+def _failure(exc: Exception) -> BaseException:
+    """A failed renewal as the loss's cause: a renewal cut at the local deadline
+    in words (asyncio's TimeoutError has none), anything else as it was raised."""
+    if isinstance(exc, TimeoutError):
+        cut = StoreUnavailable("the lease store did not answer a renewal before the local deadline")
+        cut.__cause__ = exc
+        return cut
+    return exc
 
 
 def _outage(exc: Exception) -> bool:

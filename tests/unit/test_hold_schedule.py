@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import pytest
 import structlog
 
-from leases import Lease, LeaseLost, LeaseRef, StoreUnavailable, hold
+from leases import Lease, LeaseLost, LeaseRef, StoreUnavailable, hold, renewal
 from leases.hold import RenewalSchedule
 
 
@@ -188,6 +188,9 @@ async def test_an_unreachable_store_loses_the_lease_at_the_local_deadline_not_la
         await task
     assert lost.value.reason == "store_unavailable"
     assert clock.now == pytest.approx(28.6)
+    # what the store said is kept (it was dropped: nothing told an outage from a bug)
+    assert isinstance(lost.value.__cause__, StoreUnavailable)
+    assert str(lost.value.__cause__) == "down"
 
 
 async def test_a_renewal_failing_otherwise_loses_the_lease_at_the_same_deadline() -> None:
@@ -205,6 +208,7 @@ async def test_a_renewal_failing_otherwise_loses_the_lease_at_the_same_deadline(
     with pytest.raises(LeaseLost) as lost:
         await task
     assert lost.value.reason == "store_unavailable"
+    assert repr(lost.value.__cause__) == "ValueError('ttl: out of range')"
     assert not store.completed
 
 
@@ -223,3 +227,12 @@ async def test_the_bodys_error_is_raised_when_the_release_after_it_fails_otherwi
         await failing()
     [line] = [e for e in logs if e["event"] == "lease_exit_failed"]
     assert (line["action"], line["reason"]) == ("release", "ValueError")
+
+
+def test_a_renewal_cut_at_the_local_deadline_is_said_in_words() -> None:
+    """asyncio's TimeoutError has no message: as the loss's cause it said nothing."""
+    cut = renewal._failure(TimeoutError())
+    assert isinstance(cut, StoreUnavailable) and isinstance(cut.__cause__, TimeoutError)
+    assert "did not answer a renewal before the local deadline" in str(cut)
+    refused = ValueError("ttl: out of range")
+    assert renewal._failure(refused) is refused
