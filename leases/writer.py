@@ -359,8 +359,16 @@ class FencedWriter:
             ) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise GatewayUnavailable(
-                GATEWAY_UNREACHABLE, None, f"cannot reach the gateway: {network_words(exc)}"
+                GATEWAY_UNREACHABLE, None, f"{_unanswered(exc)}: {network_words(exc)}"
             ) from exc
+
+
+def _unanswered(exc: BaseException) -> str:
+    """What a write that got no answer may have done: nothing, if no connection was
+    made; else the gateway may have it (a retry with the same key is decided by it)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "cannot reach the gateway"
+    return "no answer from the gateway, which may have the write"
 
 
 def _applied_wait(headers: CIMultiDictProxy[str]) -> float | None:

@@ -8,6 +8,7 @@ to a real recording upstream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -725,6 +726,30 @@ async def test_an_unreachable_gateway_is_gateway_unavailable_and_says_why() -> N
         with pytest.raises(StoreUnavailable) as lease_info:
             await store.claim("job-1", owner="w", ttl=10)
     assert str(lease_info.value).endswith(f"cannot connect to 127.0.0.1:{port}: ECONNREFUSED")
+
+
+async def test_a_write_whose_connection_was_lost_once_sent_may_have_reached_the_gateway() -> None:
+    """ "cannot reach the gateway" read as if nothing had been sent: a retry with
+    another key would then make a second effect."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the request reached us
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with FencedWriter(f"http://127.0.0.1:{port}", LEASE, max_retries=0) as w:
+            with pytest.raises(GatewayUnavailable) as info:
+                await w.post("d", "/x", step="s")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert info.value.reason == "gateway_unreachable"
+    assert str(info.value) == (
+        "gateway_unreachable: no answer from the gateway, which may have the write: "
+        "the connection closed before the answer"
+    )
 
 
 @pytest.mark.parametrize(

@@ -289,15 +289,29 @@ export class FencedWriter {
     } catch (error) {
       this.#check(); // cut by the hold: its LeaseLost, not a network error
       if (request.timedOut())
-        throw new GatewayUnavailable(GATEWAY_TIMEOUT, { detail: "no answer from the gateway in time" });
+        throw new GatewayUnavailable(GATEWAY_TIMEOUT, { detail: "no answer from the gateway in time", cause: error });
       throw new GatewayUnavailable(GATEWAY_UNREACHABLE, {
-        detail: `cannot reach the gateway: ${networkWords(error)}`,
+        detail: `${unanswered(error)}: ${networkWords(error)}`,
         cause: error,
       });
     } finally {
       request.done();
     }
   }
+}
+
+// fetch's (undici's) codes for a connection that was made and then lost.
+const CONNECTION_LOST = new Set(["UND_ERR_SOCKET", "UND_ERR_CLOSED", "ECONNRESET", "EPIPE"]);
+
+/** What a write that got no answer may have done: nothing, if no connection was
+ * made; else the gateway may have it (a retry with the same key is decided by it).
+ * As the Python writer's `_unanswered`. */
+function unanswered(error: unknown): string {
+  const cause = error instanceof Error ? error.cause : undefined;
+  const code = typeof cause === "object" && cause !== null && "code" in cause ? String(cause.code) : "";
+  return CONNECTION_LOST.has(code)
+    ? "no answer from the gateway, which may have the write"
+    : "cannot reach the gateway";
 }
 
 /** One `Prefer` value: the caller's preferences first, then the writer's

@@ -11,7 +11,7 @@ import http from "node:http";
 import type { AddressInfo } from "node:net";
 import path from "node:path";
 import { after, before, describe, it } from "node:test";
-import { FencedWriter, type Lease } from "@sinkgate/leases";
+import { FencedWriter, GatewayUnavailable, type Lease } from "@sinkgate/leases";
 import { REPO } from "./harness.js";
 
 const LEASE: Lease = {
@@ -225,6 +225,29 @@ describe("the writer's path", () => {
       server.close();
     }
     assert.deepEqual(seen, ["/to/d/x?a=1&b=2 h", "/to/d/x?a=1 m", "/to/d/x?a=1 o"]);
+  });
+
+  it("says a write whose connection was lost once sent may have reached the gateway", async () => {
+    // "cannot reach the gateway" read as if nothing had been sent: a retry with
+    // another key would then make a second effect.
+    const server = http.createServer((req) => req.socket.destroy());
+    server.listen(0, "127.0.0.1");
+    await once(server, "listening");
+    const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+    try {
+      await assert.rejects(new FencedWriter(url, LEASE).post("d", "/x", { json: {}, step: "s" }), (e: unknown) => {
+        assert.ok(e instanceof GatewayUnavailable && e.reason === "gateway_unreachable");
+        assert.match(e.detail, /^no answer from the gateway, which may have the write: .*fetch failed/);
+        return true;
+      });
+    } finally {
+      server.close();
+    }
+    await assert.rejects(new FencedWriter(url, LEASE).post("d", "/x", { json: {}, step: "s" }), (e: unknown) => {
+      assert.ok(e instanceof GatewayUnavailable);
+      assert.match(e.detail, /^cannot reach the gateway: .*fetch failed \(connect ECONNREFUSED/);
+      return true;
+    });
   });
 });
 
