@@ -52,6 +52,8 @@ GONE_CHECK_S = 1.0
 # Reads of one poll at once: writes held on many blockers take a few of the
 # store's connections at a time, not a burst of one per blocker.
 POLL_READS = 8
+# How near its cap a held write decided again counts as at it (see `_hold`).
+CAP_SLACK_S = 0.01
 
 T = TypeVar("T")
 Decide = Callable[[], Awaitable[Verdict]]
@@ -239,8 +241,11 @@ class Waiters:
                 return _with_retry_after(verdict, decision, remaining), "stopped"
             # Past the cap too, decided again as if it had just arrived: the 409 it
             # would get at once, its Retry-After counted from now (not from a whole
-            # second rounded up before), or what settled unseen meanwhile.
-            capped = now >= until
+            # second rounded up before), or what settled unseen meanwhile. Within
+            # `CAP_SLACK_S` of the cap counts as at it: a timer set for the cap can
+            # fire a hair before it, and the write was then decided twice, once
+            # uncapped and once more a moment later.
+            capped = now >= until - CAP_SLACK_S
             self._rewatch(waiter)
             verdict = await decide()
             if not waitable(verdict):

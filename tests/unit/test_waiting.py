@@ -158,6 +158,28 @@ async def test_the_blockers_deadline_ends_the_wait_by_deciding_again() -> None:
     assert nothing_left(waiters)
 
 
+async def test_a_write_decided_again_just_short_of_its_cap_is_answered_then() -> None:
+    """What blocks it due to end a few milliseconds before the cap: the write was
+    decided there, uncapped, held again for what was left, and decided a second
+    time at the cap (two store transactions and two rejection rows for one
+    answer). Now a decision that near the cap is the capped one."""
+    waiters = Waiters(limit=10, metrics=Metrics())
+    soon = Verdict(dataclasses.replace(IN_PROGRESS.decision, retry_after=0))
+    later = Verdict(dataclasses.replace(IN_PROGRESS.decision, retry_after=7))
+    given: list[Verdict] = []
+
+    async def decide() -> Verdict:  # the first decision takes all but 5 ms of the cap
+        given.append(soon if not given else later)
+        if len(given) == 1:
+            await asyncio.sleep(1 - 0.005)
+        return given[-1]
+
+    waited = await asyncio.wait_for(waiters.decide(FACTS, 1, decide, never_gone), 5)
+    assert waited.result == "timed_out" and waited.verdict is later
+    assert len(given) == 2  # not 3
+    assert nothing_left(waiters)
+
+
 async def test_at_its_cap_the_write_is_answered_as_if_it_had_just_arrived() -> None:
     """Held 1 s: the 409 is decided then (its Retry-After counted from then, not
     one made of the first answer's whole seconds), and what settled unseen in
