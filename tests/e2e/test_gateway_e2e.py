@@ -7,7 +7,7 @@ import gzip
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -1245,12 +1245,15 @@ async def test_a_verdict_arriving_after_the_timeout_is_not_forwarded_and_its_key
     assert len(upstream.received) == 1
 
 
-async def _abandoned_at_shutdown(gw: Gateway, path: str, key: str) -> dict[str, object]:
-    """Send a write to `path`, and once it is under way cut it as the end of
-    `shutdown_grace` does: the `forwards_abandoned` line."""
+async def _abandoned_at_shutdown(
+    gw: Gateway, path: str, key: str, under_way: Callable[[], object] | None = None
+) -> dict[str, object]:
+    """Send a write to `path`, and once it is under way (`under_way`, else its
+    forward begun) cut it as the end of `shutdown_grace` does: the
+    `forwards_abandoned` line."""
     writes = gw.app[WRITES]
     sending = asyncio.create_task(gw.write(path, key=key))
-    await eventually(lambda: writes.forwards, what="the forward under way")
+    await eventually(under_way or (lambda: writes.forwards), what="the forward under way")
     with structlog.testing.capture_logs() as logs:
         app_module._abandon(writes)
     await asyncio.gather(sending, return_exceptions=True)
@@ -1265,7 +1268,8 @@ async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
     "may have reached its upstream", though nothing of it was sent: its key
     reads `unknown`, and the operator must not be told to go and check."""
     await gw.claim("job-1")
-    line = await _abandoned_at_shutdown(gw, "/to/pay/slow/1", "held-at-upstream")
+    arrived = upstream.arrived.is_set  # cut only once it is at the upstream
+    line = await _abandoned_at_shutdown(gw, "/to/pay/slow/1", "held-at-upstream", arrived)
     assert upstream.received  # on the upstream's side when cut
     assert (line["count"], line["maybe_sent"]) == (1, 1)
     assert [w["maybe_sent"] for w in line["writes"]] == [True]  # type: ignore[attr-defined]
