@@ -26,9 +26,35 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from gateway.telemetry.refusals import Refusals
+from leases.reasons import REASONS, Family, Reason
 
 # Children kept by `Metrics.child`; past this, label values are looked up each time.
 _MAX_CACHED_CHILDREN = 1000
+# The label values `Metrics._zeroed` makes at 0: the reasons a write can be refused
+# for (not the lease API's, the admin's or the upstream's: a failed forward counts
+# as forwarded), the ends of a wait (`gateway.write.waiting`), and the store's
+# operations that count their failures.
+_NOT_A_WRITES = frozenset({
+    Reason.NOT_FOUND, Reason.INVALID_CONFIG, Reason.LEASE_HELD, Reason.KEY_NOT_UNKNOWN,
+    Reason.ATTEMPT_MISMATCH,
+})  # fmt: skip
+WRITE_REASONS: tuple[str, ...] = (
+    *(
+        str(r)
+        for r, info in REASONS.items()
+        if info.family in (Family.REQUEST, Family.FENCE, Family.IDEMPOTENCY)
+        and r not in _NOT_A_WRITES
+    ),
+    Reason.STORE_UNAVAILABLE,
+    Reason.OVERLOADED,
+)
+WAIT_RESULTS = (
+    "replayed", "forwarded", "refused", "timed_out", "disconnected", "stopped", "failed", "full",
+)  # fmt: skip
+STORE_OPS = (
+    "decide", "decide_late", "record", "record_rejection", "admin", "unknown_keys", "purge",
+    *(f"lease_{op}" for op in ("claim", "renew", "complete", "release", "get")),
+)  # fmt: skip
 _WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -117,6 +143,7 @@ class Metrics:
         self._write_metrics(self.registry)
         self._upkeep_metrics(self.registry)
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        self._zeroed()
         # Writes refused before their facts: rate-limited log lines, names asked for.
         self.refusals = Refusals()
         # The write path's updates of one event-loop turn, applied at its end.
@@ -240,6 +267,39 @@ class Metrics:
             ["result"],
             registry=r,
         )
+
+    def _zeroed(self) -> None:
+        """Every series of a label value known in advance, at 0 from the start:
+        Prometheus' `increase()` and `rate()` cannot see a series' first count when
+        the series first appears with it, so the first failed reload (or store
+        retry, or refusal of a reason) went unseen by the documented alerts."""
+        known: dict[MetricWrapperBase, tuple[str, ...]] = {
+            self.rejections: WRITE_REASONS,
+            self.waits: WAIT_RESULTS,
+            self.store_errors: STORE_OPS,
+            self.store_retries: ("decide", "record"),
+            self.reloads: ("applied", "failed"),
+            self.admin_auth_failures: ("refused", "throttled"),
+        }
+        for metric, values in known.items():
+            for value in values:
+                metric.labels(value)
+
+    def destination(self, name: str) -> None:
+        """`name`'s series at 0 (or as they are), as `_zeroed` does for the rest:
+        its writes by decision, its forwards' outcomes, its unknown keys (the gauge's
+        refresh sets them; a new child does not overwrite one it set)."""
+        for decision in ("forwarded", "replayed", "rejected"):
+            self.writes.labels(name, decision)
+        for outcome in ("completed", "released", "unknown"):
+            self.upstream_outcomes.labels(name, outcome)
+        self.unknown_keys.labels(name)
+
+    def forget(self, metric: MetricWrapperBase, *values: str) -> None:
+        """The series of `metric` for `values` gone from the exposition."""
+        self._children.pop((metric, values), None)
+        with contextlib.suppress(KeyError):
+            metric.remove(*values)
 
     def child(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the write path asks for the same few

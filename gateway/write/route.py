@@ -112,6 +112,7 @@ class WriteGateway:
         # Writes on the wire to each destination, and to all; writes waiting for
         # their decision (neither counts the other).
         self.in_flight: dict[str, int] = {}
+        self._gauged: set[str] = set()  # the configured ones: a gauge each
         self.in_flight_total = 0
         self.deciding = 0
         # Shared between workers, the gauge is counted in their files: `_admit` and
@@ -133,20 +134,31 @@ class WriteGateway:
     def track(self, name: str) -> None:
         """Count `name`'s writes in flight; the gauge reads the count when scraped,
         so a write pays no metric update for it (but with metrics shared between
-        workers, where a scrape cannot call into the other workers)."""
-        if name in self.in_flight:
+        workers, where a scrape cannot call into the other workers). Its other
+        series start at 0."""
+        self.metrics.destination(name)
+        self.in_flight.setdefault(name, 0)  # a removed one's writes may still be out
+        if name in self._gauged:
             return
-        self.in_flight[name] = 0
+        self._gauged.add(name)
         in_flight = self.in_flight
-        gauge = self.metrics.child(self.metrics.in_flight, name)
+        gauge = self.metrics.in_flight.labels(name)
         if self._shared_gauge:
             return  # there at 0 all the same: the child is made
         gauge.set_function(lambda: in_flight[name])
+
+    def _untrack(self, name: str) -> None:
+        """A destination a reload removed: no gauge of its writes in flight any
+        more (those still out are counted on, and settle as they would)."""
+        self._gauged.discard(name)
+        self.metrics.forget(self.metrics.in_flight, name)
 
     async def apply(self, config: Config) -> None:
         """A reload's config: pools for added and changed destinations, counts for
         new ones. A write already past its checks keeps the destination it had."""
         await self.upstreams.replace(config.destinations)
+        for name in self._gauged - set(config.destinations):
+            self._untrack(name)
         for name in config.destinations:
             self.track(name)
         self.config = config

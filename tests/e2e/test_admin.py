@@ -573,6 +573,20 @@ async def test_metrics_after_a_known_sequence(client, metrics, store):
     assert samples[("sinkgate_in_flight_writes", (("destination", "payments"),))] == 3
     latency = ("sinkgate_upstream_latency_seconds_count", (("destination", "payments"),))
     assert samples[latency] == 1
+    # Known label values are series from the start, at 0: Prometheus' increase()
+    # and rate() miss a series' first count when it appears with it (the first
+    # failed reload then never fired its alert).
+    for name, label, value in [
+        ("sinkgate_reloads_total", "result", "failed"),
+        ("sinkgate_admin_auth_failures_total", "result", "refused"),
+        ("sinkgate_store_retries_total", "op", "decide"),
+        ("sinkgate_store_errors_total", "op", "lease_claim"),
+        ("sinkgate_rejections_total", "reason", "overloaded"),
+        ("sinkgate_rejections_total", "reason", "outcome_unknown"),
+        ("sinkgate_waits_total", "result", "timed_out"),
+    ]:
+        assert samples[(name, ((label, value),))] == 0, (name, value)
+    assert ("sinkgate_rejections_total", (("reason", "lease_held"),)) not in samples
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from gateway.app import RELOADER, WRITES
 from gateway.config.model import load_config
 from gateway.errors import ConfigError, StoreUnavailable
+from gateway.http.appkeys import METRICS
 from gateway.store.admin_records import AuditQuery
 from tests.harness import (
     Gateway,
@@ -76,6 +77,13 @@ async def test_destinations_are_added_changed_and_removed(
         assert (await gw.write("/to/d/x", key="k3"))[0] == 201
         status, headers, _ = await gw.write("/to/b/x", key="k4")
         assert status == 404 and headers["Sinkgate-Rejected"] == "unknown_destination"
+        # a removed destination's writes in flight are no series; an added one's
+        # series are there at 0 before its first count (rate() sees that count)
+        exposed = gw.app[METRICS].render()[0].decode()
+        assert 'sinkgate_in_flight_writes{destination="b"}' not in exposed
+        assert 'sinkgate_in_flight_writes{destination="d"} 0.0' in exposed
+        assert 'sinkgate_upstream_outcomes_total{destination="d",outcome="unknown"} 0.0' in exposed
+        assert 'sinkgate_unknown_keys{destination="d"} 0.0' in exposed
     assert one.paths() == ["/api/x"]
     assert two.paths() == ["/v2/x", "/api/x"]
 
