@@ -86,6 +86,7 @@ def create_admin_app(
     app = web.Application(middlewares=[_errors_middleware(metrics), auth.middleware])
     app.on_response_prepare.append(_not_stored)
     add_health_routes(app, lambda: store)
+    app.router.add_get("/favicon.ico", _no_icon)
     gauge = UnknownKeysGauge(store, metrics)
     if gauge_interval is not None:
         app.cleanup_ctx.append(_background(gauge.run(gauge_interval)))
@@ -198,6 +199,12 @@ def add_health_routes(app: web.Application, store_of: Callable[[], AdminStore]) 
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+
+
+async def _no_icon(request: web.Request) -> web.Response:
+    """A browser asks for an icon with the page's first load; a 404 there is an
+    error in its console for an operator to wonder about."""
+    return web.Response(status=204)
 
 
 def admin_bind_allowed(host: str, token: str | bool | None) -> bool:

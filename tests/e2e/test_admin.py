@@ -459,6 +459,11 @@ async def test_health_and_metrics_need_no_token(client, url):
     assert response.status == 200
 
 
+async def test_the_browsers_icon_request_is_no_error(client):
+    response = await client.get("/favicon.ico")
+    assert response.status == 204 and await response.read() == b""
+
+
 async def test_without_a_token_admin_is_open(store, metrics, mixed):
     async with TestClient(TestServer(create_admin_app(store, metrics, token=None))) as c:
         response = await c.get("/admin/rejections")
@@ -780,7 +785,10 @@ async def test_detail_page(client, mixed):
     assert response.status == 200
     text = await response.text()
     assert "stale_generation" in text and 'href="/admin/jobs/job-a?format=html"' in text
-    assert 'href="/admin/keys/payments/key-1?format=html"' in text
+    # a fence's refusal reserved nothing: no link to a key record that is not there
+    assert "/admin/keys/" not in text
+    response = await client.get(f"/admin/rejections/{mixed['e']}?format=html", headers=AUTH)
+    assert 'href="/admin/keys/payments/key-1?format=html"' in await response.text()  # a replay
 
 
 async def test_page_refuses_repeated_filters_like_the_api(client, mixed):

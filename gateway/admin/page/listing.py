@@ -27,7 +27,10 @@ from gateway.admin.session import SessionAuth, operator_of
 from gateway.errors import Rejection
 from gateway.store.protocol import AdminOpsStore
 from gateway.store.records import StoredRejection
-from leases.reasons import RECORDED_REASONS, Reason
+from leases.reasons import REASONS, RECORDED_REASONS, Family, Reason
+
+# Rejections of a write by its key's record (and its replays): the record exists.
+_KEYED = frozenset(r for r, info in REASONS.items() if info.family is Family.IDEMPOTENCY)
 
 PRESETS = ("15m", "1h", "24h", "7d")  # the page's time filters
 REFRESH_S = 30  # the page's auto-refresh period
@@ -105,7 +108,11 @@ class Page:
             links.append(
                 link("/admin/jobs/" + _quote(found.record.job_id) + "?format=html", "job state")
             )
-        if found.record.destination and found.record.idempotency_key:
+        if (
+            found.record.destination
+            and found.record.idempotency_key
+            and found.record.reason in _KEYED
+        ):  # a key's own refusal or replay: a record to see (a fence's refusal has none)
             path = f"/admin/keys/{_quote(found.record.destination)}/"
             path += _quote(found.record.idempotency_key)
             links.append(link(path + "?format=html", "idempotency record"))
