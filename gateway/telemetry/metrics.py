@@ -144,6 +144,7 @@ class Metrics:
         self._upkeep_metrics(self.registry)
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self._zeroed()
+        self.destinations: set[str] = set()  # the configured ones (`destination`)
         # Writes refused before their facts: rate-limited log lines, names asked for.
         self.refusals = Refusals()
         # The write path's updates of one event-loop turn, applied at its end.
@@ -287,19 +288,21 @@ class Metrics:
 
     def destination(self, name: str) -> None:
         """`name`'s series at 0 (or as they are), as `_zeroed` does for the rest:
-        its writes by decision, its forwards' outcomes, its unknown keys (the gauge's
-        refresh sets them; a new child does not overwrite one it set)."""
+        its writes by decision, its forwards' outcomes; its unknown keys are set by
+        the gauge's next refresh (`destinations`: 0 where the store has none)."""
+        self.destinations.add(name)
         for decision in ("forwarded", "replayed", "rejected"):
             self.writes.labels(name, decision)
         for outcome in ("completed", "released", "unknown"):
             self.upstream_outcomes.labels(name, outcome)
-        self.unknown_keys.labels(name)
 
     def forget(self, metric: MetricWrapperBase, *values: str) -> None:
-        """The series of `metric` for `values` gone from the exposition."""
+        """The series of `metric` for `values` gone from the exposition; shared
+        between workers, where a series lives in every worker's file, it stays."""
         self._children.pop((metric, values), None)
-        with contextlib.suppress(KeyError):
-            metric.remove(*values)
+        if self.shared_directory is None:
+            with contextlib.suppress(KeyError):
+                metric.remove(*values)
 
     def child(self, metric: MetricWrapperBase, *values: str) -> Any:
         """`metric.labels(*values)`, remembered: the write path asks for the same few

@@ -32,7 +32,9 @@ class UnknownKeysGauge:
 
     async def refresh(self) -> dict[str, int]:
         counts: dict[str, int] = await self._store.unknown_counts()
-        for destination in self._seen - set(counts):
+        # Every configured destination too: a series at 0 from the first refresh
+        # (set, not only made: shared between workers, the most recent set wins).
+        for destination in (self._seen | self._metrics.destinations) - set(counts):
             self._gauge.labels(destination=destination).set(0)
         for destination, count in counts.items():
             self._gauge.labels(destination=destination).set(count)

@@ -151,6 +151,7 @@ class WriteGateway:
         """A destination a reload removed: no gauge of its writes in flight any
         more (those still out are counted on, and settle as they would)."""
         self._gauged.discard(name)
+        self.metrics.destinations.discard(name)
         self.metrics.forget(self.metrics.in_flight, name)
 
     async def apply(self, config: Config) -> None:

@@ -504,13 +504,15 @@ async def test_unknown_keys_gauge_follows_the_queue(client, store, metrics):
 async def test_the_gauge_refreshes_on_its_own(tmp_path, fake_clock):
     store = await SQLiteStore.open("sqlite:///" + str(tmp_path / "g.db"), clock=fake_clock)
     metrics = Metrics()
+    metrics.destination("emails")  # configured, no unknown key: 0, not "no data"
     try:
         await unknown(store, "k-1")
         app = create_admin_app(store, metrics, token=TOKEN, gauge_interval=0.01)
         async with TestClient(TestServer(app)) as c:
 
             async def refreshed() -> bool:
-                return unknown_gauge(await (await c.get("/metrics")).text()) == {"payments": 1.0}
+                text = await (await c.get("/metrics")).text()
+                return unknown_gauge(text) == {"payments": 1.0, "emails": 0.0}
 
             # The refresher runs every 10 ms; nothing else sets the gauge.
             await eventually(refreshed, what="the unknown-keys gauge to count the key")
