@@ -237,7 +237,7 @@ def _load(
     root = _gateway_table(source, file, env, problems)
     server, store, admin, retention, dirs = (s.open(root) for s in keys.GATEWAY_FILE)
     srv = keys.SERVER.read(server)
-    _check_server(server, srv)
+    _check_server(server, srv, resolve=running is None)
     st = keys.STORE.read(store)
     st["url"] = _absolute_sqlite(st["url"], source.parent)
     adm = keys.ADMIN.read(admin)
@@ -272,7 +272,7 @@ def _load(
         display=file,
         unread_files=unread_files,
     )
-    refused = shared_tokens(config)
+    refused = shared_tokens(config, running)
     for short in short_tokens(config, running):
         if not short.exposed:
             continue
@@ -311,9 +311,13 @@ def _gateway_table(source: Path, file: str, env: Mapping[str, str], problems: Pr
     )
 
 
-def _check_server(server: Table, srv: dict[str, Any]) -> None:
-    if not server.failed & {"listen", "admin_listen"} and same_socket(
-        srv["listen"], srv["admin_listen"]
+def _check_server(server: Table, srv: dict[str, Any], *, resolve: bool) -> None:
+    """`resolve`: compare the listen addresses by what their names resolve to. Not
+    on a reload: they wait for a restart, and a lookup would block the event loop
+    (and fail the reload on a DNS change nobody made in the file)."""
+    listen, admin = srv["listen"], srv["admin_listen"]
+    if not server.failed & {"listen", "admin_listen"} and (
+        same_socket(listen, admin) if resolve else listen == admin and listen[1] != 0
     ):
         (host, port), (admin_host, _) = srv["listen"], srv["admin_listen"]
         also = "" if host == admin_host else f" ({admin_host} and {host} share port {port})"
@@ -401,25 +405,29 @@ def short_tokens(config: Config, running: Config | None = None) -> list[ShortTok
     return short
 
 
-def shared_tokens(config: Config) -> list[str]:
+def shared_tokens(config: Config, running: Config | None = None) -> list[str]:
     """An admin or operator token that is also a lease or worker token: whoever
     holds it for the lease API or a destination could act as the operator, and the
     audit log would name the wrong one. (A worker's lease and worker tokens may be
-    one.)"""
+    one.) On a reload (`running`), the running admin tokens too: a change of them
+    waits for the restart."""
     file = config.display or config.source.name
-    admin = [("admin.token_env", config.admin_token)] if config.admin_token else []
-    admin += [(operator_key(n), t) for n, t in config.admin_operators]
+    admin: list[tuple[str, str]] = []
+    for c in (config, running) if running is not None else (config,):
+        admin += [("admin.token_env", c.admin_token)] if c.admin_token else []
+        admin += [(operator_key(n), t) for n, t in c.admin_operators]
     worker = {t: "server.lease_tokens_env" for t in config.lease_tokens or ()}
     for name, dest in sorted(config.destinations.items(), reverse=True):
         worker |= {
             t: f"destinations {show(name)}'s worker_tokens_env" for t in dest.worker_tokens or ()
         }
-    return [
+    said = dict.fromkeys(
         f"{file}: {key}: has the same token as {worker[token]}: whoever holds it there "
         "could act here; give each role a token of its own"
         for key, token in admin
         if token in worker
-    ]
+    )
+    return list(said)
 
 
 def operator_key(name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from pathlib import Path
 from types import MappingProxyType
 
@@ -22,6 +23,7 @@ from gateway.config.model import (
     parse_size,
     parse_upstream,
     redact_url,
+    reread_config,
 )
 from gateway.errors import ConfigError
 from gateway.policy.decision import Fencing
@@ -601,13 +603,44 @@ def test_gateway_file_errors_name_file_and_key(tmp_path: Path, gateway: str, mes
         (("127.0.0.1", 8480), ("127.0.0.2", 8480), False),  # two addresses, two sockets
         (("127.0.0.1", 8480), ("localhost", 8481), False),
         (("127.0.0.1", 0), ("localhost", 0), False),  # two ports the system picks
-        (("no-such-host.invalid", 8480), ("127.0.0.1", 8480), False),  # serve says it
+        (("gw.internal", 8480), ("127.0.0.1", 8480), True),
+        (("gw.unknown", 8480), ("127.0.0.1", 8480), False),  # serve says it
     ],
 )
 def test_listen_addresses_are_compared_as_sockets(
-    a: tuple[str, int], b: tuple[str, int], same: bool
+    a: tuple[str, int], b: tuple[str, int], same: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    names = {"localhost": ["127.0.0.1", "::1"], "gw.internal": ["127.0.0.1"]}
+
+    def resolve(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+        if host in names:
+            return [(0, 0, 0, "", (address, port)) for address in names[host]]
+        if host[0].isdigit() or ":" in host:
+            return [(0, 0, 0, "", (host, port))]
+        raise socket.gaierror(host)
+
+    monkeypatch.setattr(reader.socket, "getaddrinfo", resolve)  # no resolver needed
     assert reader.same_socket(a, b) is same
+
+
+def test_a_reload_looks_up_no_listen_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The addresses wait for a restart: a lookup at each reload blocked the event
+    loop, and a DNS change nobody made in the file failed every reload."""
+    gateway = '[server]\nlisten = "gw.internal:8480"\nadmin_listen = "127.0.0.1:8480"\n'
+    looked_up: list[str] = []
+
+    def resolve(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+        looked_up.append(host)
+        return [(0, 0, 0, "", ("10.0.0.5" if host == "gw.internal" else host, port))]
+
+    monkeypatch.setattr(reader.socket, "getaddrinfo", resolve)
+    running = load_config(write_config(tmp_path, gateway), {})
+    assert looked_up == ["gw.internal", "127.0.0.1"]
+    looked_up.clear()
+    reread_config(running, {})
+    assert looked_up == []
 
 
 def test_a_destinations_dir_that_cannot_be_listed_is_an_error_not_empty(

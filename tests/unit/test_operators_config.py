@@ -106,6 +106,24 @@ def test_an_operator_token_is_nobody_elses(
     assert load_config(path, env).admin_operators == ()
 
 
+def test_a_reload_compares_worker_tokens_with_the_running_admin_tokens(tmp_path: Path) -> None:
+    """The admin token's change waits for the restart: a destination given the
+    running admin token in the same edit was reloaded, and its workers could act
+    as the admin until then."""
+    path = write_config(tmp_path, "", pay='upstream = "http://127.0.0.1:9000"\n')
+    env = {"SINKGATE_ADMIN_TOKEN": "admin-" + LONG, "OTHER": "other-" + LONG}
+    running = load_config(path, env)
+    write_config(
+        tmp_path,
+        '[admin]\ntoken_env = "OTHER"\n',
+        pay='upstream = "http://127.0.0.1:9000"\nworker_tokens_env = "SINKGATE_ADMIN_TOKEN"\n',
+    )
+    with pytest.raises(ConfigError) as refused:
+        reread_config(running, env)
+    assert 'admin.token_env: has the same token as destinations "pay"\'s' in str(refused.value)
+    assert LONG not in str(refused.value)
+
+
 def test_operators_alone_protect_a_listener_beyond_loopback(tmp_path: Path) -> None:
     server = '[server]\nadmin_listen = "0.0.0.0:8481"\n'
     path = write_config(tmp_path, server + '[admin.operators]\nalice = "TOKEN_ALICE"\n')
