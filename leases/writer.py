@@ -368,7 +368,7 @@ def _unanswered(exc: BaseException) -> str:
     made; else the gateway may have it (a retry with the same key is decided by it)."""
     if isinstance(exc, aiohttp.ClientConnectorError):
         return "cannot reach the gateway"
-    return "no answer from the gateway, which may have the write"
+    return "no usable answer from the gateway, which may have the write"
 
 
 def _applied_wait(headers: CIMultiDictProxy[str]) -> float | None:

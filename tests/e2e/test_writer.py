@@ -747,7 +747,7 @@ async def test_a_write_whose_connection_was_lost_once_sent_may_have_reached_the_
         await server.wait_closed()
     assert info.value.reason == "gateway_unreachable"
     assert str(info.value) == (
-        "gateway_unreachable: no answer from the gateway, which may have the write: "
+        "gateway_unreachable: no usable answer from the gateway, which may have the write: "
         "the connection closed before the answer"
     )
 

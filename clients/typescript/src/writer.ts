@@ -300,8 +300,17 @@ export class FencedWriter {
   }
 }
 
-// fetch's (undici's) codes for a connection that was made and then lost.
-const CONNECTION_LOST = new Set(["UND_ERR_SOCKET", "UND_ERR_CLOSED", "ECONNRESET", "EPIPE"]);
+// fetch's (undici's and the system's) codes for a connection never made: nothing
+// was sent. Any other failure may have come after the write reached the gateway.
+const NOT_CONNECTED = new Set([
+  "ECONNREFUSED",
+  "ENOTFOUND",
+  "EAI_AGAIN",
+  "EHOSTUNREACH",
+  "ENETUNREACH",
+  "EADDRNOTAVAIL",
+  "UND_ERR_CONNECT_TIMEOUT",
+]);
 
 /** What a write that got no answer may have done: nothing, if no connection was
  * made; else the gateway may have it (a retry with the same key is decided by it).
@@ -309,9 +318,9 @@ const CONNECTION_LOST = new Set(["UND_ERR_SOCKET", "UND_ERR_CLOSED", "ECONNRESET
 function unanswered(error: unknown): string {
   const cause = error instanceof Error ? error.cause : undefined;
   const code = typeof cause === "object" && cause !== null && "code" in cause ? String(cause.code) : "";
-  return CONNECTION_LOST.has(code)
-    ? "no answer from the gateway, which may have the write"
-    : "cannot reach the gateway";
+  return NOT_CONNECTED.has(code)
+    ? "cannot reach the gateway"
+    : "no usable answer from the gateway, which may have the write";
 }
 
 /** One `Prefer` value: the caller's preferences first, then the writer's

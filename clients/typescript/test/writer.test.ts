@@ -237,7 +237,7 @@ describe("the writer's path", () => {
     try {
       await assert.rejects(new FencedWriter(url, LEASE).post("d", "/x", { json: {}, step: "s" }), (e: unknown) => {
         assert.ok(e instanceof GatewayUnavailable && e.reason === "gateway_unreachable");
-        assert.match(e.detail, /^no answer from the gateway, which may have the write: .*fetch failed/);
+        assert.match(e.detail, /^no usable answer from the gateway, which may have the write: .*fetch failed/);
         return true;
       });
     } finally {
