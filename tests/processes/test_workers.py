@@ -503,6 +503,9 @@ async def test_metrics_count_every_workers_writes_whichever_worker_is_scraped(
     for admin in admins:
         assert await scraped(admin, "sinkgate_writes_total", **forwarded) == 5
         assert await scraped(admin, "sinkgate_in_flight_writes", destination="pay") == 0
+        # there at 0 from the gauge's first refresh at start, not "no data"
+        assert await scraped(admin, "sinkgate_unknown_keys", destination="pay") == 0
+        assert await scraped(admin, "sinkgate_reloads_total", result="failed") == 0
     # A write waiting for its upstream is in flight on worker a; both show it.
     gw.upstream.arrived.clear()
     slow = asyncio.create_task(a.write("/to/pay/slow/1", job="job-m", generation=1, key="m-s"))
