@@ -112,7 +112,6 @@ class WriteGateway:
         # Writes on the wire to each destination, and to all; writes waiting for
         # their decision (neither counts the other).
         self.in_flight: dict[str, int] = {}
-        self._gauged: set[str] = set()  # the configured ones: a gauge each
         self.in_flight_total = 0
         self.deciding = 0
         # Shared between workers, the gauge is counted in their files: `_admit` and
@@ -135,12 +134,9 @@ class WriteGateway:
         """Count `name`'s writes in flight; the gauge reads the count when scraped,
         so a write pays no metric update for it (but with metrics shared between
         workers, where a scrape cannot call into the other workers). Its other
-        series start at 0."""
+        series start at 0. Once per destination configured (at start, or added)."""
         self.metrics.destination(name)
         self.in_flight.setdefault(name, 0)  # a removed one's writes may still be out
-        if name in self._gauged:
-            return
-        self._gauged.add(name)
         in_flight = self.in_flight
         gauge = self.metrics.in_flight.labels(name)
         if self._shared_gauge:
@@ -150,7 +146,6 @@ class WriteGateway:
     def _untrack(self, name: str) -> None:
         """A destination a reload removed: no gauge of its writes in flight any
         more (those still out are counted on, and settle as they would)."""
-        self._gauged.discard(name)
         self.metrics.destinations.discard(name)
         self.metrics.forget(self.metrics.in_flight, name)
 
@@ -158,9 +153,10 @@ class WriteGateway:
         """A reload's config: pools for added and changed destinations, counts for
         new ones. A write already past its checks keeps the destination it had."""
         await self.upstreams.replace(config.destinations)
-        for name in self._gauged - set(config.destinations):
+        running = self.config.destinations
+        for name in running.keys() - config.destinations.keys():
             self._untrack(name)
-        for name in config.destinations:
+        for name in config.destinations.keys() - running.keys():
             self.track(name)
         self.config = config
 
