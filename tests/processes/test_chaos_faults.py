@@ -26,6 +26,11 @@ from tests.harness import faulted_chaos_alone, run_chaos
 from tests.pg import PG_ADMIN_URL, fresh_database, pg_skip_reason, skip_or_fail
 
 SHORT = ["--workers", "6", "--jobs", "10", "--duration", "8", "--ttl", "0.8", "--max-pause", "2"]
+# Wire faults on PostgreSQL hold store answers up to the destination's timeout: under
+# CI's load a job whose every attempt met one lost its 0.8 s lease each time and was
+# still unfinished at the run's end (seed 23, runs of 103-163 s, in three clean-clone CI runs).
+# Leases of 2 s leave its steps room; pauses still outlast them (2.6 s and more).
+WIRE_PG = [*SHORT[:6], "--ttl", "2", "--max-pause", "3"]
 CONTROL = ["--workers", "6", "--jobs", "10", "--duration", "4", "--ttl", "0.8", "--max-pause", "2"]
 # A control shows a fault reaching a weakened gateway; whether one short run hits the
 # window is chance (on a loaded machine a run can miss it), so a control gets a few
@@ -147,7 +152,7 @@ def test_store_faults_on_postgresql_lose_no_guarantee(tmp_path: Path) -> None:
 async def test_wire_faults_on_postgresql_lose_no_guarantee(tmp_path: Path) -> None:
     async with fresh_database() as url:
         code, report, out = await asyncio.to_thread(
-            run_chaos, tmp_path, *SHORT, "--seed", "23", "--gateways", "2",
+            run_chaos, tmp_path, *WIRE_PG, "--seed", "23", "--gateways", "2",
             "--wire-faults", "0.3", "--store", url,
         )  # fmt: skip
     assert_clean(code, report, out)
