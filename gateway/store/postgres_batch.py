@@ -222,16 +222,40 @@ END IF;
 # The rows a decision reads that this batch's locks do not keep: the clock, the
 # latest barrier of an older attempt of the job still on the wire, and the lease.
 _NOW = f"coalesce(p_now, {STORE_NOW.format('p_offset')})"
-_OLDER = """greatest(
-    (SELECT max(barrier_until) FROM idempotency WHERE job_id = p_job[i]
-        AND state = 'in_flight' AND generation < g),
-    (SELECT max(deadline) FROM attempts WHERE job_id = p_job[i] AND generation < g))"""
+
+
+def _older(job: str, generation: str) -> str:
+    """The latest barrier of an older attempt of `job` still on the wire."""
+    return f"""greatest(
+    (SELECT max(barrier_until) FROM idempotency WHERE job_id = {job}
+        AND state = 'in_flight' AND generation < {generation}),
+    (SELECT max(deadline) FROM attempts WHERE job_id = {job} AND generation < {generation}))"""
+
+
+_OLDER = _older("p_job[i]", "g")
 _LEASE_COLUMNS = "l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until"
 _LEASE_JOIN = "LEFT JOIN leases l ON NOT p_monotonic[i] AND l.job_id = p_job[i]"
 # Read again for each decision of a run (the key's row and the mark taken as read).
 READ_AGAIN = (
     f"SELECT {_NOW}, {_OLDER}, {_LEASE_COLUMNS} FROM (SELECT) AS one {_LEASE_JOIN} "
     "INTO v_now, v_older, v_leased, v_owner, v_generation, v_state, v_until"
+)
+# A reservation's columns of the key's row, and what it sets again on a key's row
+# that is there (settled unknown, or in flight past its deadline).
+_KEY_RESERVED = (
+    "destination, key, state, fingerprint, attempt, attempts, job_id, generation, owner, "
+    "created_at, updated_at, deadline, barrier_until"
+)
+_KEY_RESERVED_AGAIN = """ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
+    attempt = excluded.attempt, attempts = idempotency.attempts + 1,
+    job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
+    updated_at = excluded.updated_at, deadline = excluded.deadline,
+    barrier_until = excluded.barrier_until, completed_at = NULL,
+    status = NULL, headers = NULL, body = NULL, body_omitted = false"""
+# A rejection-log row's columns, as the batch writes them.
+_LOGGED = (
+    "at, reason, detail, destination, method, path, job_id, generation, owner, "
+    "idempotency_key, current_generation, highest_generation, remote, body_sha256, body_bytes"
 )
 # What a forwarded write stores before it goes out (`plan.Reservation`): its key in
 # flight until the deadline (or its keyless attempt), barring newer generations of
@@ -241,17 +265,11 @@ IF p_key[i] IS NULL THEN
     INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
     VALUES (p_attempt[i], p_job[i], g, p_destination[i], NULL, v_now, v_now + p_timeout[i]);
 ELSE
-    INSERT INTO idempotency (destination, key, state, fingerprint, attempt, attempts, job_id,
-        generation, owner, created_at, updated_at, deadline, barrier_until)
+    INSERT INTO idempotency ({_KEY_RESERVED})
     VALUES (p_destination[i], p_key[i], 'in_flight', p_fingerprint[i], p_attempt[i], 1,
         p_job[i], g, p_owner[i], v_now, v_now, v_now + p_timeout[i] + {_GRACE},
         v_now + p_timeout[i])
-    ON CONFLICT (destination, key) DO UPDATE SET state = 'in_flight',
-        attempt = excluded.attempt, attempts = idempotency.attempts + 1,
-        job_id = excluded.job_id, generation = excluded.generation, owner = excluded.owner,
-        updated_at = excluded.updated_at, deadline = excluded.deadline,
-        barrier_until = excluded.barrier_until, completed_at = NULL,
-        status = NULL, headers = NULL, body = NULL, body_omitted = false;
+    {_KEY_RESERVED_AGAIN};
 END IF;
 IF v_mark IS NULL OR g > v_mark THEN
     INSERT INTO fences (job_id, highest_generation, updated_at) VALUES (p_job[i], g, v_now)
@@ -259,6 +277,104 @@ IF v_mark IS NULL OR g > v_mark THEN
         highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
         updated_at = excluded.updated_at;
 END IF;
+"""
+
+# Whether the batch's decisions are apart: no key twice, and each job in one
+# generation and fencing mode. Then no decision reads a row another one writes,
+# but for its job's mark, which a forward of the same job generation raises to
+# that generation (`j_forwarded`, the jobs forwarded so far). So the rows of every
+# decision are read by one statement, a cursor opened before the loop and read a
+# row per decision in arrival order (one snapshot, taken after the locks), and
+# the reservations and rejection-log rows are written together after the loop
+# (`_RESERVE_ALL`, `_LOG_ALL`): a few statements a batch instead of two or three a
+# decision, each of which the server starts up on its own, and no wait between a
+# decision's read and the next one's. Smaller batches decide as before: for 2 writes
+# the statements that test and read cost more than they save (`APART_FROM`,
+# bench/README "PostgreSQL: a batch's rows read at once"). The verdicts and rows are the same either way
+# (`tests/conformance/test_postgres_policy.py`).
+APART_FROM = 4
+_APART = f"""
+IF coalesce(cardinality(p_kind), 0) >= {APART_FROM} THEN
+    SELECT count(DISTINCT (d, k)) FILTER (WHERE k IS NOT NULL) = count(k)
+            AND count(DISTINCT (j, gen, m)) = count(DISTINCT j)
+        INTO v_apart
+        FROM unnest(p_kind, p_destination, p_key, p_job, p_generation, p_monotonic)
+            AS u(kind, d, k, j, gen, m)
+        WHERE kind = 'd';
+END IF;
+IF v_apart THEN
+    OPEN v_rows FOR SELECT {_NOW},
+            (SELECT highest_generation FROM fences WHERE job_id = u.job),
+            {_older("u.job", "u.gen")},
+            l.job_id IS NOT NULL, l.owner, l.generation, l.state, l.lease_until,
+            k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
+            CASE WHEN u.key IS NULL
+                THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = u.attempt)
+                ELSE k.attempt IS NOT DISTINCT FROM u.attempt END,
+            k.attempt
+        FROM unnest(p_kind, p_job, p_generation, p_monotonic, p_destination, p_key, p_attempt)
+            WITH ORDINALITY AS u(kind, job, gen, monotonic, destination, key, attempt, n)
+        LEFT JOIN leases l ON NOT u.monotonic AND l.job_id = u.job
+        LEFT JOIN idempotency k ON k.destination = u.destination AND k.key = u.key
+        WHERE u.kind = 'd'
+        ORDER BY u.n;
+END IF;
+"""
+# One decision's rows, from the cursor `_APART` opened.
+_TAKE_READ = """
+FETCH v_rows INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state,
+    v_until, v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts, v_mine,
+    v_key_attempt;
+IF p_job[i] = ANY(j_forwarded) THEN
+    -- A forward of this job generation earlier in the batch raised the mark to it.
+    v_mark := greatest(v_mark, g);
+END IF;
+v_read := NULL; v_rec_read := false;
+"""
+# `_RESERVE` of every forward of an apart batch, in one statement a table (the
+# positions of its keyless and keyed forwards, and of those that raise their job's
+# mark: a job's first forward, as the decisions one after the other would).
+_RESERVE_ALL = f"""
+IF cardinality(r_keyless) > 0 THEN
+    INSERT INTO attempts (attempt, job_id, generation, destination, key, started_at, deadline)
+    SELECT p_attempt[n], p_job[n], p_generation[n], p_destination[n], NULL, o_at[n],
+        o_at[n] + p_timeout[n]
+    FROM unnest(r_keyless) AS r(n);
+END IF;
+IF cardinality(r_keyed) > 0 THEN
+    INSERT INTO idempotency ({_KEY_RESERVED})
+    SELECT p_destination[n], p_key[n], 'in_flight', p_fingerprint[n], p_attempt[n], 1,
+        p_job[n], p_generation[n], p_owner[n], o_at[n], o_at[n],
+        o_at[n] + p_timeout[n] + {_GRACE}, o_at[n] + p_timeout[n]
+    FROM unnest(r_keyed) AS r(n) ORDER BY p_destination[n], p_key[n]
+    {_KEY_RESERVED_AGAIN};
+END IF;
+IF cardinality(r_raised) > 0 THEN
+    INSERT INTO fences (job_id, highest_generation, updated_at)
+    SELECT p_job[n], p_generation[n], o_at[n] FROM unnest(r_raised) AS r(n) ORDER BY p_job[n]
+    ON CONFLICT (job_id) DO UPDATE SET
+        highest_generation = GREATEST(fences.highest_generation, excluded.highest_generation),
+        updated_at = excluded.updated_at;
+END IF;
+"""
+# The rejection-log rows of an apart batch (`j_at`, their positions), in one
+# statement in arrival order: ids are handed out in the order rows are inserted,
+# so the n-th smallest id is the n-th row's.
+_LOG_ALL = f"""
+{ORDERED_INSERTS};
+WITH logged AS (
+    INSERT INTO rejections ({_LOGGED})
+    SELECT o_at[n], o_reason[n], o_detail[n], p_destination[n], p_method[n], p_path[n],
+        p_job[n], p_generation[n], p_owner[n], p_key[n],
+        CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_current[n] END,
+        CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_highest[n] END,
+        p_remote[n], p_sha[n], p_bytes[n]
+    FROM unnest(j_at) AS r(n) ORDER BY n
+    RETURNING id)
+SELECT array_agg(id ORDER BY id) INTO v_ids FROM logged;
+FOR k IN 1 .. cardinality(j_at) LOOP
+    o_id[j_at[k]] := v_ids[k];
+END LOOP;
 """
 
 # The function's arguments, declared once for its signature, its call and `_args`:
@@ -314,6 +430,15 @@ DECLARE
     v_retry int4;
     v_id int8;
     v_ordered boolean := false;
+    v_apart boolean := false;
+    v_rows refcursor;
+    j_forwarded text[] := '{{}}';
+    r_keyed int4[] := '{{}}';
+    r_keyless int4[] := '{{}}';
+    r_raised int4[] := '{{}}';
+    j_at int4[] := '{{}}';
+    o_at float8[] := '{{}}';
+    v_ids int8[];
     o_verdict text[] := '{{}}';
     o_id int8[] := '{{}}';
     o_reason text[] := '{{}}';
@@ -342,6 +467,7 @@ BEGIN
         SELECT d, k FROM unnest(p_kind, p_destination, p_key) AS u(kind, d, k)
         WHERE kind = 'd' AND k IS NOT NULL)
     ORDER BY destination, key FOR UPDATE;
+    {_APART.strip()}
     FOR i IN 1 .. coalesce(cardinality(p_kind), 0) LOOP
         g := p_generation[i];
         v_mine := false;
@@ -350,7 +476,9 @@ BEGIN
             v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
             v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
         ELSE
-            IF v_read IS NOT NULL AND p_key[i] = p_key[v_read]
+            IF v_apart THEN
+                {_TAKE_READ.strip()}
+            ELSIF v_read IS NOT NULL AND p_key[i] = p_key[v_read]
                 AND p_destination[i] = p_destination[v_read] AND p_job[i] = p_job[v_read]
                 AND g = p_generation[v_read] AND p_monotonic[i] = p_monotonic[v_read] THEN
                 -- The same job generation and key as the write whose rows were read
@@ -396,7 +524,20 @@ BEGIN
         IF v_verdict IN ('f', 'u') THEN
             v_read := NULL;  -- a reservation changes the rows the next write reads
         END IF;
-        IF v_verdict IN ('f', 'u') AND NOT v_mine THEN
+        IF v_verdict IN ('f', 'u') AND NOT v_mine AND v_apart THEN
+            -- reserved together after the loop (`_RESERVE_ALL`)
+            IF p_key[i] IS NULL THEN
+                r_keyless := r_keyless || i;
+            ELSE
+                r_keyed := r_keyed || i;
+            END IF;
+            IF v_mark IS NULL OR g > v_mark THEN
+                r_raised := r_raised || i;
+            END IF;
+            IF NOT p_job[i] = ANY(j_forwarded) THEN
+                j_forwarded := j_forwarded || p_job[i];
+            END IF;
+        ELSIF v_verdict IN ('f', 'u') AND NOT v_mine THEN
             {_RESERVE.strip()}
         ELSIF v_verdict IN ('f', 'u') THEN
             NULL;
@@ -414,24 +555,34 @@ BEGIN
                 v_reason := {_text(Reason.DUPLICATE)};
                 v_detail := {_text(REPLAYED)};
             END IF;
-            IF NOT v_ordered THEN
-                {ORDERED_INSERTS};
-                v_ordered := true;
+            IF v_apart THEN
+                j_at := j_at || i;  -- logged together after the loop (`_LOG_ALL`)
+            ELSE
+                IF NOT v_ordered THEN
+                    {ORDERED_INSERTS};
+                    v_ordered := true;
+                END IF;
+                INSERT INTO rejections ({_LOGGED})
+                VALUES (v_now, v_reason, v_detail, p_destination[i], p_method[i], p_path[i],
+                    p_job[i], g, p_owner[i], p_key[i],
+                    CASE WHEN v_verdict = 'p' THEN NULL ELSE v_current END,
+                    CASE WHEN v_verdict = 'p' THEN NULL ELSE v_highest END,
+                    p_remote[i], p_sha[i], p_bytes[i])
+                RETURNING id INTO v_id;
             END IF;
-            INSERT INTO rejections (at, reason, detail, destination, method, path, job_id,
-                generation, owner, idempotency_key, current_generation, highest_generation,
-                remote, body_sha256, body_bytes)
-            VALUES (v_now, v_reason, v_detail, p_destination[i], p_method[i], p_path[i],
-                p_job[i], g, p_owner[i], p_key[i],
-                CASE WHEN v_verdict = 'p' THEN NULL ELSE v_current END,
-                CASE WHEN v_verdict = 'p' THEN NULL ELSE v_highest END,
-                p_remote[i], p_sha[i], p_bytes[i])
-            RETURNING id INTO v_id;
         END IF;
         o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
         o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
         o_retry[i] := v_retry;
+        o_at[i] := v_now;
     END LOOP;
+    IF v_apart THEN
+        CLOSE v_rows;
+    END IF;
+    {_RESERVE_ALL.strip()}
+    IF cardinality(j_at) > 0 THEN
+        {_LOG_ALL.strip()}
+    END IF;
     RETURN QUERY SELECT coalesce(v_now, p_now, {STORE_NOW.format("p_offset")}), o_verdict,
         o_id, o_reason, o_detail, o_current, o_highest, o_retry,
         ARRAY(SELECT row({", ".join(f"r.{c}" for c in KEY_COLUMNS)})
