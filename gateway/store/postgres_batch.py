@@ -39,6 +39,12 @@ explicit transaction: the call is its transaction, and its COMMIT (durable,
    another key or job. The key's row goes back once per run for its replays,
    not once per replay (a stored answer can be `max_replay_body` long).
 
+   A batch of `APART_FROM` operations or more whose decisions are apart (no key
+   twice, each job in one generation and fencing mode: none reads what another
+   writes, but for the job's mark a forward raises) reads every decision's rows
+   by one cursor instead, then decides them in the same order, and writes the
+   reservations, marks and rejection-log rows together after the last (`_APART`).
+
    The rejection-log rows are inserted after the transaction-scoped lock
    `REJECTION_ORDER_LOCK`, held until COMMIT by every transaction that inserts
    rejections: ids are handed out in commit order, so every set of rows a reader
@@ -288,10 +294,10 @@ END IF;
 # the reservations and rejection-log rows are written together after the loop
 # (`_RESERVE_ALL`, `_LOG_ALL`): a few statements a batch instead of two or three a
 # decision, each of which the server starts up on its own, and no wait between a
-# decision's read and the next one's. Smaller batches decide as before: for 2 writes
-# the statements that test and read cost more than they save (`APART_FROM`,
-# bench/README "PostgreSQL: a batch's rows read at once"). The verdicts and rows are the same either way
-# (`tests/conformance/test_postgres_policy.py`).
+# decision's read and the next one's. Smaller batches decide as before: for 2
+# writes the statements that test and read cost more than they save (`APART_FROM`;
+# bench/README, "PostgreSQL: a batch's rows read at once"). The verdicts and rows
+# are the same either way (`tests/conformance/test_postgres_policy.py`).
 APART_FROM = 4
 _APART = f"""
 IF coalesce(cardinality(p_kind), 0) >= {APART_FROM} THEN

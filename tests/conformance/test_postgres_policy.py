@@ -5,7 +5,8 @@ The PostgreSQL store decides a batch in the server (`postgres_batch`,
 Random stored states (leases, marks, key rows, keyless attempts, with times on
 and around the clock) and random batches (both fencing modes, keyed and keyless,
 the same key or job twice, runs of one job generation and key as woken
-duplicates come, rejections logged in between) go to both: every
+duplicates come, rejections logged in between, and a third of the batches
+apart, which the function reads at once) go to both: every
 verdict must be the same, field for field, and so must every row the batch
 leaves (key rows, marks, keyless attempts, rejection-log rows in order). Each
 case runs in a transaction that is rolled back. The same cases against the
@@ -328,7 +329,8 @@ MUTATIONS = {
     # A batch read at once must be apart, and a forward of a job generation
     # raises the mark the job's later decisions of that batch see.
     "a key twice read at once": (
-        "FILTER (WHERE k IS NOT NULL) = count(k)", "FILTER (WHERE k IS NOT NULL) >= 0"
+        "FILTER (WHERE k IS NOT NULL) = count(k)",
+        "FILTER (WHERE k IS NOT NULL) >= 0",
     ),
     "a job in two generations read at once": (
         "count(DISTINCT (j, gen, m)) = count(DISTINCT j)",
