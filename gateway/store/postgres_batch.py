@@ -288,7 +288,11 @@ END IF;
 # Whether the batch's decisions are apart: no key twice, and each job in one
 # generation and fencing mode. Then no decision reads a row another one writes,
 # but for its job's mark, which a forward of the same job generation raises to
-# that generation (`j_forwarded`, the jobs forwarded so far). So the rows of every
+# that generation (`j_forwarded`, the jobs forwarded so far). (A forward that
+# reserves a key again, in flight for another job, ends that row's barrier for
+# the other job's newer generations; the barrier had already ended: a key is
+# reserved again once its deadline has passed, and every reservation's barrier
+# ends `RESERVATION_GRACE_S` before its deadline.) So the rows of every
 # decision are read by one statement, a cursor opened before the loop and read a
 # row per decision in arrival order (one snapshot, taken after the locks), and
 # the reservations and rejection-log rows are written together after the loop
@@ -363,11 +367,31 @@ IF cardinality(r_raised) > 0 THEN
         updated_at = excluded.updated_at;
 END IF;
 """
+# An apart batch that logs rejections takes the rejection order lock after its
+# decisions, before it writes anything. Taken at once, nothing can have changed
+# what they read. Held by another transaction, it is waited for, and what the
+# decisions read may change meanwhile (a lease handed to a newer generation, a
+# barrier lowered): the batch is then decided again one write after the other,
+# each reading after the wait, as the decisions of a batch always do after a
+# wait (the lock held from then on, no write waits again).
+_APART_ORDERED = f"""
+IF cardinality(j_at) > 0
+    AND NOT pg_try_advisory_xact_lock({REJECTION_ORDER_LOCK[0]}, {REJECTION_ORDER_LOCK[1]}) THEN
+    {ORDERED_INSERTS};
+    v_ordered := true;
+    v_apart := false;
+    v_read := NULL;
+    o_replay := '{{}}';
+    o_replay_at := array_fill(NULL::int4, ARRAY[cardinality(p_kind)]);
+    j_at := '{{}}'; r_keyed := '{{}}'; r_keyless := '{{}}'; r_raised := '{{}}';
+    j_forwarded := '{{}}';
+    CONTINUE deciding;
+END IF;
+"""
 # The rejection-log rows of an apart batch (`j_at`, their positions), in one
-# statement in arrival order: ids are handed out in the order rows are inserted,
-# so the n-th smallest id is the n-th row's.
+# statement in arrival order, after `_APART_ORDERED`: ids are handed out in the
+# order rows are inserted, so the n-th smallest id is the n-th row's.
 _LOG_ALL = f"""
-{ORDERED_INSERTS};
 WITH logged AS (
     INSERT INTO rejections ({_LOGGED})
     SELECT o_at[n], o_reason[n], o_detail[n], p_destination[n], p_method[n], p_path[n],
@@ -474,117 +498,122 @@ BEGIN
         WHERE kind = 'd' AND k IS NOT NULL)
     ORDER BY destination, key FOR UPDATE;
     {_APART.strip()}
-    FOR i IN 1 .. coalesce(cardinality(p_kind), 0) LOOP
-        g := p_generation[i];
-        v_mine := false;
-        IF p_kind[i] = 'l' THEN
-            v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
-            v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
-            v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
-        ELSE
-            IF v_apart THEN
-                {_TAKE_READ.strip()}
-            ELSIF v_read IS NOT NULL AND p_key[i] = p_key[v_read]
-                AND p_destination[i] = p_destination[v_read] AND p_job[i] = p_job[v_read]
-                AND g = p_generation[v_read] AND p_monotonic[i] = p_monotonic[v_read] THEN
-                -- The same job generation and key as the write whose rows were read
-                -- last (`v_read`), and nothing written since: its key row and its
-                -- job's mark, which this batch's locks keep, are taken as read; the
-                -- clock, the lease and the older attempts' barriers, which other
-                -- transactions may change meanwhile, are read again.
-                {READ_AGAIN};
-                v_mine := v_key_attempt IS NOT DISTINCT FROM p_attempt[i];
+    <<deciding>>
+    LOOP
+        FOR i IN 1 .. coalesce(cardinality(p_kind), 0) LOOP
+            g := p_generation[i];
+            v_mine := false;
+            IF p_kind[i] = 'l' THEN
+                v_now := coalesce(p_now, {STORE_NOW.format("p_offset")});
+                v_verdict := 'l'; v_reason := p_reason[i]; v_detail := p_detail[i];
+                v_current := p_current[i]; v_highest := p_highest[i]; v_retry := NULL;
             ELSE
-                SELECT {_NOW},
-                    (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
-                    {_OLDER},
-                    {_LEASE_COLUMNS},
-                    k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
-                    CASE WHEN p_key[i] IS NULL
-                        THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
-                        ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END,
-                    k.attempt
-                FROM (SELECT) AS one
-                {_LEASE_JOIN}
-                LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
-                INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state,
-                    v_until, v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts,
-                    v_mine, v_key_attempt;
-                -- Kept for the writes of the same job generation and key that follow
-                -- (a keyless write's `v_mine` is its own attempt's row: read each time).
-                v_read := CASE WHEN p_key[i] IS NOT NULL THEN i END;
-                v_rec_read := false;
-            END IF;
-            IF v_mine THEN
-                -- This call was made before and committed (its answer was lost):
-                -- the write is reserved under its own attempt id. It was forwarded
-                -- then; it is answered so again, and nothing is written twice.
-                v_verdict := CASE WHEN v_attempts > 1 THEN 'u' ELSE 'f' END;
-                v_reason := NULL; v_detail := NULL; v_current := NULL; v_highest := NULL;
-                v_retry := NULL;
-            ELSE
-                {_POLICY.strip()}
-            END IF;
-        END IF;
-        v_id := NULL;
-        IF v_verdict IN ('f', 'u') THEN
-            v_read := NULL;  -- a reservation changes the rows the next write reads
-        END IF;
-        IF v_verdict IN ('f', 'u') AND NOT v_mine AND v_apart THEN
-            -- reserved together after the loop (`_RESERVE_ALL`)
-            IF p_key[i] IS NULL THEN
-                r_keyless := r_keyless || i;
-            ELSE
-                r_keyed := r_keyed || i;
-            END IF;
-            IF v_mark IS NULL OR g > v_mark THEN
-                r_raised := r_raised || i;
-            END IF;
-            IF NOT p_job[i] = ANY(j_forwarded) THEN
-                j_forwarded := j_forwarded || p_job[i];
-            END IF;
-        ELSIF v_verdict IN ('f', 'u') AND NOT v_mine THEN
-            {_RESERVE.strip()}
-        ELSIF v_verdict IN ('f', 'u') THEN
-            NULL;
-        ELSE
-            IF v_verdict = 'p' THEN
-                -- The key's row goes back once for the replays of a run of writes
-                -- (each may carry up to max_replay_body): each points at it.
-                IF NOT v_rec_read THEN
-                    SELECT * INTO v_rec FROM idempotency
-                        WHERE destination = p_destination[i] AND key = p_key[i];
-                    o_replay := o_replay || v_rec;
-                    v_rec_read := true;
+                IF v_apart THEN
+                    {_TAKE_READ.strip()}
+                ELSIF v_read IS NOT NULL AND p_key[i] = p_key[v_read]
+                    AND p_destination[i] = p_destination[v_read] AND p_job[i] = p_job[v_read]
+                    AND g = p_generation[v_read] AND p_monotonic[i] = p_monotonic[v_read] THEN
+                    -- The same job generation and key as the write whose rows were read
+                    -- last (`v_read`), and nothing written since: its key row and its
+                    -- job's mark, which this batch's locks keep, are taken as read; the
+                    -- clock, the lease and the older attempts' barriers, which other
+                    -- transactions may change meanwhile, are read again.
+                    {READ_AGAIN};
+                    v_mine := v_key_attempt IS NOT DISTINCT FROM p_attempt[i];
+                ELSE
+                    SELECT {_NOW},
+                        (SELECT highest_generation FROM fences WHERE job_id = p_job[i]),
+                        {_OLDER},
+                        {_LEASE_COLUMNS},
+                        k.key IS NOT NULL, k.fingerprint, k.state, k.deadline, k.attempts,
+                        CASE WHEN p_key[i] IS NULL
+                            THEN EXISTS (SELECT 1 FROM attempts WHERE attempt = p_attempt[i])
+                            ELSE k.attempt IS NOT DISTINCT FROM p_attempt[i] END,
+                        k.attempt
+                    FROM (SELECT) AS one
+                    {_LEASE_JOIN}
+                    LEFT JOIN idempotency k ON k.destination = p_destination[i] AND k.key = p_key[i]
+                    INTO v_now, v_mark, v_older, v_leased, v_owner, v_generation, v_state,
+                        v_until, v_keyed, v_fingerprint, v_key_state, v_deadline, v_attempts,
+                        v_mine, v_key_attempt;
+                    -- Kept for the writes of the same job generation and key that follow
+                    -- (a keyless write's `v_mine` is its own attempt's row: read each time).
+                    v_read := CASE WHEN p_key[i] IS NOT NULL THEN i END;
+                    v_rec_read := false;
                 END IF;
-                o_replay_at[i] := cardinality(o_replay);
-                v_reason := {_text(Reason.DUPLICATE)};
-                v_detail := {_text(REPLAYED)};
-            END IF;
-            IF v_apart THEN
-                j_at := j_at || i;  -- logged together after the loop (`_LOG_ALL`)
-            ELSE
-                IF NOT v_ordered THEN
-                    {ORDERED_INSERTS};
-                    v_ordered := true;
+                IF v_mine THEN
+                    -- This call was made before and committed (its answer was lost):
+                    -- the write is reserved under its own attempt id. It was forwarded
+                    -- then; it is answered so again, and nothing is written twice.
+                    v_verdict := CASE WHEN v_attempts > 1 THEN 'u' ELSE 'f' END;
+                    v_reason := NULL; v_detail := NULL; v_current := NULL; v_highest := NULL;
+                    v_retry := NULL;
+                ELSE
+                    {_POLICY.strip()}
                 END IF;
-                INSERT INTO rejections ({_LOGGED})
-                VALUES (v_now, v_reason, v_detail, p_destination[i], p_method[i], p_path[i],
-                    p_job[i], g, p_owner[i], p_key[i],
-                    CASE WHEN v_verdict = 'p' THEN NULL ELSE v_current END,
-                    CASE WHEN v_verdict = 'p' THEN NULL ELSE v_highest END,
-                    p_remote[i], p_sha[i], p_bytes[i])
-                RETURNING id INTO v_id;
             END IF;
+            v_id := NULL;
+            IF v_verdict IN ('f', 'u') THEN
+                v_read := NULL;  -- a reservation changes the rows the next write reads
+            END IF;
+            IF v_verdict IN ('f', 'u') AND NOT v_mine AND v_apart THEN
+                -- reserved together after the loop (`_RESERVE_ALL`)
+                IF p_key[i] IS NULL THEN
+                    r_keyless := r_keyless || i;
+                ELSE
+                    r_keyed := r_keyed || i;
+                END IF;
+                IF v_mark IS NULL OR g > v_mark THEN
+                    r_raised := r_raised || i;
+                END IF;
+                IF NOT p_job[i] = ANY(j_forwarded) THEN
+                    j_forwarded := j_forwarded || p_job[i];
+                END IF;
+            ELSIF v_verdict IN ('f', 'u') AND NOT v_mine THEN
+                {_RESERVE.strip()}
+            ELSIF v_verdict IN ('f', 'u') THEN
+                NULL;
+            ELSE
+                IF v_verdict = 'p' THEN
+                    -- The key's row goes back once for the replays of a run of writes
+                    -- (each may carry up to max_replay_body): each points at it.
+                    IF NOT v_rec_read THEN
+                        SELECT * INTO v_rec FROM idempotency
+                            WHERE destination = p_destination[i] AND key = p_key[i];
+                        o_replay := o_replay || v_rec;
+                        v_rec_read := true;
+                    END IF;
+                    o_replay_at[i] := cardinality(o_replay);
+                    v_reason := {_text(Reason.DUPLICATE)};
+                    v_detail := {_text(REPLAYED)};
+                END IF;
+                IF v_apart THEN
+                    j_at := j_at || i;  -- logged together after the loop (`_LOG_ALL`)
+                ELSE
+                    IF NOT v_ordered THEN
+                        {ORDERED_INSERTS};
+                        v_ordered := true;
+                    END IF;
+                    INSERT INTO rejections ({_LOGGED})
+                    VALUES (v_now, v_reason, v_detail, p_destination[i], p_method[i], p_path[i],
+                        p_job[i], g, p_owner[i], p_key[i],
+                        CASE WHEN v_verdict = 'p' THEN NULL ELSE v_current END,
+                        CASE WHEN v_verdict = 'p' THEN NULL ELSE v_highest END,
+                        p_remote[i], p_sha[i], p_bytes[i])
+                    RETURNING id INTO v_id;
+                END IF;
+            END IF;
+            o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
+            o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
+            o_retry[i] := v_retry;
+            o_at[i] := v_now;
+        END LOOP;
+        IF v_apart THEN
+            CLOSE v_rows;
+            {_APART_ORDERED.strip()}
         END IF;
-        o_verdict[i] := v_verdict; o_id[i] := v_id; o_reason[i] := v_reason;
-        o_detail[i] := v_detail; o_current[i] := v_current; o_highest[i] := v_highest;
-        o_retry[i] := v_retry;
-        o_at[i] := v_now;
+        EXIT deciding;
     END LOOP;
-    IF v_apart THEN
-        CLOSE v_rows;
-    END IF;
     {_RESERVE_ALL.strip()}
     IF cardinality(j_at) > 0 THEN
         {_LOG_ALL.strip()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from gateway.policy.records import Outcome, RejectionRecord
 from gateway.store import postgres as postgres_store
 from gateway.store import postgres_batch, postgres_outcomes, postgres_schema
 from gateway.store.postgres import PostgresStore
-from gateway.store.postgres_batch import Log
+from gateway.store.postgres_batch import Decide, Log
 from gateway.store.postgres_outcomes import OUTCOMES_FUNCTION
 from gateway.store.records import RejectionQuery
 from leases.errors import StoreUnavailable
@@ -155,10 +156,9 @@ async def test_a_run_that_keeps_the_row_of_the_run_before_replays_the_wrong_answ
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A new run not reading its own key's row again: shows the test above can fail."""
-    # the sequential path's (an apart batch has no runs)
-    new_run = "IS NOT NULL THEN i END;\n                v_rec_read := false;"
-    assert new_run in postgres_schema.DECIDE_FUNCTION_DDL
-    kept = postgres_schema.DECIDE_FUNCTION_DDL.replace(new_run, new_run.replace("v_rec_", "-- "))
+    # the sequential path's new run (an apart batch has no runs)
+    new_run = re.compile(r"(IS NOT NULL THEN i END;\s+)v_rec_read := false;")
+    kept = new_run.sub(r"\1NULL;", postgres_schema.DECIDE_FUNCTION_DDL, count=1)
     assert kept != postgres_schema.DECIDE_FUNCTION_DDL
     monkeypatch.setattr(postgres_schema, "DECIDE_FUNCTION_DDL", kept)
     store = await PostgresStore.open(url)
@@ -172,9 +172,8 @@ async def test_a_run_that_keeps_the_row_of_the_run_before_replays_the_wrong_answ
 async def _held_between_its_writes(
     store: PostgresStore, url: str, run: list[WriteFacts], meanwhile: Any
 ) -> list[str]:
-    """Decide `run` (two writes of one job generation and key) in one batch, its first
-    write refused and held back from logging its row (the rejection order lock taken
-    here) while `meanwhile()` runs: the verdicts."""
+    """Decide `run` in one batch, whose first refusal is held back from logging its
+    row (the rejection order lock taken here) while `meanwhile()` runs: the verdicts."""
     holder = await asyncpg.connect(url)
     try:
         async with holder.transaction():
@@ -289,6 +288,103 @@ async def test_a_run_that_keeps_the_barrier_it_read_first_refuses_again(
         "older_generation_in_flight",
         "older_generation_in_flight",
     ]
+
+
+async def _claimed_while_an_apart_batch_waits_to_log(url: str) -> list[str]:
+    """An apart batch (its rows read at once): three refusals of a job without a
+    lease, then an idempotent write of a key whose outcome is unknown. While the
+    batch waits to log its refusals, the lease API hands that key's job to a newer
+    generation."""
+    store = await PostgresStore.open(url)
+    try:
+        lease = await store.claim("job-r", owner="w1", ttl=60)
+        unknown = write(
+            job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE
+        )
+        reserved = await store.decide_write(unknown, CONTEXT)
+        assert reserved.attempt is not None
+        assert await store.record_outcome(unknown, reserved.attempt, Outcome("unknown"))
+
+        async def newer_generation() -> None:
+            await store.release(lease)
+            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
+
+        refused = [write(job_id="job-x", key=f"x{n}", fencing=Fencing.LEASE) for n in range(3)]
+        batch = [*refused, dataclasses.replace(unknown, upstream_idempotent=True)]
+        assert len(batch) >= postgres_batch.APART_FROM
+        return await _held_between_its_writes(store, url, batch, newer_generation)
+    finally:
+        await store.close()
+
+
+async def test_an_apart_batch_that_waited_to_log_decides_again_after_the_wait(url: str) -> None:
+    """Its decisions were taken before the wait: taken again after it, the handed-on
+    lease refuses the write (decided as if it had just arrived, as one after the other)."""
+    assert await _claimed_while_an_apart_batch_waits_to_log(url) == [
+        *["lease_not_held"] * 3,
+        "stale_generation",
+    ]
+
+
+async def test_an_apart_batch_that_keeps_what_it_read_before_the_wait_forwards_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order lock waited for without deciding again: shows the test above can fail."""
+    ddl = postgres_schema.DECIDE_FUNCTION_DDL
+    again = postgres_batch._APART_ORDERED.strip()
+    assert again in ddl
+    waits = f"IF cardinality(j_at) > 0 THEN {postgres_batch.ORDERED_INSERTS}; END IF;"
+    monkeypatch.setattr(postgres_schema, "DECIDE_FUNCTION_DDL", ddl.replace(again, waits))
+    assert await _claimed_while_an_apart_batch_waits_to_log(url) == [
+        *["lease_not_held"] * 3,
+        "forward",
+    ]
+
+
+async def _apart_batch_called_twice(url: str) -> tuple[list[Any], list[Any], list[Any], int]:
+    """An apart batch of keyed and keyless writes whose call committed and lost its
+    answer, run again with the same attempt ids: both calls' answers, the key rows
+    and the number of keyless attempts."""
+    store = await PostgresStore.open(url)  # the schema and the function
+    await store.close()
+    conn = await asyncpg.connect(url)
+    try:
+        batch = [
+            Decide(write(job_id=f"job-{n % 2}", key=f"again-{n}" if n < 3 else None), CONTEXT)
+            for n in range(5)
+        ]
+        assert len(batch) >= postgres_batch.APART_FROM
+        first, _ = await postgres_batch.decide_batch(conn, batch, 0.0)
+        again, _ = await postgres_batch.decide_batch(conn, batch, 0.0)
+        keys = await conn.fetch("SELECT key, attempt, attempts FROM idempotency ORDER BY key")
+        keyless = await conn.fetchval("SELECT count(*) FROM attempts")
+        assert [op.attempt for op in batch] == [v.attempt for v in first]
+        return first, again, [tuple(r) for r in keys], keyless
+    finally:
+        await conn.close()
+
+
+async def test_an_apart_batch_run_again_after_its_commit_answers_forward_and_reserves_once(
+    url: str,
+) -> None:
+    first, again, keys, keyless = await _apart_batch_called_twice(url)
+    assert _names(first) == _names(again) == ["forward"] * 5
+    assert again == first
+    assert keys == [(f"again-{n}", first[n].attempt, 1) for n in range(3)]
+    assert keyless == 2
+
+
+async def test_an_apart_batch_without_its_attempts_found_refuses_its_own_writes(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cursor no longer looks for a keyed write's own attempt: the call run again
+    refuses the writes its first run reserved. Shows the test above can fail."""
+    mine = "ELSE k.attempt IS NOT DISTINCT FROM u.attempt END"
+    ddl = postgres_schema.DECIDE_FUNCTION_DDL
+    assert mine in ddl
+    monkeypatch.setattr(postgres_schema, "DECIDE_FUNCTION_DDL", ddl.replace(mine, "ELSE false END"))
+    _, again, _, _ = await _apart_batch_called_twice(url)
+    assert _names(again)[:3] == ["request_in_progress"] * 3
 
 
 # --- the lock order across replicas ------------------------------------------------------
