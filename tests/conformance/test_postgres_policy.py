@@ -26,7 +26,13 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from gateway.policy import batch_plan
-from gateway.policy.decision import Fencing, KeyRecord, KeyState, WriteFacts
+from gateway.policy.decision import (
+    RESERVATION_GRACE_S,
+    Fencing,
+    KeyRecord,
+    KeyState,
+    WriteFacts,
+)
 from gateway.policy.plan import WritePlan, plan_write
 from gateway.policy.records import RejectionRecord, Verdict, WriteContext
 from gateway.store import postgres_batch
@@ -93,6 +99,11 @@ def _case(rng: random.Random) -> Case:
             # A settled row may keep a `barrier_until` (an operator's resolve leaves it):
             # it bars nothing.
             barrier = at() if rng.random() < 0.8 else None
+            if barrier is not None and state is KeyState.IN_FLIGHT:
+                # As every reservation leaves it: its barrier ends `RESERVATION_GRACE_S`
+                # before its deadline, so a key reserved again (its deadline passed)
+                # bars nothing any more.
+                barrier = min(barrier, record.deadline - RESERVATION_GRACE_S)
             keys.append((record, barrier))
     keyless = [
         (f"kl-{n}", rng.choice(JOBS), rng.randint(1, 4), at()) for n in range(rng.randint(0, 2))
