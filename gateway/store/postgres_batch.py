@@ -388,23 +388,20 @@ IF cardinality(j_at) > 0
     CONTINUE deciding;
 END IF;
 """
-# The rejection-log rows of an apart batch (`j_at`, their positions), in one
-# statement in arrival order, after `_APART_ORDERED`: ids are handed out in the
-# order rows are inserted, so the n-th smallest id is the n-th row's.
+# The rejection-log rows of an apart batch (`j_at`, their positions), after
+# `_APART_ORDERED` took the order lock: their ids drawn one by one in arrival
+# order, then the rows inserted with them in one statement.
 _LOG_ALL = f"""
-WITH logged AS (
-    INSERT INTO rejections ({_LOGGED})
-    SELECT o_at[n], o_reason[n], o_detail[n], p_destination[n], p_method[n], p_path[n],
-        p_job[n], p_generation[n], p_owner[n], p_key[n],
-        CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_current[n] END,
-        CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_highest[n] END,
-        p_remote[n], p_sha[n], p_bytes[n]
-    FROM unnest(j_at) AS r(n) ORDER BY n
-    RETURNING id)
-SELECT array_agg(id ORDER BY id) INTO v_ids FROM logged;
 FOR k IN 1 .. cardinality(j_at) LOOP
-    o_id[j_at[k]] := v_ids[k];
+    o_id[j_at[k]] := nextval('rejections_id_seq');
 END LOOP;
+INSERT INTO rejections (id, {_LOGGED})
+SELECT o_id[n], o_at[n], o_reason[n], o_detail[n], p_destination[n], p_method[n], p_path[n],
+    p_job[n], p_generation[n], p_owner[n], p_key[n],
+    CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_current[n] END,
+    CASE WHEN o_verdict[n] = 'p' THEN NULL ELSE o_highest[n] END,
+    p_remote[n], p_sha[n], p_bytes[n]
+FROM unnest(j_at) AS r(n);
 """
 
 # The function's arguments, declared once for its signature, its call and `_args`:
@@ -468,7 +465,6 @@ DECLARE
     r_raised int4[] := '{{}}';
     j_at int4[] := '{{}}';
     o_at float8[] := '{{}}';
-    v_ids int8[];
     o_verdict text[] := '{{}}';
     o_id int8[] := '{{}}';
     o_reason text[] := '{{}}';

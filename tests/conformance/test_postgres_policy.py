@@ -347,9 +347,9 @@ MUTATIONS = {
         "count(DISTINCT (j, gen, m)) = count(DISTINCT j)",
         "count(DISTINCT (j, m)) = count(DISTINCT j)",
     ),
-    "the rejection rows of a batch read at once, out of order": (
-        "FROM unnest(j_at) AS r(n) ORDER BY n",
-        "FROM unnest(j_at) AS r(n) ORDER BY n DESC",
+    "the rejection ids of a batch read at once, out of order": (
+        "o_id[j_at[k]] := nextval",
+        "o_id[j_at[cardinality(j_at) + 1 - k]] := nextval",
     ),
     "the mark before a forward of the batch": (
         "v_mark := greatest(v_mark, g);",
