@@ -390,10 +390,12 @@ END IF;
 """
 # The rejection-log rows of an apart batch (`j_at`, their positions), after
 # `_APART_ORDERED` took the order lock: their ids drawn one by one in arrival
-# order, then the rows inserted with them in one statement.
+# order from the id column's sequence, then the rows inserted with them in one
+# statement.
 _LOG_ALL = f"""
+v_sequence := pg_get_serial_sequence('rejections', 'id')::regclass;
 FOR k IN 1 .. cardinality(j_at) LOOP
-    o_id[j_at[k]] := nextval('rejections_id_seq');
+    o_id[j_at[k]] := nextval(v_sequence);
 END LOOP;
 INSERT INTO rejections (id, {_LOGGED})
 SELECT o_id[n], o_at[n], o_reason[n], o_detail[n], p_destination[n], p_method[n], p_path[n],
@@ -458,6 +460,7 @@ DECLARE
     v_id int8;
     v_ordered boolean := false;
     v_apart boolean := false;
+    v_sequence regclass;
     v_rows refcursor;
     j_forwarded text[] := '{{}}';
     r_keyed int4[] := '{{}}';
