@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -197,22 +197,32 @@ async def _held_between_its_writes(
         await holder.close()
 
 
+async def _unknown_key_of_a_claimed_job(
+    store: PostgresStore,
+) -> tuple[WriteFacts, Callable[[], Awaitable[None]]]:
+    """A write of job-r's key kr, forwarded with an unknown outcome (not idempotent,
+    so a write of it is refused; idempotent, forwarded again), and what hands job-r
+    to a newer generation through the lease API."""
+    lease = await store.claim("job-r", owner="w1", ttl=60)
+    unknown = write(job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE)
+    reserved = await store.decide_write(unknown, CONTEXT)
+    assert reserved.attempt is not None
+    assert await store.record_outcome(unknown, reserved.attempt, Outcome("unknown"))
+
+    async def newer_generation() -> None:
+        await store.release(lease)
+        assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
+
+    return unknown, newer_generation
+
+
 async def _claimed_between_two_decisions_of_a_run(url: str) -> list[str]:
     """A run of two writes of one key whose outcome is unknown: the first, not
     idempotent, is refused; while it waits to log its row the lease API hands the
     job to a newer generation; the second, idempotent, would forward the key again."""
     store = await PostgresStore.open(url)
     try:
-        lease = await store.claim("job-r", owner="w1", ttl=60)
-        first = write(job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE)
-        reserved = await store.decide_write(first, CONTEXT)
-        assert reserved.attempt is not None
-        assert await store.record_outcome(first, reserved.attempt, Outcome("unknown"))
-
-        async def newer_generation() -> None:
-            await store.release(lease)
-            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
-
+        first, newer_generation = await _unknown_key_of_a_claimed_job(store)
         run = [first, dataclasses.replace(first, upstream_idempotent=True)]
         return await _held_between_its_writes(store, url, run, newer_generation)
     finally:
@@ -297,18 +307,7 @@ async def _claimed_while_an_apart_batch_waits_to_log(url: str) -> list[str]:
     generation."""
     store = await PostgresStore.open(url)
     try:
-        lease = await store.claim("job-r", owner="w1", ttl=60)
-        unknown = write(
-            job_id="job-r", generation=lease.generation, key="kr", fencing=Fencing.LEASE
-        )
-        reserved = await store.decide_write(unknown, CONTEXT)
-        assert reserved.attempt is not None
-        assert await store.record_outcome(unknown, reserved.attempt, Outcome("unknown"))
-
-        async def newer_generation() -> None:
-            await store.release(lease)
-            assert (await store.claim("job-r", owner="w2", ttl=60)).generation > lease.generation
-
+        unknown, newer_generation = await _unknown_key_of_a_claimed_job(store)
         refused = [write(job_id="job-x", key=f"x{n}", fencing=Fencing.LEASE) for n in range(3)]
         batch = [*refused, dataclasses.replace(unknown, upstream_idempotent=True)]
         assert len(batch) >= postgres_batch.APART_FROM
