@@ -171,6 +171,7 @@ def create_app(
             await _stop_task(pooled)
             await app[RELOADER].close()
             await _drain(writes, config.shutdown_grace)
+            await writes.record_cut(CUT_RECORD_S)
             await _stop_task(feed)
             app[METRICS].settlements_unheard.set(0)  # nothing left to hear
             await waiters.close()
@@ -190,6 +191,10 @@ def create_app(
     add_openapi_route(app, _listeners(config, app[ADMIN_BOUND]))
     add_health_routes(app, lambda: app[STORE])
     return app
+
+
+# How long the stop gives the store to record the forwards it cut as `unknown`.
+CUT_RECORD_S = 1.0
 
 
 # How often writes held under `Prefer: wait` poll what blocks them: where other
@@ -252,8 +257,8 @@ async def _not_a_write(request: web.Request) -> web.StreamResponse:
 async def _stop(runner: GatewayRunner, grace: float) -> None:
     """Stop the main listener within `grace` in all: aiohttp's `cleanup` closes the
     listener and idle connections and waits for the handlers; forwards still under
-    way when `grace` has passed are cancelled (their keys read `unknown` after the
-    reservation deadline), which ends their handlers.
+    way when `grace` has passed are cancelled, which ends their handlers (their keys
+    are then recorded `unknown`: `WriteGateway.record_cut`).
 
     Left to itself, aiohttp gives each handler its shutdown timeout twice (it
     waits, cancels only the request's body, waits again), and a handler never
@@ -301,8 +306,9 @@ ABANDONED_NAMED = 100
 def _log_abandoned(
     abandoned: Mapping[asyncio.Task[Any], WriteFacts], unsent: set[asyncio.Task[Any]]
 ) -> None:
-    """The forwards cut at shutdown: their keys read `unknown` until an operator
-    settles them (`sinkgate keys resolve`), so the line names them, as their
+    """The forwards cut at shutdown: their keys read `unknown` (recorded so as
+    the gateway stops, or once their reservations' deadlines pass) until an
+    operator settles them (`sinkgate keys resolve`), so the line names them, as their
     decision lines would have, and says of each whether it may have reached its
     upstream (`maybe_sent`: one in `unsent`, refused as too late or never
     connected while its key was being released, is `not_applied` for certain)."""

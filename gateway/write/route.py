@@ -31,7 +31,7 @@ from gateway.http.auth import (
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
-from gateway.policy.outcome import Answered, NotAnswered, not_sent
+from gateway.policy.outcome import UNKNOWN, Answered, NotAnswered, not_sent
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
@@ -125,6 +125,11 @@ class WriteGateway:
         # named as such. Kept out of the ordinary forward's path, which never
         # enters it.
         self.unsent: set[asyncio.Task[Any]] = set()
+        # Those cut at shutdown before their outcome was recorded, by attempt, with
+        # the outcome to record as the gateway stops (`record_cut`): `unknown` for
+        # one cut on the wire (it may have been sent), the release it was making
+        # for one in `unsent`.
+        self.cut: dict[str, tuple[WriteFacts, Outcome]] = {}
         self.body_budget = BodyBudget(config.max_body_buffer)
         self.replays = Replays()
         for name in config.destinations:
@@ -448,17 +453,23 @@ class WriteGateway:
         )
 
     @contextmanager
-    def _sending_nothing(self) -> Iterator[None]:
+    def _sending_nothing(self, facts: WriteFacts, decided: Decided) -> Iterator[None]:
         """Within a forward's task, the key of a request known to have sent nothing
         being settled: a shutdown that cuts the forward here (`CancelledError`)
-        leaves it in `unsent`, for the `forwards_abandoned` line to say so."""
+        leaves it in `unsent`, for the `forwards_abandoned` line to say so, and in
+        `cut` with the outcome it was settling (recorded again: the same outcome
+        twice is once)."""
         task = asyncio.current_task()
         assert task is not None
         self.unsent.add(task)
         try:
             yield
         except asyncio.CancelledError:
-            raise  # cut: read by the line once the task is done, then forgotten with it
+            # Read by the line once the task is done, then forgotten with it.
+            attempt = decided.verdict.attempt
+            assert attempt is not None
+            self.cut[attempt] = (facts, not_sent(_resends_unknown(decided)))
+            raise
         except BaseException:
             self.unsent.discard(task)
             raise
@@ -474,7 +485,7 @@ class WriteGateway:
 
     async def _refuse_late(self, facts: WriteFacts, decided: Decided) -> NoReturn:
         """Refuse a write whose verdict came too late to be sent (`_send_by`)."""
-        with self._sending_nothing():
+        with self._sending_nothing(facts, decided):
             await self._not_sent(facts, decided)
         # Not `decide`: the store answered, only too slowly for this destination.
         self.metrics.store_errors.labels("decide_late").inc()
@@ -555,6 +566,13 @@ class WriteGateway:
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
+        except asyncio.CancelledError:
+            # Cut at shutdown before the upstream's answer was in: maybe sent. Only
+            # here: one cut while its outcome is being recorded may still have it
+            # recorded, which `unknown` must not overwrite.
+            self.cut[attempt] = (facts, UNKNOWN)
+            self.metrics.child(self.metrics.upstream_outcomes, destination.name, "unknown").inc()
+            raise
         except TooLateToSend:
             await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
@@ -575,14 +593,15 @@ class WriteGateway:
         stored: bool | None = None
         try:
             if unsent:
-                with self._sending_nothing():
+                with self._sending_nothing(facts, decided):
                     stored = await self._record_outcome(facts, attempt, outcome)
             else:
                 stored = await self._record_outcome(facts, attempt, outcome)
         finally:
-            # Counted as the key ends: an outcome the store did not take (or whose
-            # recording a shutdown cut short) leaves it to read `unknown`.
-            kind = outcome.kind if stored is not None else "unknown"
+            # Counted as the key ends: an outcome the store did not take leaves it to
+            # read `unknown`; one whose recording a shutdown cut short is recorded
+            # again as the gateway stops (`record_cut`).
+            kind = outcome.kind if stored is not None or attempt in self.cut else "unknown"
             metrics.child(metrics.upstream_outcomes, destination.name, kind).inc()
         recorded = bool(stored)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
@@ -597,6 +616,37 @@ class WriteGateway:
             web.Response(status=answer.status, body=answer.body, headers=answer.headers),
             None,
             sent,
+        )
+
+    async def record_cut(self, within: float) -> None:
+        """Record the outcomes of the forwards cut at shutdown (`cut`): `unknown`
+        for one cut on the wire, what its key would read once its reservation's
+        deadline passed, so a retry is told so now, and a write held on it in
+        another process or replica wakes now to that answer instead of at the
+        deadline; the release one known to have sent nothing was making. At most
+        `within` seconds: a store that does not answer leaves them to their
+        deadlines, as before."""
+        cut, self.cut = self.cut, {}
+        if not cut:
+            return
+        recording = asyncio.gather(
+            *(self.store.record_outcome(f, attempt, o) for attempt, (f, o) in cut.items()),
+            return_exceptions=True,
+        )
+        stored: list[bool | BaseException | None]
+        try:
+            stored = list(await asyncio.wait_for(recording, within))
+        except TimeoutError:
+            stored = [None] * len(cut)
+        # False: settled already (a release whose recording was cut had landed).
+        failed = [s for s in stored if not isinstance(s, bool)]
+        line = log.warning if failed else log.info
+        line(
+            "abandoned_recorded",
+            count=len(cut),
+            recorded=stored.count(True),
+            not_recorded=len(failed),
+            error=next((str(e) for e in failed if e is not None), None),
         )
 
     async def _record_outcome(

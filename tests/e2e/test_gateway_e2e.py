@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import structlog
@@ -1289,6 +1290,118 @@ async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
     assert (line["count"], line["maybe_sent"]) == (1, 0)
     assert [w["key"] for w in line["writes"]] == ["late-at-shutdown"]  # type: ignore[attr-defined]
     assert [w["maybe_sent"] for w in line["writes"]] == [False]  # type: ignore[attr-defined]
+    assert len(upstream.received) == 1
+
+
+async def test_a_forward_cut_at_shutdown_is_recorded_as_the_gateway_stops(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward cut on the wire at shutdown left its key in flight until its
+    reservation's deadline (the destination's timeout and a grace): a retry was
+    told `request_in_progress`, and a write held on it in another process or
+    replica waited that long for the `outcome_unknown` it then got. Recorded
+    `unknown` as the gateway stops, it reads so at once. One known to have sent
+    nothing, cut while its key was being released, is released: its retry is
+    forwarded."""
+    await gw.claim("job-1")
+    writes = gw.app[WRITES]
+    await _abandoned_at_shutdown(gw, "/to/pay/slow/1", "cut-on-the-wire", upstream.arrived.is_set)
+    retry = await gw.write("/to/pay/slow/1", key="cut-on-the-wire")
+    assert_rejected(retry, 409, "request_in_progress")  # not yet recorded
+
+    late_verdicts(gw, monkeypatch, 0.4)  # "quick": 0.3 s, refused as too late
+    releasing = asyncio.Event()
+
+    async def stuck(*args: object) -> object:
+        releasing.set()
+        await asyncio.Event().wait()  # the store never answers before the grace ends
+        raise AssertionError("cut")
+
+    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    await _abandoned_at_shutdown(gw, "/to/quick/x", "cut-releasing")
+    assert releasing.is_set()
+    monkeypatch.undo()
+    assert sorted(f.key for f, _ in writes.cut.values()) == ["cut-on-the-wire", "cut-releasing"]
+
+    with structlog.testing.capture_logs() as logs:
+        await writes.record_cut(5.0)
+    assert writes.cut == {}
+    (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
+    assert (line["count"], line["recorded"], line["not_recorded"]) == (2, 2, 0)
+    retry = await gw.write("/to/pay/slow/1", key="cut-on-the-wire")
+    assert_rejected(retry, 409, "outcome_unknown")
+    assert (await gw.write("/to/quick/x", key="cut-releasing"))[0] == 201
+    assert [r.raw_path for r in upstream.received] == ["/api/slow/1", "/api/x"]
+
+
+@pytest.mark.parametrize("store_is", ["down", "silent"])
+async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch, store_is: str
+) -> None:
+    """The stop gives the store a bounded time for the cut forwards' outcomes; one
+    it fails or does not answer in time is a warning with the store's words, and
+    the stop goes on (the keys read `unknown` by their deadlines)."""
+    writes = gw.app[WRITES]
+
+    async def down(*args: object) -> bool:
+        raise StoreUnavailable("the database went away")
+
+    async def silent(*args: object) -> bool:
+        await asyncio.Event().wait()
+        raise AssertionError("cut")
+
+    monkeypatch.setattr(gw.store, "record_outcome", down if store_is == "down" else silent)
+    facts = SimpleNamespace(destination="pay", key="k")
+    writes.cut["attempt-1"] = (facts, route_module.UNKNOWN)  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await asyncio.wait_for(writes.record_cut(0.2), 5)
+    (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
+    assert line["log_level"] == "warning"
+    assert (line["count"], line["recorded"], line["not_recorded"]) == (1, 0, 1)
+    assert line["error"] == ("the database went away" if store_is == "down" else None)
+    assert writes.cut == {}
+
+
+@pytest.mark.parametrize("scoped", [True, False], ids=["as-built", "any-cut-recorded"])
+async def test_a_forward_cut_while_its_answer_is_recorded_keeps_that_answer(
+    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch, scoped: bool
+) -> None:
+    """Cut once the upstream has answered, while the answer is being recorded: the
+    store may still take it (a batch already on its way), and `unknown` recorded
+    after it would erase the answer its replays give. Only a forward cut on the
+    wire is recorded `unknown`; switched off (any cut forward recorded so), the
+    replay is lost."""
+    await gw.claim("job-1")
+    writes = gw.app[WRITES]
+    record = gw.store.record_outcome
+    recorded: list[asyncio.Task[bool]] = []
+    recording: list[tuple[Any, str]] = []
+    gate = asyncio.Event()
+
+    async def landing_later(facts: Any, attempt: str, outcome: Any) -> bool:
+        async def land() -> bool:
+            await gate.wait()
+            return await record(facts, attempt, outcome)
+
+        recording.append((facts, attempt))
+        recorded.append(asyncio.ensure_future(land()))  # not cut with its caller
+        return await asyncio.shield(recorded[-1])
+
+    monkeypatch.setattr(gw.store, "record_outcome", landing_later)
+    await _abandoned_at_shutdown(gw, "/to/pay/x", "answered", lambda: recorded)
+    monkeypatch.undo()
+    gate.set()
+    assert await recorded[0] is True  # the answer landed after the cut
+    assert writes.cut == {}
+    if not scoped:
+        ((facts, attempt),) = recording
+        writes.cut[attempt] = (facts, route_module.UNKNOWN)
+    await writes.record_cut(5.0)
+    code, headers, _ = await gw.write("/to/pay/x", key="answered")
+    if scoped:
+        assert (code, headers.get("Idempotent-Replayed")) == (201, "true")
+    else:
+        assert code == 409 and headers["Sinkgate-Rejected"] == "outcome_unknown"
     assert len(upstream.received) == 1
 
 
