@@ -151,3 +151,69 @@ async def test_a_stopping_gateway_answers_its_held_writes_at_once(tmp_path: Path
     assert status == 409 and headers["Sinkgate-Rejected"] == "request_in_progress"
     assert headers["Preference-Applied"] == "wait=20" and int(headers["Retry-After"]) >= 1
     assert code == 0
+
+
+async def test_a_forward_cut_at_shutdown_wakes_its_waiters_in_another_process(
+    tmp_path: Path, shared_store: str
+) -> None:
+    """The original's gateway stops and cuts its forward at the end of its grace:
+    the outcome is recorded `unknown` as it stops, so the duplicate held in the
+    other process is answered `outcome_unknown` then, not after the reservation's
+    deadline (the destination's 30 s timeout and more; its wait would have run
+    out first, 20 s, with `request_in_progress`)."""
+    async with recording_upstream() as upstream, aiohttp.ClientSession() as session:
+        started = []
+        for name, grace in (("a", "0.5s"), ("b", "5s")):
+            config, url = write_serve_config(
+                tmp_path / name, shared_store, upstream.url, shutdown_grace=grace, timeout="30s"
+            )
+            log = tmp_path / f"{name}.log"
+            started.append((url, await spawn_serve(config, log), log))
+        try:
+            for url, process, log in started:
+                await wait_until_ok(
+                    session,
+                    f"{url}/readyz",
+                    exited=lambda p=process, lg=log: (
+                        None if p.returncode is None else f"exited {p.returncode}: {lg.read_text()}"
+                    ),
+                )
+            (a, stopping, _), (b, _, _) = started
+            async with session.post(
+                f"{a}/leases/job-1/claim", json={"owner": "w", "ttl": 60}
+            ) as resp:
+                assert resp.status == 200
+
+            async def cut() -> str:
+                try:
+                    await timed_post(session, f"{a}/to/pay/slow/x", HEADERS)
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+                return "answered"
+
+            original = asyncio.create_task(cut())
+            await asyncio.wait_for(upstream.arrived.wait(), 10)
+            duplicate = asyncio.create_task(
+                timed_post(session, f"{b}/to/pay/slow/x", {**HEADERS, "Prefer": "wait=20"})
+            )
+            store = await open_store(shared_store)
+            try:
+                await eventually(
+                    lambda: store.list_rejections(RejectionQuery(reason="request_in_progress")),
+                    what="the duplicate held",
+                )
+            finally:
+                await store.close()
+            stopping.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(stopping.wait(), 15) == 0
+            stopped_at = time.monotonic()
+            assert await original != "answered"  # cut: no answer
+            status, headers, answered_at = await asyncio.wait_for(duplicate, 25)
+        finally:
+            upstream.release.set()
+            codes = [await stop_serve(process, 20) for _, process, _ in started]
+    assert status == 409 and headers["Sinkgate-Rejected"] == "outcome_unknown"
+    assert headers["Preference-Applied"] == "wait=20"
+    assert answered_at - stopped_at < 3.0  # woken by the record, within 1 s and a margin
+    assert len(upstream.received) == 1
+    assert codes[1] == 0
