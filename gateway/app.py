@@ -193,7 +193,8 @@ def create_app(
     return app
 
 
-# How long the stop gives the store to record the forwards it cut as `unknown`.
+# How long the stop gives the store to record the releases of the forwards it cut
+# while they were releasing keys they sent nothing under (`WriteGateway.record_cut`).
 CUT_RECORD_S = 1.0
 
 
@@ -257,8 +258,8 @@ async def _not_a_write(request: web.Request) -> web.StreamResponse:
 async def _stop(runner: GatewayRunner, grace: float) -> None:
     """Stop the main listener within `grace` in all: aiohttp's `cleanup` closes the
     listener and idle connections and waits for the handlers; forwards still under
-    way when `grace` has passed are cancelled, which ends their handlers (their keys
-    are then recorded `unknown`: `WriteGateway.record_cut`).
+    way when `grace` has passed are cancelled (their keys read `unknown` after the
+    reservation deadline), which ends their handlers.
 
     Left to itself, aiohttp gives each handler its shutdown timeout twice (it
     waits, cancels only the request's body, waits again), and a handler never
@@ -306,12 +307,13 @@ ABANDONED_NAMED = 100
 def _log_abandoned(
     abandoned: Mapping[asyncio.Task[Any], WriteFacts], unsent: set[asyncio.Task[Any]]
 ) -> None:
-    """The forwards cut at shutdown: their keys read `unknown` (recorded so as
-    the gateway stops, or once their reservations' deadlines pass) until an
-    operator settles them (`sinkgate keys resolve`), so the line names them, as their
-    decision lines would have, and says of each whether it may have reached its
-    upstream (`maybe_sent`: one in `unsent`, refused as too late or never
-    connected while its key was being released, is `not_applied` for certain)."""
+    """The forwards cut at shutdown: their keys read `unknown` after the
+    reservation deadline until an operator settles them (`sinkgate keys
+    resolve`), so the line names them, as their decision lines would have, and
+    says of each whether it may have reached its upstream (`maybe_sent`: one in
+    `unsent`, refused as too late or never connected while its key was being
+    released, sent nothing for certain, and its release is recorded as the
+    gateway stops: `WriteGateway.record_cut`)."""
     named = [
         {
             "destination": w.destination,

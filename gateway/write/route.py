@@ -12,7 +12,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import structlog
 from aiohttp import web
@@ -31,7 +31,7 @@ from gateway.http.auth import (
 from gateway.http.bodies import BodyBudget, continue_if_expected, read_body
 from gateway.http.problem import problem_response
 from gateway.policy.decision import Forward, KeyRecord, Reject, Replay, WriteFacts
-from gateway.policy.outcome import UNKNOWN, Answered, NotAnswered, not_sent
+from gateway.policy.outcome import Answered, NotAnswered, not_sent
 from gateway.policy.outcome import outcome as policy_outcome
 from gateway.policy.records import Outcome, RejectionRecord, Verdict, WriteContext
 from gateway.store.protocol import GroupDecisions, StartsDecisions, WriteStore
@@ -125,11 +125,13 @@ class WriteGateway:
         # named as such. Kept out of the ordinary forward's path, which never
         # enters it.
         self.unsent: set[asyncio.Task[Any]] = set()
-        # Those cut at shutdown before their outcome was recorded, by attempt, with
-        # the outcome to record as the gateway stops (`record_cut`): `unknown` for
-        # one cut on the wire (it may have been sent), the release it was making
-        # for one in `unsent`.
-        self.cut: dict[str, tuple[WriteFacts, Outcome]] = {}
+        # Those of them cut at shutdown while settling their key, by attempt: what
+        # they were recording (a release), recorded as the gateway stops
+        # (`record_cut`), and whether it counts among the upstream outcomes. One cut
+        # on the wire is not among them: it may still be under way at its upstream,
+        # so its key stays in flight, and its job's newer generations barred, until
+        # its deadlines, as for a gateway that died.
+        self.cut: dict[str, _Cut] = {}
         self.body_budget = BodyBudget(config.max_body_buffer)
         self.replays = Replays()
         for name in config.destinations:
@@ -453,12 +455,15 @@ class WriteGateway:
         )
 
     @contextmanager
-    def _sending_nothing(self, facts: WriteFacts, decided: Decided) -> Iterator[None]:
+    def _sending_nothing(
+        self, facts: WriteFacts, decided: Decided, *, counted: bool = False
+    ) -> Iterator[None]:
         """Within a forward's task, the key of a request known to have sent nothing
         being settled: a shutdown that cuts the forward here (`CancelledError`)
         leaves it in `unsent`, for the `forwards_abandoned` line to say so, and in
-        `cut` with the outcome it was settling (recorded again: the same outcome
-        twice is once)."""
+        `cut` with the outcome it was settling, to be recorded as the gateway stops
+        (again, if the cut call had reached the store: the same outcome twice is
+        once); `counted`: among the upstream outcomes."""
         task = asyncio.current_task()
         assert task is not None
         self.unsent.add(task)
@@ -468,7 +473,7 @@ class WriteGateway:
             # Read by the line once the task is done, then forgotten with it.
             attempt = decided.verdict.attempt
             assert attempt is not None
-            self.cut[attempt] = (facts, not_sent(_resends_unknown(decided)))
+            self.cut[attempt] = _Cut(facts, not_sent(_resends_unknown(decided)), counted)
             raise
         except BaseException:
             self.unsent.discard(task)
@@ -566,13 +571,6 @@ class WriteGateway:
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
-        except asyncio.CancelledError:
-            # Cut at shutdown before the upstream's answer was in: maybe sent. Only
-            # here: one cut while its outcome is being recorded may still have it
-            # recorded, which `unknown` must not overwrite.
-            self.cut[attempt] = (facts, UNKNOWN)
-            self.metrics.child(self.metrics.upstream_outcomes, destination.name, "unknown").inc()
-            raise
         except TooLateToSend:
             await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
@@ -593,16 +591,17 @@ class WriteGateway:
         stored: bool | None = None
         try:
             if unsent:
-                with self._sending_nothing(facts, decided):
+                with self._sending_nothing(facts, decided, counted=True):
                     stored = await self._record_outcome(facts, attempt, outcome)
             else:
                 stored = await self._record_outcome(facts, attempt, outcome)
         finally:
             # Counted as the key ends: an outcome the store did not take leaves it to
-            # read `unknown`; one whose recording a shutdown cut short is recorded
-            # again as the gateway stops (`record_cut`).
-            kind = outcome.kind if stored is not None or attempt in self.cut else "unknown"
-            metrics.child(metrics.upstream_outcomes, destination.name, kind).inc()
+            # read `unknown` (one in `cut` is counted as it is recorded again).
+            if stored is not None:
+                metrics.child(metrics.upstream_outcomes, destination.name, outcome.kind).inc()
+            elif attempt not in self.cut:
+                metrics.child(metrics.upstream_outcomes, destination.name, "unknown").inc()
         recorded = bool(stored)
         self.waiters.settled(facts.destination, facts.key, facts.job_id)
         upstream_ms = milliseconds(upstream_s)
@@ -619,32 +618,34 @@ class WriteGateway:
         )
 
     async def record_cut(self, within: float) -> None:
-        """Record the outcomes of the forwards cut at shutdown (`cut`): `unknown`
-        for one cut on the wire, what its key would read once its reservation's
-        deadline passed, so a retry is told so now, and a write held on it in
-        another process or replica wakes now to that answer instead of at the
-        deadline; the release one known to have sent nothing was making. At most
-        `within` seconds: a store that does not answer leaves them to their
-        deadlines, as before."""
+        """Record what the forwards cut at shutdown while settling a key they sent
+        nothing under were recording (`cut`): their keys released, so a retry is
+        forwarded now, not after their reservations' deadlines. At most `within`
+        seconds: a store that does not answer leaves them to their deadlines, as
+        before (they read `unknown` then)."""
         cut, self.cut = self.cut, {}
         if not cut:
             return
         recording = asyncio.gather(
-            *(self.store.record_outcome(f, attempt, o) for attempt, (f, o) in cut.items()),
+            *(self.store.record_outcome(c.facts, a, c.outcome) for a, c in cut.items()),
             return_exceptions=True,
         )
         stored: list[bool | BaseException | None]
         try:
             stored = list(await asyncio.wait_for(recording, within))
-        except TimeoutError:
+        except TimeoutError:  # those that had finished are not told apart
             stored = [None] * len(cut)
-        # False: settled already (a release whose recording was cut had landed).
+        metrics = self.metrics
+        for c, result in zip(cut.values(), stored, strict=True):
+            if c.counted:  # False: settled already (the cut call had reached the store)
+                kind = c.outcome.kind if isinstance(result, bool) else "unknown"
+                metrics.child(metrics.upstream_outcomes, c.facts.destination, kind).inc()
         failed = [s for s in stored if not isinstance(s, bool)]
         line = log.warning if failed else log.info
         line(
             "abandoned_recorded",
             count=len(cut),
-            recorded=stored.count(True),
+            recorded=len(cut) - len(failed),
             not_recorded=len(failed),
             error=next((str(e) for e in failed if e is not None), None),
         )
@@ -790,6 +791,14 @@ class _Deciding:
 
     def abandon(self) -> None:
         self._gateway.deciding -= 1
+
+
+class _Cut(NamedTuple):
+    """A forward cut at shutdown while settling a key it sent nothing under."""
+
+    facts: WriteFacts
+    outcome: Outcome
+    counted: bool  # among the upstream outcomes (`sinkgate_upstream_outcomes_total`)
 
 
 def _resends_unknown(decided: Decided) -> bool:

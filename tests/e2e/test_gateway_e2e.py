@@ -22,6 +22,7 @@ from gateway.app import WRITES
 from gateway.http.appkeys import METRICS
 from gateway.policy import decision as decision_module
 from gateway.policy.decision import Fencing
+from gateway.policy.outcome import RELEASED, UNKNOWN
 from gateway.store import postgres_batch
 from gateway.store.postgres import PostgresStore
 from gateway.store.records import RejectionQuery
@@ -1293,22 +1294,52 @@ async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
     assert len(upstream.received) == 1
 
 
-async def test_a_forward_cut_at_shutdown_is_recorded_as_the_gateway_stops(
+@pytest.mark.parametrize("recorded", [False, True], ids=["as-built", "recorded-unknown"])
+async def test_a_forward_cut_on_the_wire_at_shutdown_keeps_its_key_and_its_barrier(
+    gw: Gateway, upstream: RecordingUpstream, recorded: bool
+) -> None:
+    """A forward cut at the end of `shutdown_grace` may still be under way at its
+    upstream (the gateway only closed its connection): its key stays in flight,
+    and its job's newer generations barred, until its deadlines, as for a gateway
+    that died. Recorded `unknown` as the gateway stops (the first version of
+    `record_cut` did so), the barrier was lifted: a newer generation's write was
+    forwarded while the old one could still land after it."""
+    await gw.claim("job-1", owner="a", ttl=1)
+    writes = gw.app[WRITES]
+    sending = asyncio.create_task(gw.write("/to/pay/slow/1", key="old"))
+    await asyncio.wait_for(upstream.arrived.wait(), 5)
+    (facts,) = writes.forwards.values()
+    app_module._abandon(writes)
+    await asyncio.gather(sending, return_exceptions=True)
+    assert writes.cut == {}  # nothing to record for it
+    if recorded:
+        held = await gw.store.key_record("pay", "old")
+        assert held is not None and held.attempt is not None
+        writes.cut[held.attempt] = route_module._Cut(facts, UNKNOWN, False)
+    await writes.record_cut(5.0)
+    gw.clock.advance(2)  # A's lease is gone, its write (timeout 5 s) may be on the wire
+    assert await gw.claim("job-1", owner="b", ttl=10) == 2
+    newer = await gw.write("/to/pay/x", generation=2, key="new")
+    if recorded:
+        assert newer[0] == 201  # the protection switched off: forwarded past the old one
+        assert upstream.paths() == ["/api/slow/1", "/api/x"]
+        return
+    assert_rejected(newer, 409, "older_generation_in_flight")
+    held = await gw.store.key_record("pay", "old")
+    assert held is not None and held.state == "in_flight"
+    assert upstream.paths() == ["/api/slow/1"]
+
+
+async def test_a_forward_cut_while_releasing_a_key_it_never_sent_is_released_as_it_stops(
     gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A forward cut on the wire at shutdown left its key in flight until its
-    reservation's deadline (the destination's timeout and a grace): a retry was
-    told `request_in_progress`, and a write held on it in another process or
-    replica waited that long for the `outcome_unknown` it then got. Recorded
-    `unknown` as the gateway stops, it reads so at once. One known to have sent
-    nothing, cut while its key was being released, is released: its retry is
+    """A verdict too late to be sent, cut at shutdown while its key was being
+    released: nothing of it was sent, but its key sat in flight until its
+    reservation's deadline, then read `unknown` for an operator to resolve. The
+    release it was making is recorded as the gateway stops: its retry is
     forwarded."""
     await gw.claim("job-1")
     writes = gw.app[WRITES]
-    await _abandoned_at_shutdown(gw, "/to/pay/slow/1", "cut-on-the-wire", upstream.arrived.is_set)
-    retry = await gw.write("/to/pay/slow/1", key="cut-on-the-wire")
-    assert_rejected(retry, 409, "request_in_progress")  # not yet recorded
-
     late_verdicts(gw, monkeypatch, 0.4)  # "quick": 0.3 s, refused as too late
     releasing = asyncio.Event()
 
@@ -1321,24 +1352,24 @@ async def test_a_forward_cut_at_shutdown_is_recorded_as_the_gateway_stops(
     await _abandoned_at_shutdown(gw, "/to/quick/x", "cut-releasing")
     assert releasing.is_set()
     monkeypatch.undo()
-    assert sorted(f.key for f, _ in writes.cut.values()) == ["cut-on-the-wire", "cut-releasing"]
+    assert [c.facts.key for c in writes.cut.values()] == ["cut-releasing"]
+    retry = await gw.write("/to/quick/x", key="cut-releasing")
+    assert_rejected(retry, 409, "request_in_progress")  # not yet recorded
 
     with structlog.testing.capture_logs() as logs:
         await writes.record_cut(5.0)
     assert writes.cut == {}
     (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
-    assert (line["count"], line["recorded"], line["not_recorded"]) == (2, 2, 0)
-    retry = await gw.write("/to/pay/slow/1", key="cut-on-the-wire")
-    assert_rejected(retry, 409, "outcome_unknown")
+    assert (line["count"], line["recorded"], line["not_recorded"]) == (1, 1, 0)
     assert (await gw.write("/to/quick/x", key="cut-releasing"))[0] == 201
-    assert [r.raw_path for r in upstream.received] == ["/api/slow/1", "/api/x"]
+    assert upstream.paths() == ["/api/x"]
 
 
 @pytest.mark.parametrize("store_is", ["down", "silent"])
 async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
     gw: Gateway, monkeypatch: pytest.MonkeyPatch, store_is: str
 ) -> None:
-    """The stop gives the store a bounded time for the cut forwards' outcomes; one
+    """The stop gives the store a bounded time for the cut forwards' releases; one
     it fails or does not answer in time is a warning with the store's words, and
     the stop goes on (the keys read `unknown` by their deadlines)."""
     writes = gw.app[WRITES]
@@ -1351,8 +1382,8 @@ async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
         raise AssertionError("cut")
 
     monkeypatch.setattr(gw.store, "record_outcome", down if store_is == "down" else silent)
-    facts = SimpleNamespace(destination="pay", key="k")
-    writes.cut["attempt-1"] = (facts, route_module.UNKNOWN)  # type: ignore[assignment]
+    facts: Any = SimpleNamespace(destination="pay", key="k")
+    writes.cut["attempt-1"] = route_module._Cut(facts, RELEASED, True)
     with structlog.testing.capture_logs() as logs:
         await asyncio.wait_for(writes.record_cut(0.2), 5)
     (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
@@ -1360,49 +1391,8 @@ async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
     assert (line["count"], line["recorded"], line["not_recorded"]) == (1, 0, 1)
     assert line["error"] == ("the database went away" if store_is == "down" else None)
     assert writes.cut == {}
-
-
-@pytest.mark.parametrize("scoped", [True, False], ids=["as-built", "any-cut-recorded"])
-async def test_a_forward_cut_while_its_answer_is_recorded_keeps_that_answer(
-    gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch, scoped: bool
-) -> None:
-    """Cut once the upstream has answered, while the answer is being recorded: the
-    store may still take it (a batch already on its way), and `unknown` recorded
-    after it would erase the answer its replays give. Only a forward cut on the
-    wire is recorded `unknown`; switched off (any cut forward recorded so), the
-    replay is lost."""
-    await gw.claim("job-1")
-    writes = gw.app[WRITES]
-    record = gw.store.record_outcome
-    recorded: list[asyncio.Task[bool]] = []
-    recording: list[tuple[Any, str]] = []
-    gate = asyncio.Event()
-
-    async def landing_later(facts: Any, attempt: str, outcome: Any) -> bool:
-        async def land() -> bool:
-            await gate.wait()
-            return await record(facts, attempt, outcome)
-
-        recording.append((facts, attempt))
-        recorded.append(asyncio.ensure_future(land()))  # not cut with its caller
-        return await asyncio.shield(recorded[-1])
-
-    monkeypatch.setattr(gw.store, "record_outcome", landing_later)
-    await _abandoned_at_shutdown(gw, "/to/pay/x", "answered", lambda: recorded)
-    monkeypatch.undo()
-    gate.set()
-    assert await recorded[0] is True  # the answer landed after the cut
-    assert writes.cut == {}
-    if not scoped:
-        ((facts, attempt),) = recording
-        writes.cut[attempt] = (facts, route_module.UNKNOWN)
-    await writes.record_cut(5.0)
-    code, headers, _ = await gw.write("/to/pay/x", key="answered")
-    if scoped:
-        assert (code, headers.get("Idempotent-Replayed")) == (201, "true")
-    else:
-        assert code == 409 and headers["Sinkgate-Rejected"] == "outcome_unknown"
-    assert len(upstream.received) == 1
+    outcomes = gw.app[METRICS].upstream_outcomes
+    assert outcomes.labels("pay", "unknown")._value.get() == 1  # as the key will end
 
 
 async def test_a_pause_after_a_verdict_in_time_is_checked_just_before_the_send(
