@@ -43,7 +43,7 @@ from gateway.supervisor import (
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
-from gateway.write.route import WriteGateway
+from gateway.write.route import ABANDONED_NAMED, WriteGateway
 from gateway.write.upstream import Upstreams
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
@@ -298,10 +298,6 @@ async def _drain(writes: WriteGateway, grace: float) -> None:
     if late:
         await asyncio.wait(late)
         _log_abandoned({task: pending[task] for task in late}, writes.unsent)
-
-
-# The writes a `forwards_abandoned` line names at most (their count is always whole).
-ABANDONED_NAMED = 100
 
 
 def _log_abandoned(

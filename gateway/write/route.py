@@ -571,6 +571,11 @@ class WriteGateway:
             result = Answered(
                 answer.status, answer.headers.items(), answer.body, answer.rest is not None
             )
+        except asyncio.CancelledError:
+            # Cut at shutdown on the wire: its key ends `unknown`, at its deadline (it
+            # may still be under way at its upstream, so nothing is recorded now).
+            self.metrics.child(self.metrics.upstream_outcomes, destination.name, "unknown").inc()
+            raise
         except TooLateToSend:
             await self._refuse_late(facts, decided)
         except ForwardFailed as failure:
@@ -626,28 +631,33 @@ class WriteGateway:
         cut, self.cut = self.cut, {}
         if not cut:
             return
-        recording = asyncio.gather(
-            *(self.store.record_outcome(c.facts, a, c.outcome) for a, c in cut.items()),
-            return_exceptions=True,
-        )
-        stored: list[bool | BaseException | None]
-        try:
-            stored = list(await asyncio.wait_for(recording, within))
-        except TimeoutError:  # those that had finished are not told apart
-            stored = [None] * len(cut)
+        recording = {
+            a: asyncio.ensure_future(self.store.record_outcome(c.facts, a, c.outcome))
+            for a, c in cut.items()
+        }
+        _, late = await asyncio.wait(recording.values(), timeout=within)
+        for task in late:
+            task.cancel()
         metrics = self.metrics
-        for c, result in zip(cut.values(), stored, strict=True):
-            if c.counted:  # False: settled already (the cut call had reached the store)
-                kind = c.outcome.kind if isinstance(result, bool) else "unknown"
+        failed: list[tuple[_Cut, BaseException | None]] = []
+        for attempt, task in recording.items():
+            c = cut[attempt]
+            # Taken: True or False (recorded, or already by the call the cut cut short).
+            error = None if task in late or task.cancelled() else task.exception()
+            taken = task.done() and not task.cancelled() and error is None
+            if not taken:
+                failed.append((c, error))
+            if c.counted:  # not a verdict refused as too late: an upstream outcome
+                kind = c.outcome.kind if taken else "unknown"
                 metrics.child(metrics.upstream_outcomes, c.facts.destination, kind).inc()
-        failed = [s for s in stored if not isinstance(s, bool)]
         line = log.warning if failed else log.info
         line(
             "abandoned_recorded",
             count=len(cut),
             recorded=len(cut) - len(failed),
             not_recorded=len(failed),
-            error=next((str(e) for e in failed if e is not None), None),
+            error=next((str(e) for _, e in failed if e is not None), None),
+            writes=[_cut_named(c) for c, _ in failed[:ABANDONED_NAMED]] or None,
         )
 
     async def _record_outcome(
@@ -791,6 +801,22 @@ class _Deciding:
 
     def abandon(self) -> None:
         self._gateway.deciding -= 1
+
+
+# The writes a `forwards_abandoned` or `abandoned_recorded` line names at most (their
+# count is always whole).
+ABANDONED_NAMED = 100
+
+
+def _cut_named(cut: _Cut) -> dict[str, object]:
+    facts = cut.facts
+    return {
+        "destination": facts.destination,
+        "job_id": facts.job_id,
+        "generation": facts.generation,
+        "key": facts.key,
+        "outcome": cut.outcome.kind,
+    }
 
 
 class _Cut(NamedTuple):

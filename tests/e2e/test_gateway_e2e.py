@@ -1286,7 +1286,7 @@ async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
         return await record(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gw.store, "record_outcome", stuck)
-    line = await _abandoned_at_shutdown(gw, "/to/quick/x", "late-at-shutdown")
+    line = await _abandoned_at_shutdown(gw, "/to/quick/x", "late-at-shutdown", releasing.is_set)
     assert releasing.is_set()
     assert (line["count"], line["maybe_sent"]) == (1, 0)
     assert [w["key"] for w in line["writes"]] == ["late-at-shutdown"]  # type: ignore[attr-defined]
@@ -1312,6 +1312,8 @@ async def test_a_forward_cut_on_the_wire_at_shutdown_keeps_its_key_and_its_barri
     app_module._abandon(writes)
     await asyncio.gather(sending, return_exceptions=True)
     assert writes.cut == {}  # nothing to record for it
+    # Counted as its key will end, once.
+    assert gw.app[METRICS].upstream_outcomes.labels("pay", "unknown")._value.get() == 1
     if recorded:
         held = await gw.store.key_record("pay", "old")
         assert held is not None and held.attempt is not None
@@ -1349,7 +1351,7 @@ async def test_a_forward_cut_while_releasing_a_key_it_never_sent_is_released_as_
         raise AssertionError("cut")
 
     monkeypatch.setattr(gw.store, "record_outcome", stuck)
-    await _abandoned_at_shutdown(gw, "/to/quick/x", "cut-releasing")
+    await _abandoned_at_shutdown(gw, "/to/quick/x", "cut-releasing", releasing.is_set)
     assert releasing.is_set()
     monkeypatch.undo()
     assert [c.facts.key for c in writes.cut.values()] == ["cut-releasing"]
@@ -1363,6 +1365,61 @@ async def test_a_forward_cut_while_releasing_a_key_it_never_sent_is_released_as_
     assert (line["count"], line["recorded"], line["not_recorded"]) == (1, 1, 0)
     assert (await gw.write("/to/quick/x", key="cut-releasing"))[0] == 201
     assert upstream.paths() == ["/api/x"]
+
+
+async def test_a_forward_cut_while_releasing_a_key_it_never_reached_is_counted_once(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection refused ("down"), its key was being released when the grace
+    ran out: counted among the upstream outcomes once, as the release it ends
+    with, when `record_cut` records it (not `unknown` as the cut, and again)."""
+    await gw.claim("job-1")
+    writes = gw.app[WRITES]
+    outcomes = gw.app[METRICS].upstream_outcomes
+    releasing = asyncio.Event()
+
+    async def stuck(*args: object) -> object:
+        releasing.set()
+        await asyncio.Event().wait()
+        raise AssertionError("cut")
+
+    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    line = await _abandoned_at_shutdown(gw, "/to/down/x", "refused", releasing.is_set)
+    monkeypatch.undo()
+    assert [w["maybe_sent"] for w in line["writes"]] == [False]  # type: ignore[attr-defined]
+    assert [(c.facts.key, c.counted) for c in writes.cut.values()] == [("refused", True)]
+    counts = {kind: outcomes.labels("down", kind)._value.get() for kind in ("released", "unknown")}
+    assert counts == {"released": 0, "unknown": 0}
+    await writes.record_cut(5.0)
+    counts = {kind: outcomes.labels("down", kind)._value.get() for kind in ("released", "unknown")}
+    assert counts == {"released": 1, "unknown": 0}
+    assert await gw.store.key_record("down", "refused") is None  # released
+
+
+async def test_the_gateway_stopping_records_what_its_cut_forwards_were_releasing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`record_cut` runs as the gateway stops, before its store is closed."""
+    config = make_config(tmp_path, destination("down", f"http://127.0.0.1:{free_port()}/api"))
+    releasing = asyncio.Event()
+
+    async def stuck(*args: object) -> object:
+        releasing.set()
+        await asyncio.Event().wait()
+        raise AssertionError("cut")
+
+    with structlog.testing.capture_logs() as logs:
+        async with running_gateway(config) as gw:
+            await gw.claim("job-1")
+            monkeypatch.setattr(gw.store, "record_outcome", stuck)
+            await _abandoned_at_shutdown(gw, "/to/down/x", "refused", releasing.is_set)
+            monkeypatch.undo()
+            assert await gw.store.key_record("down", "refused") is not None  # in flight
+        # stopped here, as by SIGTERM
+    (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
+    assert (line["count"], line["recorded"]) == (1, 1)
+    async with running_gateway(config) as again:
+        assert await again.store.key_record("down", "refused") is None  # released
 
 
 @pytest.mark.parametrize("store_is", ["down", "silent"])
@@ -1382,14 +1439,17 @@ async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
         raise AssertionError("cut")
 
     monkeypatch.setattr(gw.store, "record_outcome", down if store_is == "down" else silent)
-    facts: Any = SimpleNamespace(destination="pay", key="k")
+    facts: Any = SimpleNamespace(destination="pay", key="k", job_id="job-1", generation=1)
     writes.cut["attempt-1"] = route_module._Cut(facts, RELEASED, True)
+    started = time.monotonic()
     with structlog.testing.capture_logs() as logs:
         await asyncio.wait_for(writes.record_cut(0.2), 5)
+    assert time.monotonic() - started < 2.0  # the bound, 0.2 s, and a loaded machine's margin
     (line,) = [e for e in logs if e["event"] == "abandoned_recorded"]
     assert line["log_level"] == "warning"
     assert (line["count"], line["recorded"], line["not_recorded"]) == (1, 0, 1)
     assert line["error"] == ("the database went away" if store_is == "down" else None)
+    assert [w["key"] for w in line["writes"]] == ["k"]
     assert writes.cut == {}
     outcomes = gw.app[METRICS].upstream_outcomes
     assert outcomes.labels("pay", "unknown")._value.get() == 1  # as the key will end
