@@ -625,9 +625,10 @@ class WriteGateway:
     async def record_cut(self, within: float) -> None:
         """Record what the forwards cut at shutdown while settling a key they sent
         nothing under were recording (`cut`): their keys released, so a retry is
-        forwarded now, not after their reservations' deadlines. At most `within`
-        seconds: a store that does not answer leaves them to their deadlines, as
-        before (they read `unknown` then)."""
+        forwarded now, not after their reservations' deadlines (or, for a re-send
+        of a key whose outcome was unknown already, `unknown` again). At most
+        `within` seconds: a store that does not answer leaves them to their
+        deadlines, as before (they read `unknown` then)."""
         cut, self.cut = self.cut, {}
         if not cut:
             return

@@ -1263,6 +1263,20 @@ async def _abandoned_at_shutdown(
     return line
 
 
+def _stuck_recording(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """The store never answers an outcome (until `monkeypatch.undo()`); the event
+    is set once one is asked for."""
+    asked = asyncio.Event()
+
+    async def stuck(*args: object) -> bool:
+        asked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    return asked
+
+
 async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
     gw: Gateway, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1277,15 +1291,7 @@ async def test_a_forward_cut_at_shutdown_says_whether_it_may_have_been_sent(
     assert [w["maybe_sent"] for w in line["writes"]] == [True]  # type: ignore[attr-defined]
 
     late_verdicts(gw, monkeypatch, 0.4)  # "quick": 0.3 s, refused as too late
-    releasing = asyncio.Event()
-    record = gw.store.record_outcome
-
-    async def stuck(*args: object) -> object:
-        releasing.set()
-        await asyncio.Event().wait()  # the store never answers before the grace ends
-        return await record(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    releasing = _stuck_recording(gw, monkeypatch)  # until the grace ends
     line = await _abandoned_at_shutdown(gw, "/to/quick/x", "late-at-shutdown", releasing.is_set)
     assert releasing.is_set()
     assert (line["count"], line["maybe_sent"]) == (1, 0)
@@ -1343,14 +1349,7 @@ async def test_a_forward_cut_while_releasing_a_key_it_never_sent_is_released_as_
     await gw.claim("job-1")
     writes = gw.app[WRITES]
     late_verdicts(gw, monkeypatch, 0.4)  # "quick": 0.3 s, refused as too late
-    releasing = asyncio.Event()
-
-    async def stuck(*args: object) -> object:
-        releasing.set()
-        await asyncio.Event().wait()  # the store never answers before the grace ends
-        raise AssertionError("cut")
-
-    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    releasing = _stuck_recording(gw, monkeypatch)
     await _abandoned_at_shutdown(gw, "/to/quick/x", "cut-releasing", releasing.is_set)
     assert releasing.is_set()
     monkeypatch.undo()
@@ -1376,14 +1375,7 @@ async def test_a_forward_cut_while_releasing_a_key_it_never_reached_is_counted_o
     await gw.claim("job-1")
     writes = gw.app[WRITES]
     outcomes = gw.app[METRICS].upstream_outcomes
-    releasing = asyncio.Event()
-
-    async def stuck(*args: object) -> object:
-        releasing.set()
-        await asyncio.Event().wait()
-        raise AssertionError("cut")
-
-    monkeypatch.setattr(gw.store, "record_outcome", stuck)
+    releasing = _stuck_recording(gw, monkeypatch)
     line = await _abandoned_at_shutdown(gw, "/to/down/x", "refused", releasing.is_set)
     monkeypatch.undo()
     assert [w["maybe_sent"] for w in line["writes"]] == [False]  # type: ignore[attr-defined]
@@ -1401,17 +1393,10 @@ async def test_the_gateway_stopping_records_what_its_cut_forwards_were_releasing
 ) -> None:
     """`record_cut` runs as the gateway stops, before its store is closed."""
     config = make_config(tmp_path, destination("down", f"http://127.0.0.1:{free_port()}/api"))
-    releasing = asyncio.Event()
-
-    async def stuck(*args: object) -> object:
-        releasing.set()
-        await asyncio.Event().wait()
-        raise AssertionError("cut")
-
     with structlog.testing.capture_logs() as logs:
         async with running_gateway(config) as gw:
             await gw.claim("job-1")
-            monkeypatch.setattr(gw.store, "record_outcome", stuck)
+            releasing = _stuck_recording(gw, monkeypatch)
             await _abandoned_at_shutdown(gw, "/to/down/x", "refused", releasing.is_set)
             monkeypatch.undo()
             assert await gw.store.key_record("down", "refused") is not None  # in flight
@@ -1434,11 +1419,10 @@ async def test_cut_forwards_a_store_does_not_take_are_said_so_within_the_bound(
     async def down(*args: object) -> bool:
         raise StoreUnavailable("the database went away")
 
-    async def silent(*args: object) -> bool:
-        await asyncio.Event().wait()
-        raise AssertionError("cut")
-
-    monkeypatch.setattr(gw.store, "record_outcome", down if store_is == "down" else silent)
+    if store_is == "down":
+        monkeypatch.setattr(gw.store, "record_outcome", down)
+    else:
+        _stuck_recording(gw, monkeypatch)
     facts: Any = SimpleNamespace(destination="pay", key="k", job_id="job-1", generation=1)
     writes.cut["attempt-1"] = route_module._Cut(facts, RELEASED, True)
     started = time.monotonic()
