@@ -28,15 +28,11 @@ machine.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import itertools
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bench.shared_call import _backend_cpu
+from bench.shared_call import Batches, _backend_cpu, run_cli
 
 _ONE_UPDATE = """
 CREATE FUNCTION bench_one_update(text[], text[], text[], text[], int4[], text[], bytea[],
@@ -71,55 +67,34 @@ END $fn$;
 async def measure(url: str, writes: int, cycles: int) -> None:
     import asyncpg  # type: ignore[import-untyped]
 
-    from gateway.policy import batch_plan
-    from gateway.policy.decision import Fencing, WriteFacts
-    from gateway.policy.records import WriteContext
     from gateway.store import postgres_batch as pb
     from gateway.store import postgres_outcomes as po
     from gateway.store.postgres import PostgresStore
+    from leases.postgres import DURABLE
 
     await (await PostgresStore.open(url)).close()  # the schema and the functions
     conn = await asyncpg.connect(url)
     pid = await conn.fetchval("SELECT pg_backend_pid()")
-    await conn.execute(_ONE_UPDATE.format(settings=po.SET_CLAUSES, durable=po.DURABLE))
+    await conn.execute(_ONE_UPDATE.format(settings=po.SET_CLAUSES, durable=DURABLE))
     not_flushed = po.OUTCOMES_FUNCTION_DDL.replace(
         po.OUTCOMES_FUNCTION, "bench_not_flushed"
-    ).replace(f"PERFORM {po.DURABLE};", "PERFORM set_config('synchronous_commit', 'off', true);")
-    assert "bench_not_flushed" in not_flushed and po.DURABLE not in not_flushed
+    ).replace(f"PERFORM {DURABLE};", "PERFORM set_config('synchronous_commit', 'off', true);")
+    assert "bench_not_flushed" in not_flushed and DURABLE not in not_flushed
     await conn.execute(not_flushed)
-    context = WriteContext(remote="127.0.0.1", body_sha256="ab" * 32, body_bytes=2)
-    numbers = itertools.count()
-
-    def new_writes() -> list[Any]:
-        def facts(n: int) -> WriteFacts:
-            return WriteFacts(
-                destination="d", method="POST", path="/x", query="", job_id=f"job-{n % 8}",
-                generation=1, owner=None, key=f"k{n}", fingerprint="fp",
-                fencing=Fencing.MONOTONIC, upstream_idempotent=False, timeout=30.0,
-            )  # fmt: skip
-
-        return [pb.Decide(facts(next(numbers)), context) for _ in range(writes)]
+    batches = Batches(writes)
 
     decided: list[list[Any]] = []
 
     async def decision() -> None:
-        ops = new_writes()
-        names = batch_plan.lock_names([op.facts for op in ops], pb.LOCK_KINDS)
-        await conn.fetchrow(pb._DECIDE_CALL, 0.0, None, names, pb.LOCKS_ORDERED, *pb._args(ops))
+        ops = batches.new()
+        await conn.fetchrow(pb._DECIDE_CALL, *batches.decision_args(ops))
         decided.append(ops)
 
     def outcome_by(function: str, touched: int | None) -> Callable[[], Awaitable[None]]:
         call = po._CALL_SQL.replace(po.OUTCOMES_FUNCTION, function)
 
         async def record() -> None:
-            ops = decided.pop()
-            n = len(ops)
-            answer = await conn.fetchval(
-                call,
-                [op.facts.destination for op in ops], [op.facts.key for op in ops],
-                [op.attempt for op in ops], ["completed"] * n, [201] * n, ["[]"] * n,
-                [b"{}"] * n, [False] * n, [], 0.0,
-            )  # fmt: skip
+            answer = await conn.fetchval(call, *batches.outcome_args(decided.pop()))
             assert touched is None or len(answer) == touched  # every outcome recorded
 
         return record
@@ -160,22 +135,8 @@ async def measure(url: str, writes: int, cycles: int) -> None:
         )
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    from tests.pg import fresh_database
-
-    for writes in (int(w) for w in args.writes.split(",")):
-        async with fresh_database() as url:
-            await measure(url, writes, args.cycles)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--writes", default="1,4,16", help="writes per batch")
-    parser.add_argument("--cycles", type=int, default=1000)
-    args = parser.parse_args(argv)
-    sys.path.insert(0, os.getcwd())
-    asyncio.run(main_async(args))
-    return 0
+    return run_cli(measure, __doc__.splitlines()[0], 1000, argv)
 
 
 if __name__ == "__main__":

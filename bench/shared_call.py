@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -34,27 +35,22 @@ def _backend_cpu(pid: int) -> float:
         return int(schedstat.read().split()[0]) / 1e9
 
 
-async def measure(url: str, writes: int, cycles: int) -> None:
-    import asyncpg  # type: ignore[import-untyped]
+class Batches:
+    """New writes in batches of `writes` (unique keys, 8 jobs, monotonic fencing),
+    and the arguments of the store's decision and outcome calls for a batch: the
+    ones `bench.pg_call_parts` sends too."""
 
-    from gateway.policy import batch_plan
-    from gateway.policy.decision import Fencing, WriteFacts
-    from gateway.policy.records import WriteContext
-    from gateway.store import postgres_batch as pb
-    from gateway.store import postgres_outcomes as po
-    from gateway.store.postgres import PostgresStore
+    def __init__(self, writes: int) -> None:
+        from gateway.policy.records import WriteContext
 
-    await (await PostgresStore.open(url)).close()  # the schema and the functions
-    conn = await asyncpg.connect(url)
-    pid = await conn.fetchval("SELECT pg_backend_pid()")
-    context = WriteContext(remote="127.0.0.1", body_sha256="ab" * 32, body_bytes=2)
-    numbers = itertools.count()
-    outcome_params = ", ".join(f"${n}" for n in range(pb._ARITY + 1, pb._ARITY + 11))
-    shared_sql = pb._DECIDE_CALL.replace(
-        "SELECT * FROM", f"SELECT s.*, (SELECT {po.OUTCOMES_FUNCTION}({outcome_params})) FROM"
-    )
+        self.writes = writes
+        self._numbers = itertools.count()
+        self._context = WriteContext(remote="127.0.0.1", body_sha256="ab" * 32, body_bytes=2)
 
-    def new_writes() -> list[Any]:
+    def new(self) -> list[Any]:
+        from gateway.policy.decision import Fencing, WriteFacts
+        from gateway.store import postgres_batch as pb
+
         def facts(n: int) -> WriteFacts:
             return WriteFacts(
                 destination="d", method="POST", path="/x", query="", job_id=f"job-{n % 8}",
@@ -62,19 +58,47 @@ async def measure(url: str, writes: int, cycles: int) -> None:
                 fencing=Fencing.MONOTONIC, upstream_idempotent=False, timeout=30.0,
             )  # fmt: skip
 
-        return [pb.Decide(facts(next(numbers)), context) for _ in range(writes)]
+        return [pb.Decide(facts(next(self._numbers)), self._context) for _ in range(self.writes)]
 
+    @staticmethod
     def decision_args(ops: list[Any]) -> list[Any]:
+        from gateway.policy import batch_plan
+        from gateway.store import postgres_batch as pb
+
         names = batch_plan.lock_names([op.facts for op in ops], pb.LOCK_KINDS)
         return [0.0, None, names, pb.LOCKS_ORDERED, *pb._args(ops)]
 
+    @staticmethod
     def outcome_args(ops: list[Any]) -> list[Any]:
+        """Each write's outcome: completed, 201."""
         n = len(ops)
         return [
             [op.facts.destination for op in ops], [op.facts.key for op in ops],
             [op.attempt for op in ops], ["completed"] * n, [201] * n, ["[]"] * n,
             [b"{}"] * n, [False] * n, [], 0.0,
         ]  # fmt: skip
+
+
+async def measure(url: str, writes: int, cycles: int) -> None:
+    import asyncpg  # type: ignore[import-untyped]
+
+    from gateway.store import postgres_batch as pb
+    from gateway.store import postgres_outcomes as po
+    from gateway.store.postgres import PostgresStore
+
+    await (await PostgresStore.open(url)).close()  # the schema and the functions
+    conn = await asyncpg.connect(url)
+    pid = await conn.fetchval("SELECT pg_backend_pid()")
+    batches = Batches(writes)
+    new_writes, decision_args, outcome_args = (
+        batches.new,
+        batches.decision_args,
+        batches.outcome_args,
+    )
+    outcome_params = ", ".join(f"${n}" for n in range(pb._ARITY + 1, pb._ARITY + 11))
+    shared_sql = pb._DECIDE_CALL.replace(
+        "SELECT * FROM", f"SELECT s.*, (SELECT {po.OUTCOMES_FUNCTION}({outcome_params})) FROM"
+    )
 
     before = {"apart": new_writes(), "shared": new_writes()}
     for ops in before.values():
@@ -119,22 +143,31 @@ async def measure(url: str, writes: int, cycles: int) -> None:
         )
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    from tests.pg import fresh_database
+Measure = Callable[[str, int, int], Awaitable[None]]
 
-    for writes in (int(w) for w in args.writes.split(",")):
-        async with fresh_database() as url:
-            await measure(url, writes, args.cycles)
+
+def run_cli(measure: Measure, description: str, cycles: int, argv: list[str] | None) -> int:
+    """`--writes` and `--cycles` from `argv`; `measure(url, writes, cycles)` on a
+    fresh database for each number of writes per batch."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--writes", default="1,4,16", help="writes per batch")
+    parser.add_argument("--cycles", type=int, default=cycles)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.getcwd())
+
+    async def each() -> None:
+        from tests.pg import fresh_database
+
+        for writes in (int(w) for w in args.writes.split(",")):
+            async with fresh_database() as url:
+                await measure(url, writes, args.cycles)
+
+    asyncio.run(each())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--writes", default="1,4,16", help="writes per batch")
-    parser.add_argument("--cycles", type=int, default=600)
-    args = parser.parse_args(argv)
-    sys.path.insert(0, os.getcwd())
-    asyncio.run(main_async(args))
-    return 0
+    return run_cli(measure, __doc__.splitlines()[0], 600, argv)
 
 
 if __name__ == "__main__":
