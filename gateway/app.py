@@ -43,7 +43,7 @@ from gateway.supervisor import (
 from gateway.telemetry import traces
 from gateway.telemetry.metrics import Metrics
 from gateway.write.request import parse_target
-from gateway.write.route import ABANDONED_NAMED, WriteGateway
+from gateway.write.route import ABANDONED_NAMED, WriteGateway, named_write
 from gateway.write.upstream import Upstreams
 from gateway.write.waiting import Waiters
 from leases.reasons import Reason
@@ -310,16 +310,7 @@ def _log_abandoned(
     `unsent`, refused as too late or never connected while its key was being
     released, sent nothing for certain, and its release is recorded as the
     gateway stops: `WriteGateway.record_cut`)."""
-    named = [
-        {
-            "destination": w.destination,
-            "job_id": w.job_id,
-            "generation": w.generation,
-            "key": w.key,
-            "maybe_sent": task not in unsent,
-        }
-        for task, w in abandoned.items()
-    ]
+    named = [named_write(w, maybe_sent=task not in unsent) for task, w in abandoned.items()]
     unsent.difference_update(abandoned)  # gone with their tasks
     log.warning(
         "forwards_abandoned",

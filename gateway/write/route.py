@@ -651,6 +651,7 @@ class WriteGateway:
             if c.counted:  # not a verdict refused as too late: an upstream outcome
                 kind = c.outcome.kind if taken else "unknown"
                 metrics.child(metrics.upstream_outcomes, c.facts.destination, kind).inc()
+        named = [named_write(c.facts, outcome=c.outcome.kind) for c, _ in failed]
         line = log.warning if failed else log.info
         line(
             "abandoned_recorded",
@@ -658,7 +659,7 @@ class WriteGateway:
             recorded=len(cut) - len(failed),
             not_recorded=len(failed),
             error=next((str(e) for _, e in failed if e is not None), None),
-            writes=[_cut_named(c) for c, _ in failed[:ABANDONED_NAMED]] or None,
+            writes=named[:ABANDONED_NAMED] or None,
         )
 
     async def _record_outcome(
@@ -809,14 +810,15 @@ class _Deciding:
 ABANDONED_NAMED = 100
 
 
-def _cut_named(cut: _Cut) -> dict[str, object]:
-    facts = cut.facts
+def named_write(facts: WriteFacts, **extra: object) -> dict[str, object]:
+    """A write as a shutdown's lines name it (`forwards_abandoned`,
+    `abandoned_recorded`), with `extra`."""
     return {
         "destination": facts.destination,
         "job_id": facts.job_id,
         "generation": facts.generation,
         "key": facts.key,
-        "outcome": cut.outcome.kind,
+        **extra,
     }
 
 
