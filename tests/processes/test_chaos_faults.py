@@ -34,8 +34,10 @@ WIRE_PG = [*SHORT[:6], "--ttl", "2", "--max-pause", "3"]
 CONTROL = ["--workers", "6", "--jobs", "10", "--duration", "4", "--ttl", "0.8", "--max-pause", "2"]
 # A control shows a fault reaching a weakened gateway; whether one short run hits the
 # window is chance (on a loaded machine a run can miss it), so a control gets a few
-# seeds and passes at the first run that finds a violation.
-CONTROL_SEEDS = (31, 32, 33)
+# seeds and passes at the first run that finds a violation. Five: the PostgreSQL
+# store-stall control missed in all of three under a clean-clone CI run's load (its
+# stalls mostly end as late verdicts, which the weakened gateway still refuses).
+CONTROL_SEEDS = (31, 32, 33, 34, 35)
 
 
 # --- the record checks -------------------------------------------------------------------
